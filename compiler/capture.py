@@ -1,0 +1,322 @@
+"""Capture a single-device model as one joint forward+backward ``ir.Graph``.
+
+Dynamo captures the model's forward (``_dynamo_graph_capture_for_export``), AOTAutograd traces the
+joint forward+backward ATen graph on fake tensors (``aot_export_joint_with_descriptors``), and this
+module lifts that fx graph into the IR: inputs and gradient outputs are named by the model's own
+FQNs, every op carries its module path, phase and source line. No weight is ever allocated when the
+model lives on the meta device or under a ``FakeTensorMode``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import operator
+import re
+import traceback
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
+from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+import ir
+from ir import GraphBuilder, Provenance, ScalarType, Value, tensor_type
+
+
+class CaptureError(RuntimeError):
+    """The model uses a construct meshfold cannot capture; the message names it and its source line."""
+
+
+def capture(model: nn.Module, example_inputs: Sequence[Any], *, name: str | None = None) -> ir.Graph:
+    """Capture ``model(*example_inputs)`` and its backward as one joint ``ir.Graph``.
+
+    Inputs are ``param``/``buffer`` (model FQNs), ``input`` (the forward's argument names) and
+    ``tangent`` (the seed gradient of each differentiable output); outputs are ``out(i)`` for the
+    model's outputs and ``grad(fqn)`` for every parameter gradient. Runs on fake tensors.
+    """
+    graph_name = name or _snake(type(model).__name__)
+    with _fake_copies(model, example_inputs) as (fake_mode, fake_inputs):
+        gm = _dynamo_capture(model, fake_inputs)
+        fqns: dict[str, str] = dict(gm.meta.get("dynamo_flat_name_to_original_fqn", {}))
+        with contextlib.ExitStack() as stack:
+            with fake_mode:
+                try:
+                    joint = aot_export_joint_with_descriptors(stack, gm, tuple(fake_inputs))
+                except Exception as e:  # noqa: BLE001 - re-raised with the user's source line
+                    raise _capture_error(e, "tracing the backward") from e
+            arg_names = _forward_arg_names(model, len(fake_inputs))
+            return _Lifter(graph_name, fqns, arg_names).lift(joint.graph_module.graph)
+
+
+@contextlib.contextmanager
+def _fake_copies(model: nn.Module, inputs: Sequence[Any]) -> Iterator[tuple[FakeTensorMode, list[Any]]]:
+    """Fake versions of ``inputs`` in the fake mode the model's tensors already live in (or a new one).
+
+    NOTE: real and meta parameters are swapped for fake ones for the duration of the capture and
+    restored afterwards, so a model with 70B parameters on ``meta`` is never materialized.
+    """
+    mode = _existing_fake_mode(model, inputs) or FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    swapped: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
+    try:
+        for mod in model.modules():
+            for store, is_param in ((mod._parameters, True), (mod._buffers, False)):
+                for key, t in list(store.items()):
+                    if t is None or isinstance(t, FakeTensor):
+                        continue
+                    fake = mode.from_tensor(t, static_shapes=True)
+                    store[key] = nn.Parameter(fake, requires_grad=t.requires_grad) if is_param else fake
+                    swapped.append((mod, key, is_param, t))
+        fake_inputs = [
+            x if isinstance(x, FakeTensor) or not isinstance(x, torch.Tensor) else mode.from_tensor(x, static_shapes=True)
+            for x in inputs
+        ]
+        yield mode, fake_inputs
+    finally:
+        for mod, key, is_param, t in reversed(swapped):
+            (mod._parameters if is_param else mod._buffers)[key] = t  # type: ignore[assignment]
+
+
+def _existing_fake_mode(model: nn.Module, inputs: Sequence[Any]) -> FakeTensorMode | None:
+    for t in [*model.parameters(), *model.buffers(), *inputs]:
+        if isinstance(t, FakeTensor):
+            return t.fake_mode
+    return None
+
+
+def _dynamo_capture(model: nn.Module, inputs: Sequence[Any]) -> fx.GraphModule:
+    try:
+        return _dynamo_graph_capture_for_export(model)(*inputs)
+    except Exception as e:  # noqa: BLE001 - re-raised with the user's source line
+        raise _capture_error(e, "capturing the forward") from e
+
+
+def _capture_error(e: Exception, stage: str) -> CaptureError:
+    """Turn a dynamo/AOT failure into an error naming the construct, the source line and the fix."""
+    msg = str(e)
+    where = _user_frame_from_text(msg) or _user_frame_from_tb(e)
+    first = msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
+    hints = [
+        (("data-dependent", "data dependent", "GuardOnDataDependent", "Data-dependent", "generic_jump",
+          "jump"), "data-dependent Python control flow (an `if`/`while` on a tensor's value)",
+         "use torch.where / torch.cond, or branch on shapes and Python values only"),
+        (("mutat", "in-place", "inplace", "set_", "requires_grad"), "in-place mutation of a parameter or input",
+         "write the update out of place (e.g. `w = w + 1`), or do it outside the model's forward"),
+        (("item()", "_local_scalar_dense", "tolist"), "reading a tensor's value in Python (`.item()`/`.tolist()`)",
+         "keep the value a tensor"),
+    ]
+    construct, fix = "an unsupported construct", "rewrite that line with plain tensor ops"
+    for keys, what, how in hints:
+        if any(k in msg for k in keys):
+            construct, fix = what, how
+            break
+    loc = f" at {where}" if where else ""
+    return CaptureError(f"cannot capture the model while {stage}: {construct}{loc}.\n  torch says: {first}\n  fix: {fix}")
+
+
+_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+)')
+
+
+def _is_user_file(path: str) -> bool:
+    p = path.replace("\\", "/")
+    return not any(s in p for s in ("/torch/", "/torch_npu/", "/functorch/", "/meshfold/compiler/", "<"))
+
+
+def _user_frame_from_text(text: str) -> str | None:
+    frames = [(f, ln) for f, ln in _FRAME_RE.findall(text) if _is_user_file(f)]
+    return f"{frames[-1][0]}:{frames[-1][1]}" if frames else None
+
+
+def _user_frame_from_tb(e: BaseException) -> str | None:
+    seen: BaseException | None = e
+    while seen is not None:
+        frames = [f for f in traceback.extract_tb(seen.__traceback__) if _is_user_file(f.filename)]
+        if frames:
+            return f"{frames[-1].filename}:{frames[-1].lineno}"
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def _forward_arg_names(model: nn.Module, n: int) -> list[str]:
+    try:
+        params = list(inspect.signature(model.forward).parameters.values())
+    except (TypeError, ValueError):
+        params = []
+    names = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    return [names[i] if i < len(names) else f"arg{i}" for i in range(n)]
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+_MODULE_PATH_CLEANUPS = (
+    (re.compile(r"getattr\((.*?), '([^']*)'\)"), r"\1.\2"),
+    (re.compile(r"\._modules\['([^']*)'\]"), r".\1"),
+    (re.compile(r"\['([^']*)'\]"), r".\1"),
+    (re.compile(r"\[(\d+)\]"), r".\1"),
+)
+
+
+def module_path(raw: str) -> str:
+    """``L['self'].layers[0]._modules['mlp']`` → ``layers.0.mlp``."""
+    s = raw
+    for _ in range(8):
+        before = s
+        for pat, rep in _MODULE_PATH_CLEANUPS:
+            s = pat.sub(rep, s)
+        if s == before:
+            break
+    s = re.sub(r"^L\.self\.?", "", s)
+    s = re.sub(r"^_export_root\.?", "", s)
+    return s.strip(".")
+
+
+class _Lifter:
+    """Turns the joint fx graph into an ``ir.Graph``."""
+
+    def __init__(self, name: str, fqns: dict[str, str], arg_names: list[str]) -> None:
+        self.b = GraphBuilder(name)
+        self.fqns = fqns
+        self.arg_names = arg_names
+        self.env: dict[fx.Node, Value | tuple[Value, ...]] = {}
+
+    def lift(self, graph: fx.Graph) -> ir.Graph:
+        for node in graph.nodes:
+            if node.op == "placeholder":
+                self._placeholder(node)
+            elif node.op == "call_function":
+                self._call(node)
+            elif node.op == "output":
+                self._outputs(node)
+            else:
+                raise CaptureError(f"unexpected fx node {node.format_node()} ({node.op}) in the joint graph")
+        return self.b.build()
+
+    def _fqn(self, target: str) -> str:
+        return self.fqns.get(target, target)
+
+    def _placeholder(self, node: fx.Node) -> None:
+        desc = node.meta.get("desc")
+        kind_name = type(desc).__name__
+        val = node.meta["val"]
+        if kind_name == "ParamAOTInput":
+            v = self.b.add_input("param", self._fqn(desc.target), tensor_type(val))
+        elif kind_name == "BufferAOTInput":
+            v = self.b.add_input("buffer", self._fqn(desc.target), tensor_type(val))
+        elif kind_name == "PlainAOTInput":
+            v = self.b.add_input("input", self.arg_names[desc.idx], tensor_type(val))
+        elif kind_name == "TangentAOTInput":
+            out_idx = getattr(desc.output, "idx", len([i for i in self.b._inputs if i.kind == "tangent"]))
+            v = self.b.add_input("tangent", f"tangent.{out_idx}", tensor_type(val))
+        else:
+            raise CaptureError(f"unsupported graph input {node.name} described as {desc!r}")
+        self.env[node] = v
+
+    def _call(self, node: fx.Node) -> None:
+        if node.target is operator.getitem:
+            src, idx = node.args
+            vals = self.env[src]  # type: ignore[index]
+            if not isinstance(vals, tuple):
+                raise CaptureError(f"getitem on a single-result op at {node.format_node()}")
+            self.env[node] = vals[idx]  # type: ignore[index]
+            return
+        if not isinstance(node.target, torch._ops.OpOverload):
+            prov = self._prov(node)
+            raise CaptureError(
+                f"op {node.target} at {prov.describe()} is not an ATen op overload; meshfold cannot lift it "
+                "(higher-order ops and Python callables in the joint graph are not supported yet)"
+            )
+        args = tuple(self._arg(a) for a in node.args)
+        kwargs = tuple((k, self._arg(v)) for k, v in node.kwargs.items())
+        outs = _flat_vals(node.meta.get("val"))
+        results = [(_result_hint(node.name, i, len(outs)), _type_of(o)) for i, o in enumerate(outs)]
+        vals = self.b.add_op(node.target, args, kwargs, results, self._prov(node))
+        is_multi = isinstance(node.meta.get("val"), (tuple, list))
+        self.env[node] = vals if is_multi else vals[0]
+
+    def _arg(self, a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            v = self.env[a]
+            if isinstance(v, tuple):
+                raise CaptureError(f"multi-result node {a.name} used directly as an argument")
+            return v
+        if isinstance(a, (list, tuple)):
+            return tuple(self._arg(x) for x in a)
+        if isinstance(a, torch.SymInt):
+            expr = a.node.expr
+            return int(expr) if expr.is_Integer else expr
+        return a
+
+    def _prov(self, node: fx.Node) -> Provenance:
+        is_bwd = node.meta.get("partitioner_tag") == "is_backward" or "autograd_backward" in node.meta
+        stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
+        path = module_path(list(stack.values())[-1][0]) if stack else ""
+        return Provenance(path, "bwd" if is_bwd else "fwd", _source_line(node.meta.get("stack_trace")))
+
+    def _outputs(self, node: fx.Node) -> None:
+        descs = node.meta.get("desc") or []
+        for val, desc in zip(node.args[0], descs, strict=False):
+            if val is None or desc is None:
+                continue
+            kind_name = type(desc).__name__
+            v = self._arg(val)
+            if kind_name == "PlainAOTOutput":
+                self.b.add_output("out", str(desc.idx), v)
+            elif kind_name == "GradAOTOutput":
+                of = desc.grad_of
+                of_name = type(of).__name__
+                if of_name == "ParamAOTInput":
+                    self.b.add_output("grad", self._fqn(of.target), v)
+                elif of_name == "PlainAOTInput":
+                    self.b.add_output("grad", self.arg_names[of.idx], v)
+                else:
+                    raise CaptureError(f"gradient of unsupported input {of!r}")
+            else:
+                raise CaptureError(
+                    f"unsupported graph output {desc!r}: the model mutates an input or buffer in place, "
+                    "which meshfold does not capture yet; compute the new value and return it instead"
+                )
+
+
+def _flat_vals(val: Any) -> list[Any]:
+    if isinstance(val, (tuple, list)):
+        out: list[Any] = []
+        for x in val:
+            if isinstance(x, (tuple, list)):
+                raise CaptureError("ops returning nested sequences are not supported")
+            out.append(x)
+        return out
+    return [val]
+
+
+def _type_of(x: Any) -> ir.Type:
+    if isinstance(x, torch.Tensor):
+        return tensor_type(x)
+    if x is None:
+        return ScalarType("none")
+    if isinstance(x, (bool, torch.SymBool)):
+        return ScalarType("bool")
+    if isinstance(x, (float, torch.SymFloat)):
+        return ScalarType("float")
+    return ScalarType("int")
+
+
+def _result_hint(name: str, i: int, n: int) -> str:
+    return name if n == 1 else f"{name}.{i}"
+
+
+def _source_line(stack_trace: str | None) -> str | None:
+    """``file.py:LINE`` of the innermost frame outside torch (basename only, so dumps are portable)."""
+    if not stack_trace:
+        return None
+    frames = [(f, ln) for f, ln in _FRAME_RE.findall(stack_trace) if _is_user_file(f)]
+    if not frames:
+        return None
+    f, ln = frames[-1]
+    return f"{f.replace(chr(92), '/').rsplit('/', 1)[-1]}:{ln}"

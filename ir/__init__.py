@@ -1,0 +1,65 @@
+"""meshfold's IR: named meshes, layouts, typed values, ops and graphs, with a text form.
+
+``ir`` imports nothing else of meshfold's.
+"""
+
+from ir.graph import (
+    Arg,
+    Graph,
+    GraphBuilder,
+    GraphInput,
+    GraphOutput,
+    Op,
+    Phase,
+    Provenance,
+    Value,
+    map_values,
+)
+from ir.mesh import Mesh
+from ir.ops import OpDef, Target, is_pure, own_ops, resolve_target, target_name
+from ir.parser import ParseError, parse
+from ir.placement import Layout, Partial, Placement, R, Replicate, Shard, parse_placement
+from ir.printer import print_graph
+from ir.rewrite import PatternTable, Rewriter, apply_patterns
+from ir.types import ScalarType, TensorType, Type, dtype_name, tensor_type
+from ir.verifier import VerifyError, verify
+
+__all__ = [
+    "Arg",
+    "Graph",
+    "GraphBuilder",
+    "GraphInput",
+    "GraphOutput",
+    "Layout",
+    "Mesh",
+    "Op",
+    "OpDef",
+    "ParseError",
+    "Partial",
+    "PatternTable",
+    "Phase",
+    "Placement",
+    "Provenance",
+    "R",
+    "Replicate",
+    "Rewriter",
+    "ScalarType",
+    "Shard",
+    "Target",
+    "TensorType",
+    "Type",
+    "Value",
+    "VerifyError",
+    "apply_patterns",
+    "dtype_name",
+    "is_pure",
+    "map_values",
+    "own_ops",
+    "parse",
+    "parse_placement",
+    "print_graph",
+    "resolve_target",
+    "target_name",
+    "tensor_type",
+    "verify",
+]

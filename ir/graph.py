@@ -1,0 +1,221 @@
+"""The IR: a ``Graph`` of ``Op``s in topological order, each producing ``Value``s.
+
+Values and ops are immutable; a pass builds a new graph with :class:`GraphBuilder`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import sympy
+import torch
+
+from ir.mesh import Mesh
+from ir.ops import Target, target_name
+from ir.placement import Layout
+from ir.types import Type
+
+Phase = Literal["fwd", "bwd"]
+InputKind = Literal["param", "buffer", "input", "tangent"]
+OutputKind = Literal["out", "grad"]
+INPUT_KINDS: tuple[InputKind, ...] = ("param", "buffer", "input", "tangent")
+OUTPUT_KINDS: tuple[OutputKind, ...] = ("out", "grad")
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Value:
+    """An SSA value. Identity is the value; ``name`` is a hint the printer makes unique."""
+
+    name: str
+    type: Type
+    layout: Layout = field(default_factory=Layout)
+
+    def __repr__(self) -> str:
+        return f"%{self.name}: {self.type}"
+
+
+Literal_ = int | float | bool | str | None | sympy.Expr | torch.dtype | torch.device | torch.layout | torch.memory_format
+Arg = Value | Literal_ | tuple["Arg", ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Provenance:
+    """Where an op came from: the module path in the user's model, its phase, and source line."""
+
+    module: str = ""
+    phase: Phase = "fwd"
+    source: str | None = None
+
+    def describe(self) -> str:
+        where = self.module or "<root>"
+        return f"{where} ({self.phase}{', ' + self.source if self.source else ''})"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Op:
+    """A call of ``target`` on ``args``/``kwargs`` producing ``results``."""
+
+    target: Target
+    args: tuple[Arg, ...]
+    kwargs: tuple[tuple[str, Arg], ...]
+    results: tuple[Value, ...]
+    prov: Provenance = Provenance()
+
+    @property
+    def name(self) -> str:
+        return target_name(self.target)
+
+    @property
+    def operands(self) -> tuple[Value, ...]:
+        """Every value used by this op, in argument order (duplicates kept)."""
+        return tuple(_values_in((self.args, tuple(v for _, v in self.kwargs))))
+
+    @property
+    def result(self) -> Value:
+        if len(self.results) != 1:
+            raise ValueError(f"{self.name} has {len(self.results)} results, not one")
+        return self.results[0]
+
+    def kwarg(self, key: str, default: Arg = None) -> Arg:
+        for k, v in self.kwargs:
+            if k == key:
+                return v
+        return default
+
+    def describe(self) -> str:
+        """Short description for errors: op name, module path, phase and source line."""
+        return f"{self.name} at {self.prov.describe()}"
+
+
+def _values_in(arg: Arg) -> Iterator[Value]:
+    if isinstance(arg, Value):
+        yield arg
+    elif isinstance(arg, tuple):
+        for a in arg:
+            yield from _values_in(a)
+
+
+def freeze_arg(arg: object) -> Arg:
+    """Lists become tuples (recursively) so an argument is immutable and printable."""
+    if isinstance(arg, (list, tuple)):
+        return tuple(freeze_arg(a) for a in arg)
+    return arg  # type: ignore[return-value]
+
+
+def map_values(arg: Arg, fn: dict[Value, Value]) -> Arg:
+    """Replace every value in a (nested) argument by ``fn[value]`` (values not in ``fn`` stay)."""
+    if isinstance(arg, Value):
+        return fn.get(arg, arg)
+    if isinstance(arg, tuple):
+        return tuple(map_values(a, fn) for a in arg)
+    return arg
+
+
+@dataclass(frozen=True, slots=True)
+class GraphInput:
+    """A graph input: a parameter or buffer (named by FQN), a user input, or a backward tangent."""
+
+    kind: InputKind
+    value: Value
+
+    @property
+    def name(self) -> str:
+        return self.value.name
+
+
+@dataclass(frozen=True, slots=True)
+class GraphOutput:
+    """A graph output: a user output (``out``, named by position) or a gradient (``grad`` of an FQN)."""
+
+    kind: OutputKind
+    name: str
+    value: Value
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class Graph:
+    """A whole program: inputs, ops in topological order, outputs, and the mesh it runs on."""
+
+    name: str
+    inputs: tuple[GraphInput, ...]
+    ops: tuple[Op, ...]
+    outputs: tuple[GraphOutput, ...]
+    mesh: Mesh | None = None
+
+    def __str__(self) -> str:
+        from ir.printer import print_graph
+
+        return print_graph(self)
+
+    def input(self, name: str) -> GraphInput:
+        for i in self.inputs:
+            if i.name == name:
+                return i
+        raise KeyError(f"graph @{self.name} has no input named {name!r}")
+
+    def output(self, kind: OutputKind, name: str) -> GraphOutput:
+        for o in self.outputs:
+            if o.kind == kind and o.name == name:
+                return o
+        raise KeyError(f"graph @{self.name} has no {kind} output named {name!r}")
+
+    def producers(self) -> dict[Value, Op]:
+        return {r: op for op in self.ops for r in op.results}
+
+    def users(self) -> dict[Value, list[Op]]:
+        """Map from value to the ops that use it (in program order; graph outputs not included)."""
+        out: dict[Value, list[Op]] = {}
+        for op in self.ops:
+            for v in dict.fromkeys(op.operands):
+                out.setdefault(v, []).append(op)
+        return out
+
+
+class GraphBuilder:
+    """Builds a graph op by op. The only mutable IR object; passes use one to write their result."""
+
+    def __init__(self, name: str, mesh: Mesh | None = None) -> None:
+        self.name = name
+        self.mesh = mesh
+        self._inputs: list[GraphInput] = []
+        self._ops: list[Op] = []
+        self._outputs: list[GraphOutput] = []
+
+    @staticmethod
+    def like(graph: Graph) -> GraphBuilder:
+        """A builder with ``graph``'s name, mesh and inputs, for a pass writing a new version of it."""
+        b = GraphBuilder(graph.name, graph.mesh)
+        b._inputs.extend(graph.inputs)
+        return b
+
+    def add_input(self, kind: InputKind, name: str, type_: Type, layout: Layout | None = None) -> Value:
+        v = Value(name, type_, layout if layout is not None else Layout.replicated(self.mesh))
+        self._inputs.append(GraphInput(kind, v))
+        return v
+
+    def add_op(
+        self,
+        target: Target,
+        args: Sequence[Arg],
+        kwargs: Sequence[tuple[str, Arg]],
+        results: Sequence[tuple[str, Type] | Value],
+        prov: Provenance = Provenance(),
+    ) -> tuple[Value, ...]:
+        """Append a call; ``results`` are new values, or (name hint, type) pairs made replicated."""
+        vals = tuple(
+            r if isinstance(r, Value) else Value(r[0], r[1], Layout.replicated(self.mesh)) for r in results
+        )
+        frozen_kwargs = tuple((k, freeze_arg(v)) for k, v in kwargs)
+        self._ops.append(Op(target, tuple(freeze_arg(a) for a in args), frozen_kwargs, vals, prov))
+        return vals
+
+    def append(self, op: Op) -> None:
+        self._ops.append(op)
+
+    def add_output(self, kind: OutputKind, name: str, value: Value) -> None:
+        self._outputs.append(GraphOutput(kind, name, value))
+
+    def build(self) -> Graph:
+        return Graph(self.name, tuple(self._inputs), tuple(self._ops), tuple(self._outputs), self.mesh)

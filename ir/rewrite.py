@@ -1,0 +1,99 @@
+"""One rewrite driver for local rewrites, with pattern tables keyed by op target.
+
+A pattern sees an op whose operands are already rewritten and returns either ``None`` (no change)
+or the values that replace the op's results (existing values, or new ones it emitted through the
+``Rewriter``). The driver sweeps the graph in order until nothing changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from ir.graph import Arg, Graph, GraphBuilder, Op, Provenance, Value, map_values
+from ir.ops import Target
+
+Pattern = Callable[["Rewriter", Op], Sequence[Value] | None]
+
+
+@dataclass
+class PatternTable:
+    """Patterns registered by decorator, per target (``None`` = applies to every op)."""
+
+    name: str
+    patterns: dict[Target | None, list[Pattern]] = field(default_factory=dict)
+
+    def register(self, *targets: Target | None) -> Callable[[Pattern], Pattern]:
+        """``@table.register(aten.view.default, aten.reshape.default)`` adds a pattern."""
+
+        def deco(fn: Pattern) -> Pattern:
+            for t in targets or (None,):
+                self.patterns.setdefault(t, []).append(fn)
+            return fn
+
+        return deco
+
+    def for_target(self, target: Target) -> list[Pattern]:
+        return self.patterns.get(target, []) + self.patterns.get(None, [])
+
+
+class Rewriter:
+    """What a pattern may use: emit new ops into the graph being built."""
+
+    def __init__(self, builder: GraphBuilder) -> None:
+        self.builder = builder
+
+    def emit(
+        self, target: Target, args: Sequence[Arg], kwargs: Sequence[tuple[str, Arg]], like: Op
+    ) -> tuple[Value, ...]:
+        """Emit ``target`` with ``like``'s result names, types, layouts and provenance."""
+        results = tuple(Value(r.name, r.type, r.layout) for r in like.results)
+        op = Op(target, tuple(args), tuple(kwargs), results, like.prov)
+        self.builder.append(op)
+        return results
+
+    def emit_op(self, target: Target, args: Sequence[Arg], results: Sequence[Value], prov: Provenance) -> None:
+        self.builder.append(Op(target, tuple(args), (), tuple(results), prov))
+
+
+def apply_patterns(graph: Graph, table: PatternTable, max_sweeps: int = 8) -> Graph:
+    """Rewrite ``graph`` with ``table`` until a sweep changes nothing (or ``max_sweeps``)."""
+    for _ in range(max_sweeps):
+        graph, changed = _sweep(graph, table)
+        if not changed:
+            break
+    return graph
+
+
+def _sweep(graph: Graph, table: PatternTable) -> tuple[Graph, bool]:
+    b = GraphBuilder.like(graph)
+    rw = Rewriter(b)
+    vmap: dict[Value, Value] = {}
+    changed = False
+    for op in graph.ops:
+        new_op = _remap(op, vmap)
+        replacement: Sequence[Value] | None = None
+        for pattern in table.for_target(new_op.target):
+            replacement = pattern(rw, new_op)
+            if replacement is not None:
+                break
+        if replacement is None:
+            b.append(new_op)
+            continue
+        changed = True
+        if len(replacement) != len(op.results):
+            raise ValueError(f"pattern in {table.name!r} replaced {len(op.results)} results of {op.describe()} "
+                             f"with {len(replacement)} values")
+        for old, new in zip(op.results, replacement, strict=True):
+            vmap[old] = new
+    for o in graph.outputs:
+        b.add_output(o.kind, o.name, vmap.get(o.value, o.value))
+    return b.build(), changed
+
+
+def _remap(op: Op, vmap: dict[Value, Value]) -> Op:
+    if not vmap or not any(v in vmap for v in op.operands):
+        return op
+    args = tuple(map_values(a, vmap) for a in op.args)
+    kwargs = tuple((k, map_values(v, vmap)) for k, v in op.kwargs)
+    return Op(op.target, args, kwargs, op.results, op.prov)

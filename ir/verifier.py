@@ -1,0 +1,131 @@
+"""Structural and type checks on a graph. Passes' tests run it after every pass."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from ir.graph import Arg, Graph, Op, Value
+from ir.ops import OpDef
+from ir.placement import Layout, Shard
+from ir.types import ScalarType, TensorType, Type, tensor_type
+
+
+class VerifyError(ValueError):
+    """The graph breaks an IR invariant; the message names the op, its provenance and the fix."""
+
+
+def verify(graph: Graph, *, check_types: bool = True) -> None:
+    """Raise :class:`VerifyError` unless ``graph`` is well formed.
+
+    Checks: SSA (every value defined once, before use), unique input names, layouts that match the
+    graph's mesh and value ranks, and — with ``check_types`` — that every ATen op's result types
+    equal what the op computes on fake tensors of its operand types.
+    """
+    defined: set[Value] = set()
+    names: set[str] = set()
+    for i in graph.inputs:
+        if i.name in names:
+            raise VerifyError(f"graph @{graph.name}: input %{i.name} appears twice")
+        names.add(i.name)
+        _define(graph, i.value, defined, f"input %{i.name}")
+    fake = _FakeRunner() if check_types else None
+    for op in graph.ops:
+        for v in op.operands:
+            if v not in defined:
+                raise VerifyError(f"{op.describe()}: operand %{v.name} is not defined before this op")
+        for r in op.results:
+            _define(graph, r, defined, op.describe())
+        if fake is not None and not isinstance(op.target, OpDef):
+            fake.check(op)
+    for o in graph.outputs:
+        if o.value not in defined:
+            raise VerifyError(f"graph @{graph.name}: output {o.kind}({o.name}) uses undefined %{o.value.name}")
+
+
+def _define(graph: Graph, v: Value, defined: set[Value], where: str) -> None:
+    if v in defined:
+        raise VerifyError(f"{where}: value %{v.name} is defined twice")
+    defined.add(v)
+    _check_layout(graph, v, where)
+
+
+def _check_layout(graph: Graph, v: Value, where: str) -> None:
+    expected = Layout.replicated(graph.mesh).axes
+    if v.layout.axes != expected:
+        raise VerifyError(
+            f"{where}: %{v.name} has layout axes {v.layout.axes} but the graph's mesh has {expected}"
+        )
+    for axis, p in zip(v.layout.axes, v.layout.placements, strict=True):
+        if isinstance(p, Shard):
+            rank = v.type.rank if isinstance(v.type, TensorType) else 0
+            if not 0 <= p.dim < rank:
+                raise VerifyError(
+                    f"{where}: %{v.name} : {v.type} is sharded on dim {p.dim} over {axis!r}, "
+                    f"but it has rank {rank}"
+                )
+
+
+class _FakeRunner:
+    """Runs ATen ops on fake tensors to recompute result types."""
+
+    def __init__(self) -> None:
+        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def check(self, op: Op) -> None:
+        if any(not isinstance(v.type, TensorType) or not v.type.is_static() for v in op.operands):
+            return
+        with self.mode, _no_dispatch_warnings():
+            args = _materialize(op.args)
+            kwargs = {k: _materialize(v) for k, v in op.kwargs}
+            try:
+                out = op.target(*args, **kwargs)  # type: ignore[operator]
+            except Exception as e:  # noqa: BLE001 - any failure is the op's own complaint
+                raise VerifyError(f"{op.describe()}: the op rejects its operand types: {e}") from None
+        got = [x for x in _flatten(out)]
+        if len(got) != len(op.results):
+            raise VerifyError(f"{op.describe()}: computes {len(got)} results but declares {len(op.results)}")
+        for r, g in zip(op.results, got, strict=True):
+            actual = _type_of(g)
+            if actual != r.type:
+                raise VerifyError(
+                    f"{op.describe()}: result %{r.name} is declared {r.type} but the op computes {actual}"
+                )
+
+
+def _type_of(x: object) -> Type:
+    if isinstance(x, torch.Tensor):
+        return tensor_type(x)
+    if x is None:
+        return ScalarType("none")
+    if isinstance(x, (bool, torch.SymBool)):
+        return ScalarType("bool")
+    if isinstance(x, (float, torch.SymFloat)):
+        return ScalarType("float")
+    return ScalarType("int")
+
+
+def _materialize(a: Arg) -> object:
+    if isinstance(a, Value):
+        assert isinstance(a.type, TensorType)
+        return torch.empty(tuple(int(d) for d in a.type.shape), dtype=a.type.dtype)
+    if isinstance(a, tuple):
+        return [_materialize(x) for x in a]
+    return a
+
+
+def _flatten(out: object) -> Iterator[object]:
+    if isinstance(out, (tuple, list)):
+        for x in out:
+            yield from _flatten(x)
+    else:
+        yield out
+
+
+@contextlib.contextmanager
+def _no_dispatch_warnings() -> Iterator[None]:
+    with torch.no_grad():
+        yield
