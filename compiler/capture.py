@@ -14,6 +14,7 @@ import inspect
 import operator
 import re
 import traceback
+from pathlib import Path
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -38,7 +39,9 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, name: str | None
 
     Inputs are ``param``/``buffer`` (model FQNs), ``input`` (the forward's argument names) and
     ``tangent`` (the seed gradient of each differentiable output); outputs are ``out(i)`` for the
-    model's outputs and ``grad(fqn)`` for every parameter gradient. Runs on fake tensors.
+    model's outputs, ``grad(fqn)`` for every parameter gradient and ``update(fqn)`` for the new
+    value of every buffer the forward updates in place (e.g. running statistics). Runs on fake
+    tensors.
     """
     graph_name = name or _snake(type(model).__name__)
     with _fake_copies(model, example_inputs) as (fake_mode, fake_inputs):
@@ -99,7 +102,7 @@ def _dynamo_capture(model: nn.Module, inputs: Sequence[Any]) -> fx.GraphModule:
 def _capture_error(e: Exception, stage: str) -> CaptureError:
     """Turn a dynamo/AOT failure into an error naming the construct, the source line and the fix."""
     msg = str(e)
-    where = _user_frame_from_text(msg) or _user_frame_from_tb(e)
+    where = _user_frame_from_dynamo(e) or _user_frame_from_text(msg) or _user_frame_from_tb(e)
     first = msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
     hints = [
         (("data-dependent", "data dependent", "GuardOnDataDependent", "Data-dependent", "generic_jump",
@@ -122,9 +125,25 @@ def _capture_error(e: Exception, stage: str) -> CaptureError:
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+)')
 
 
+_OWN_ROOT = str(Path(__file__).resolve().parent.parent).replace("\\", "/") + "/"
+
+
 def _is_user_file(path: str) -> bool:
     p = path.replace("\\", "/")
-    return not any(s in p for s in ("/torch/", "/torch_npu/", "/functorch/", "/meshfold/compiler/", "<"))
+    if p.startswith(_OWN_ROOT) and p[len(_OWN_ROOT) :].split("/", 1)[0] in ("compiler", "passes", "ir", "backends"):
+        return False
+    return not any(s in p for s in ("/torch/", "/torch_npu/", "/functorch/", "<"))
+
+
+def _user_frame_from_dynamo(e: BaseException) -> str | None:
+    seen: BaseException | None = e
+    while seen is not None:
+        stack = getattr(seen, "real_stack", None) or []
+        frames = [f for f in stack if _is_user_file(f.filename)]
+        if frames:
+            return f"{frames[-1].filename}:{frames[-1].lineno}"
+        seen = seen.__cause__ or seen.__context__
+    return None
 
 
 def _user_frame_from_text(text: str) -> str | None:
@@ -277,10 +296,13 @@ class _Lifter:
                     self.b.add_output("grad", self.arg_names[of.idx], v)
                 else:
                     raise CaptureError(f"gradient of unsupported input {of!r}")
+            elif kind_name == "InputMutationAOTOutput" and type(desc.mutated_input).__name__ == "BufferAOTInput":
+                self.b.add_output("update", self._fqn(desc.mutated_input.target), v)
             else:
+                where = self._prov(val).describe() if isinstance(val, fx.Node) else "the model's forward"
                 raise CaptureError(
-                    f"unsupported graph output {desc!r}: the model mutates an input or buffer in place, "
-                    "which meshfold does not capture yet; compute the new value and return it instead"
+                    f"cannot capture {desc!r} at {where}: the model mutates a user input in place; "
+                    "compute the new value and return it instead"
                 )
 
 

@@ -19,9 +19,9 @@ from ir.types import Type
 
 Phase = Literal["fwd", "bwd"]
 InputKind = Literal["param", "buffer", "input", "tangent"]
-OutputKind = Literal["out", "grad"]
+OutputKind = Literal["out", "grad", "update"]
 INPUT_KINDS: tuple[InputKind, ...] = ("param", "buffer", "input", "tangent")
-OUTPUT_KINDS: tuple[OutputKind, ...] = ("out", "grad")
+OUTPUT_KINDS: tuple[OutputKind, ...] = ("out", "grad", "update")
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -127,7 +127,8 @@ class GraphInput:
 
 @dataclass(frozen=True, slots=True)
 class GraphOutput:
-    """A graph output: a user output (``out``, named by position) or a gradient (``grad`` of an FQN)."""
+    """A graph output: a user output (``out``, named by position), a gradient (``grad`` of an FQN),
+    or the new value of a buffer updated in place (``update`` of an FQN)."""
 
     kind: OutputKind
     name: str

@@ -38,22 +38,31 @@ class PatternTable:
 
 
 class Rewriter:
-    """What a pattern may use: emit new ops into the graph being built."""
+    """What a pattern may use: look up producers in the graph being built, and emit new ops."""
 
     def __init__(self, builder: GraphBuilder) -> None:
         self.builder = builder
+        self._defs: dict[Value, Op] = {}
+
+    def append(self, op: Op) -> None:
+        self.builder.append(op)
+        for r in op.results:
+            self._defs[r] = op
+
+    def producer(self, value: Arg) -> Op | None:
+        """The op defining ``value`` in the new graph (``None`` for graph inputs and literals)."""
+        return self._defs.get(value) if isinstance(value, Value) else None
 
     def emit(
         self, target: Target, args: Sequence[Arg], kwargs: Sequence[tuple[str, Arg]], like: Op
     ) -> tuple[Value, ...]:
         """Emit ``target`` with ``like``'s result names, types, layouts and provenance."""
         results = tuple(Value(r.name, r.type, r.layout) for r in like.results)
-        op = Op(target, tuple(args), tuple(kwargs), results, like.prov)
-        self.builder.append(op)
+        self.append(Op(target, tuple(args), tuple(kwargs), results, like.prov))
         return results
 
     def emit_op(self, target: Target, args: Sequence[Arg], results: Sequence[Value], prov: Provenance) -> None:
-        self.builder.append(Op(target, tuple(args), (), tuple(results), prov))
+        self.append(Op(target, tuple(args), (), tuple(results), prov))
 
 
 def apply_patterns(graph: Graph, table: PatternTable, max_sweeps: int = 8) -> Graph:
@@ -78,7 +87,7 @@ def _sweep(graph: Graph, table: PatternTable) -> tuple[Graph, bool]:
             if replacement is not None:
                 break
         if replacement is None:
-            b.append(new_op)
+            rw.append(new_op)
             continue
         changed = True
         if len(replacement) != len(op.results):

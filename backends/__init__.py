@@ -1,0 +1,1 @@
+"""Backends lower each rank's IR program to runnable ``torch.fx`` graphs (eager, Inductor, torchair)."""

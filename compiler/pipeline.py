@@ -1,0 +1,46 @@
+"""The default pipeline and the one call that captures a model and runs a pipeline over it."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+import ir
+from compiler.capture import capture
+from passes import Pass, PassContext, PassPipeline, PassTiming, parse_pipeline
+from passes.pipeline import Callback
+
+# NOTE: grows with every pass that lands (sharding, boxing, ...); `meshfold demo` and `pass-debug`
+# use it when no pipeline is given.
+DEFAULT_PIPELINE = "cleanup,verify"
+
+
+@dataclass(frozen=True)
+class CompileResult:
+    """The captured graph, the graph after the pipeline, and per-pass wall times."""
+
+    captured: ir.Graph
+    graph: ir.Graph
+    pipeline: PassPipeline
+    timings: tuple[PassTiming, ...]
+    diagnostics: tuple[str, ...]
+
+
+def compile_model(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    pipeline: str | Sequence[Pass] = DEFAULT_PIPELINE,
+    *,
+    mesh: ir.Mesh | None = None,
+    callback: Callback | None = None,
+) -> CompileResult:
+    """Capture ``model`` and run ``pipeline`` (checked for order before capture starts)."""
+    pipe = parse_pipeline(pipeline)
+    pipe.check()
+    captured = capture(model, example_inputs)
+    ctx = PassContext(mesh=mesh)
+    graph, timings = pipe.run(ctx, captured, callback)
+    return CompileResult(captured, graph, pipe, tuple(timings), tuple(ctx.diagnostics))

@@ -1,0 +1,56 @@
+"""The pass contract: a frozen dataclass with a kebab-case ``name``, typed options and ``apply``."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from ir import Graph, Mesh
+
+# NOTE: graph properties passes require and ensure. ``joint`` holds for a fresh capture.
+JOINT = "joint"
+CLEAN = "clean"
+VERIFIED = "verified"
+
+
+class PassError(ValueError):
+    """A pass cannot run: bad options, a pipeline in the wrong order, or a graph it cannot handle."""
+
+
+@dataclass
+class PassContext:
+    """Everything a pass may read besides the graph: the target mesh and collected diagnostics.
+
+    A fresh context per compilation; passes never keep state elsewhere.
+    """
+
+    mesh: Mesh | None = None
+    diagnostics: list[str] = field(default_factory=list)
+
+    def warn(self, message: str) -> None:
+        """Record a diagnostic and surface it as a Python warning."""
+        self.diagnostics.append(message)
+        warnings.warn(message, stacklevel=3)
+
+
+@dataclass(frozen=True)
+class Pass:
+    """Base of every pass. Subclasses are frozen dataclasses whose fields are the pass options.
+
+    ``requires``: properties that must hold before the pass; ``ensures``: properties it establishes;
+    ``invalidates``: properties that no longer hold after it (``"*"`` means all but ``ensures``).
+    """
+
+    name: ClassVar[str]
+    requires: ClassVar[frozenset[str]] = frozenset()
+    ensures: ClassVar[frozenset[str]] = frozenset()
+    invalidates: ClassVar[frozenset[str]] = frozenset({"*"})
+
+    def apply(self, ctx: PassContext, graph: Graph) -> Graph:
+        """Return the rewritten graph; ``graph`` itself is never modified."""
+        raise NotImplementedError
+
+    def properties_after(self, before: frozenset[str]) -> frozenset[str]:
+        kept = frozenset() if "*" in self.invalidates else before - self.invalidates
+        return kept | self.ensures

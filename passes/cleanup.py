@@ -1,0 +1,146 @@
+"""``cleanup``: dead-code elimination, common-subexpression elimination and trivial views."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ir import Graph, GraphBuilder, Op, PatternTable, Rewriter, Value, apply_patterns, is_pure
+from ir.graph import Arg, map_values
+from passes.base import CLEAN, JOINT, Pass, PassContext
+
+aten = torch.ops.aten
+
+TRIVIAL_VIEWS = PatternTable("trivial-views")
+
+
+def _same_type(op: Op) -> bool:
+    src = op.args[0]
+    return isinstance(src, Value) and src.type == op.result.type and src.layout == op.result.layout
+
+
+@TRIVIAL_VIEWS.register(
+    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default, aten.alias.default,
+    aten.detach.default,
+)
+def _identity_view(rw: Rewriter, op: Op) -> Sequence[Value] | None:
+    """A view, reshape or expand to the operand's own shape (and alias/detach) is the operand."""
+    src = op.args[0]
+    return (src,) if _same_type(op) and isinstance(src, Value) else None
+
+
+@TRIVIAL_VIEWS.register(aten.permute.default)
+def _identity_permute(rw: Rewriter, op: Op) -> Sequence[Value] | None:
+    """``permute(x, [0, 1, ..., n-1])`` is ``x``."""
+    src, dims = op.args[0], op.args[1]
+    if isinstance(src, Value) and isinstance(dims, tuple) and list(dims) == list(range(len(dims))):
+        return (src,)
+    return None
+
+
+@TRIVIAL_VIEWS.register(aten.t.default)
+def _double_transpose(rw: Rewriter, op: Op) -> Sequence[Value] | None:
+    """``t(t(x))`` is ``x``."""
+    src = op.args[0]
+    inner = rw.producer(src)
+    if inner is not None and inner.target == aten.t.default and isinstance(inner.args[0], Value):
+        x = inner.args[0]
+        return (x,) if x.type == op.result.type and x.layout == op.result.layout else None
+    return None
+
+
+@TRIVIAL_VIEWS.register(aten.view.default, aten._unsafe_view.default)
+def _view_of_view(rw: Rewriter, op: Op) -> Sequence[Value] | None:
+    """``view(view(x, a), b)`` is ``view(x, b)``."""
+    src = op.args[0]
+    inner = rw.producer(src)
+    if inner is not None and inner.target in (aten.view.default, aten._unsafe_view.default):
+        return rw.emit(op.target, (inner.args[0], *op.args[1:]), op.kwargs, like=op)
+    return None
+
+
+@dataclass(frozen=True)
+class Cleanup(Pass):
+    """Remove trivial views, merge identical pure ops, drop ops whose results nobody uses.
+
+    Never touches ops that mutate or draw random numbers (``ir.is_pure``).
+    """
+
+    name: ClassVar[str] = "cleanup"
+    requires: ClassVar[frozenset[str]] = frozenset({JOINT})
+    ensures: ClassVar[frozenset[str]] = frozenset({CLEAN})
+    invalidates: ClassVar[frozenset[str]] = frozenset()
+    views: bool = True
+    cse: bool = True
+    dce: bool = True
+
+    def apply(self, ctx: PassContext, graph: Graph) -> Graph:
+        for _ in range(8):
+            before = len(graph.ops)
+            if self.views:
+                graph = apply_patterns(graph, TRIVIAL_VIEWS)
+            if self.cse:
+                graph = eliminate_common_subexpressions(graph)
+            if self.dce:
+                graph = eliminate_dead_code(graph)
+            if len(graph.ops) == before:
+                break
+        return graph
+
+
+def eliminate_dead_code(graph: Graph) -> Graph:
+    """Drop pure ops none of whose results reach an output."""
+    live: set[Value] = {o.value for o in graph.outputs}
+    keep: list[Op] = []
+    for op in reversed(graph.ops):
+        if not is_pure(op.target) or any(r in live for r in op.results):
+            keep.append(op)
+            live.update(op.operands)
+    if len(keep) == len(graph.ops):
+        return graph
+    b = GraphBuilder.like(graph)
+    for op in reversed(keep):
+        b.append(op)
+    for o in graph.outputs:
+        b.add_output(o.kind, o.name, o.value)
+    return b.build()
+
+
+def _key(arg: Arg) -> object:
+    if isinstance(arg, Value):
+        return ("%", id(arg))
+    if isinstance(arg, tuple):
+        return tuple(_key(a) for a in arg)
+    if isinstance(arg, float):
+        return ("f", repr(arg))
+    return (type(arg).__name__, arg)
+
+
+def eliminate_common_subexpressions(graph: Graph) -> Graph:
+    """Reuse the first of several pure ops with the same target, arguments and result types."""
+    seen: dict[object, Op] = {}
+    vmap: dict[Value, Value] = {}
+    b = GraphBuilder.like(graph)
+    changed = False
+    for op in graph.ops:
+        args = tuple(map_values(a, vmap) for a in op.args)
+        kwargs = tuple((k, map_values(v, vmap)) for k, v in op.kwargs)
+        new = op if (args == op.args and kwargs == op.kwargs) else Op(op.target, args, kwargs, op.results, op.prov)
+        if is_pure(op.target):
+            types = tuple((r.type, r.layout) for r in op.results)
+            key = (op.target, _key(args), _key(tuple(v for _, v in kwargs)), tuple(k for k, _ in kwargs), types)
+            first = seen.get(key)
+            if first is not None:
+                vmap.update(zip(op.results, first.results, strict=True))
+                changed = True
+                continue
+            seen[key] = new
+        b.append(new)
+    if not changed:
+        return graph
+    for o in graph.outputs:
+        b.add_output(o.kind, o.name, vmap.get(o.value, o.value))
+    return b.build()

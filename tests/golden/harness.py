@@ -1,0 +1,70 @@
+"""Golden-file machinery: filecheck'd pass tests and whole expected dumps.
+
+``MESHFOLD_UPDATE_GOLDEN=1`` rewrites expected files from what the code prints now; a changed
+golden file is reviewed like code.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import ir
+from passes import PassContext, PassPipeline
+
+GOLDEN_DIR = Path(__file__).parent
+UPDATE = os.environ.get("MESHFOLD_UPDATE_GOLDEN") == "1"
+
+
+def run_line(path: Path) -> tuple[str, ir.Mesh | None]:
+    """The pipeline (and optional ``--mesh``) from the file's ``// RUN:`` line."""
+    for line in path.read_text().splitlines():
+        if line.startswith("// RUN:"):
+            spec = line[len("// RUN:") :].strip()
+            pipeline, _, mesh = spec.partition(" --mesh ")
+            return pipeline.strip(), ir.Mesh.parse(mesh) if mesh else None
+    raise AssertionError(f"{path} has no `// RUN: <pipeline>` line")
+
+
+def run_pipeline_file(path: Path) -> str:
+    """Parse the file's IR, run its RUN pipeline verifying after every pass, return the printed result."""
+    pipeline, mesh = run_line(path)
+    graph = ir.parse(path.read_text())
+    ir.verify(graph)
+
+    def check(i: int, p: object, g: ir.Graph) -> None:
+        ir.verify(g)
+
+    out, _ = PassPipeline.parse(pipeline).run(PassContext(mesh=mesh), graph, check)
+    return str(out)
+
+
+def filecheck(path: Path, output: str) -> None:
+    """Check ``output`` against the ``// CHECK`` lines of ``path`` (or rewrite them when updating)."""
+    if UPDATE:
+        kept = [ln for ln in path.read_text().splitlines() if not ln.startswith("// CHECK")]
+        lines = output.rstrip("\n").splitlines()
+        checks = [f"// CHECK: {lines[0]}"] + [f"// CHECK-NEXT: {ln}" if ln.strip() else "// CHECK-EMPTY:" for ln in lines[1:]]
+        path.write_text("\n".join(kept + checks) + "\n")
+        return
+    exe = shutil.which("filecheck") or str(Path(sys.executable).parent / "filecheck")
+    proc = subprocess.run([exe, str(path)], input=output, capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, f"filecheck failed for {path.name}:\n{proc.stderr}\n--- output ---\n{output}"
+
+
+def expect_text(path: Path, actual: str) -> None:
+    """Whole-dump golden: ``actual`` must equal the file (rewritten when updating)."""
+    if UPDATE or not path.exists():
+        if not UPDATE:
+            raise AssertionError(f"{path} is missing; run with MESHFOLD_UPDATE_GOLDEN=1 to create it")
+        path.write_text(actual)
+        return
+    expected = path.read_text()
+    if expected != actual:
+        import difflib
+
+        diff = "".join(difflib.unified_diff(expected.splitlines(True), actual.splitlines(True), "expected", "actual", n=2))
+        raise AssertionError(f"{path.name} differs from the golden file (MESHFOLD_UPDATE_GOLDEN=1 rewrites it):\n{diff[:6000]}")
