@@ -10,6 +10,7 @@ model lives on the meta device or under a ``FakeTensorMode``.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import operator
 import re
@@ -46,7 +47,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, name: str | None
     graph_name = name or _snake(type(model).__name__)
     with _fake_copies(model, example_inputs) as (fake_mode, fake_inputs):
         gm = _dynamo_capture(model, fake_inputs)
-        fqns: dict[str, str] = dict(gm.meta.get("dynamo_flat_name_to_original_fqn", {}))
+        fqns = _flat_name_to_fqn(gm, model)
         with contextlib.ExitStack() as stack:
             with fake_mode:
                 try:
@@ -54,7 +55,30 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, name: str | None
                 except Exception as e:  # noqa: BLE001 - re-raised with the user's source line
                     raise _capture_error(e, "tracing the backward") from e
             arg_names = _forward_arg_names(model, len(fake_inputs))
-            return _Lifter(graph_name, fqns, arg_names).lift(joint.graph_module.graph)
+            graph = _Lifter(graph_name, fqns, arg_names).lift(joint.graph_module.graph)
+    return _in_model_order(graph, model)
+
+
+def _in_model_order(graph: ir.Graph, model: nn.Module) -> ir.Graph:
+    """Inputs ordered as the model declares them: parameters, buffers, user inputs, tangents."""
+    rank = {f"param:{n}": i for i, (n, _) in enumerate(model.named_parameters())}
+    rank |= {f"buffer:{n}": i for i, (n, _) in enumerate(model.named_buffers())}
+    kinds = {k: i for i, k in enumerate(ir.graph.INPUT_KINDS)}
+    order = sorted(graph.inputs, key=lambda i: (kinds[i.kind], rank.get(f"{i.kind}:{i.name}", len(rank))))
+    return dataclasses.replace(graph, inputs=tuple(order))
+
+
+def _flat_name_to_fqn(gm: fx.GraphModule, model: nn.Module) -> dict[str, str]:
+    """Dynamo's flattened attribute names → the model's FQNs, by tensor identity (dynamo's own map
+    misses tensors reached through loops over ``nn.ModuleList``)."""
+    fqns: dict[str, str] = dict(gm.meta.get("dynamo_flat_name_to_original_fqn", {}))
+    by_id: dict[int, str] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        by_id.setdefault(id(t), name)
+    for flat, t in [*gm.named_parameters(remove_duplicate=False), *gm.named_buffers(remove_duplicate=False)]:
+        if id(t) in by_id:
+            fqns[flat] = by_id[id(t)]
+    return fqns
 
 
 @contextlib.contextmanager
@@ -65,15 +89,22 @@ def _fake_copies(model: nn.Module, inputs: Sequence[Any]) -> Iterator[tuple[Fake
     restored afterwards, so a model with 70B parameters on ``meta`` is never materialized.
     """
     mode = _existing_fake_mode(model, inputs) or FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    # NOTE: meta tensors become fake tensors on the inputs' device, so a model built on ``meta``
+    # runs beside real inputs; nothing is allocated either way.
+    device = next((x.device for x in inputs if isinstance(x, torch.Tensor) and not x.is_meta), torch.device("cpu"))
     swapped: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
+    # NOTE: one fake per real tensor, so tied weights (GPT-2's lm_head/wte) stay one parameter.
+    fakes: dict[int, torch.Tensor] = {}
     try:
-        for mod in model.modules():
+        for mod in model.modules(remove_duplicate=False):
             for store, is_param in ((mod._parameters, True), (mod._buffers, False)):
                 for key, t in list(store.items()):
                     if t is None or isinstance(t, FakeTensor):
                         continue
-                    fake = mode.from_tensor(t, static_shapes=True)
-                    store[key] = nn.Parameter(fake, requires_grad=t.requires_grad) if is_param else fake
+                    if id(t) not in fakes:
+                        fake = _fake_of(mode, t, device)
+                        fakes[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if is_param else fake
+                    store[key] = fakes[id(t)]
                     swapped.append((mod, key, is_param, t))
         fake_inputs = [
             x if isinstance(x, FakeTensor) or not isinstance(x, torch.Tensor) else mode.from_tensor(x, static_shapes=True)
@@ -83,6 +114,13 @@ def _fake_copies(model: nn.Module, inputs: Sequence[Any]) -> Iterator[tuple[Fake
     finally:
         for mod, key, is_param, t in reversed(swapped):
             (mod._parameters if is_param else mod._buffers)[key] = t  # type: ignore[assignment]
+
+
+def _fake_of(mode: FakeTensorMode, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if t.is_meta:
+        with mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+    return mode.from_tensor(t, static_shapes=True)
 
 
 def _existing_fake_mode(model: nn.Module, inputs: Sequence[Any]) -> FakeTensorMode | None:
@@ -126,11 +164,13 @@ _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+)')
 
 
 _OWN_ROOT = str(Path(__file__).resolve().parent.parent).replace("\\", "/") + "/"
+_THIS_FILE = str(Path(__file__).resolve()).replace("\\", "/")
 
 
 def _is_user_file(path: str) -> bool:
+    """False for torch's frames and meshfold's own machinery (the zoo's models count as user code)."""
     p = path.replace("\\", "/")
-    if p.startswith(_OWN_ROOT) and p[len(_OWN_ROOT) :].split("/", 1)[0] in ("compiler", "passes", "ir", "backends"):
+    if p == _THIS_FILE or (p.startswith(_OWN_ROOT) and p[len(_OWN_ROOT) :].split("/", 1)[0] in ("passes", "ir", "backends")):
         return False
     return not any(s in p for s in ("/torch/", "/torch_npu/", "/functorch/", "<"))
 
