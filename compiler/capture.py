@@ -15,8 +15,8 @@ import inspect
 import operator
 import re
 import traceback
-from pathlib import Path
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -52,7 +52,7 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, name: str | None
             with fake_mode:
                 try:
                     joint = aot_export_joint_with_descriptors(stack, gm, tuple(fake_inputs))
-                except Exception as e:  # noqa: BLE001 - re-raised with the user's source line
+                except Exception as e:
                     raise _capture_error(e, "tracing the backward") from e
             arg_names = _forward_arg_names(model, len(fake_inputs))
             graph = _Lifter(graph_name, fqns, arg_names).lift(joint.graph_module.graph)
@@ -107,7 +107,9 @@ def _fake_copies(model: nn.Module, inputs: Sequence[Any]) -> Iterator[tuple[Fake
                     store[key] = fakes[id(t)]
                     swapped.append((mod, key, is_param, t))
         fake_inputs = [
-            x if isinstance(x, FakeTensor) or not isinstance(x, torch.Tensor) else mode.from_tensor(x, static_shapes=True)
+            x
+            if isinstance(x, FakeTensor) or not isinstance(x, torch.Tensor)
+            else mode.from_tensor(x, static_shapes=True)
             for x in inputs
         ]
         yield mode, fake_inputs
@@ -133,7 +135,7 @@ def _existing_fake_mode(model: nn.Module, inputs: Sequence[Any]) -> FakeTensorMo
 def _dynamo_capture(model: nn.Module, inputs: Sequence[Any]) -> fx.GraphModule:
     try:
         return _dynamo_graph_capture_for_export(model)(*inputs)
-    except Exception as e:  # noqa: BLE001 - re-raised with the user's source line
+    except Exception as e:
         raise _capture_error(e, "capturing the forward") from e
 
 
@@ -143,13 +145,21 @@ def _capture_error(e: Exception, stage: str) -> CaptureError:
     where = _user_frame_from_dynamo(e) or _user_frame_from_text(msg) or _user_frame_from_tb(e)
     first = msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
     hints = [
-        (("data-dependent", "data dependent", "GuardOnDataDependent", "Data-dependent", "generic_jump",
-          "jump"), "data-dependent Python control flow (an `if`/`while` on a tensor's value)",
-         "use torch.where / torch.cond, or branch on shapes and Python values only"),
-        (("mutat", "in-place", "inplace", "set_", "requires_grad"), "in-place mutation of a parameter or input",
-         "write the update out of place (e.g. `w = w + 1`), or do it outside the model's forward"),
-        (("item()", "_local_scalar_dense", "tolist"), "reading a tensor's value in Python (`.item()`/`.tolist()`)",
-         "keep the value a tensor"),
+        (
+            ("data-dependent", "data dependent", "GuardOnDataDependent", "Data-dependent", "generic_jump", "jump"),
+            "data-dependent Python control flow (an `if`/`while` on a tensor's value)",
+            "use torch.where / torch.cond, or branch on shapes and Python values only",
+        ),
+        (
+            ("mutat", "in-place", "inplace", "set_", "requires_grad"),
+            "in-place mutation of a parameter or input",
+            "write the update out of place (e.g. `w = w + 1`), or do it outside the model's forward",
+        ),
+        (
+            ("item()", "_local_scalar_dense", "tolist"),
+            "reading a tensor's value in Python (`.item()`/`.tolist()`)",
+            "keep the value a tensor",
+        ),
     ]
     construct, fix = "an unsupported construct", "rewrite that line with plain tensor ops"
     for keys, what, how in hints:
@@ -157,7 +167,9 @@ def _capture_error(e: Exception, stage: str) -> CaptureError:
             construct, fix = what, how
             break
     loc = f" at {where}" if where else ""
-    return CaptureError(f"cannot capture the model while {stage}: {construct}{loc}.\n  torch says: {first}\n  fix: {fix}")
+    return CaptureError(
+        f"cannot capture the model while {stage}: {construct}{loc}.\n  torch says: {first}\n  fix: {fix}"
+    )
 
 
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+)')
@@ -170,7 +182,9 @@ _THIS_FILE = str(Path(__file__).resolve()).replace("\\", "/")
 def _is_user_file(path: str) -> bool:
     """False for torch's frames and meshfold's own machinery (the zoo's models count as user code)."""
     p = path.replace("\\", "/")
-    if p == _THIS_FILE or (p.startswith(_OWN_ROOT) and p[len(_OWN_ROOT) :].split("/", 1)[0] in ("passes", "ir", "backends")):
+    if p == _THIS_FILE or (
+        p.startswith(_OWN_ROOT) and p[len(_OWN_ROOT) :].split("/", 1)[0] in ("passes", "ir", "backends")
+    ):
         return False
     return not any(s in p for s in ("/torch/", "/torch_npu/", "/functorch/", "<"))
 

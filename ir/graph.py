@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeAlias
 
 import sympy
 import torch
@@ -36,8 +36,10 @@ class Value:
         return f"%{self.name}: {self.type}"
 
 
-Literal_ = int | float | bool | str | None | sympy.Expr | torch.dtype | torch.device | torch.layout | torch.memory_format
-Arg = Value | Literal_ | tuple["Arg", ...]
+Literal_: TypeAlias = (
+    int | float | bool | str | sympy.Expr | torch.dtype | torch.device | torch.layout | torch.memory_format | None
+)
+Arg: TypeAlias = Value | Literal_ | tuple["Arg", ...]
 
 
 @dataclass(frozen=True, slots=True)
@@ -205,9 +207,7 @@ class GraphBuilder:
         prov: Provenance = Provenance(),
     ) -> tuple[Value, ...]:
         """Append a call; ``results`` are new values, or (name hint, type) pairs made replicated."""
-        vals = tuple(
-            r if isinstance(r, Value) else Value(r[0], r[1], Layout.replicated(self.mesh)) for r in results
-        )
+        vals = tuple(r if isinstance(r, Value) else Value(r[0], r[1], Layout.replicated(self.mesh)) for r in results)
         frozen_kwargs = tuple((k, freeze_arg(v)) for k, v in kwargs)
         self._ops.append(Op(target, tuple(freeze_arg(a) for a in args), frozen_kwargs, vals, prov))
         return vals

@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from ir.graph import INPUT_KINDS, OUTPUT_KINDS, Arg, GraphBuilder, Graph, Provenance, Value
+from ir.graph import INPUT_KINDS, OUTPUT_KINDS, Arg, Graph, GraphBuilder, Provenance, Value
 from ir.mesh import Mesh
 from ir.ops import resolve_target
 from ir.placement import Layout, Placement, R, parse_placement

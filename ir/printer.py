@@ -1,11 +1,11 @@
 """Deterministic text form of a graph. :mod:`ir.parser` reads it back exactly.
 
-    graph @mlp mesh<dp=2> {
-      param %l1.weight : f32[16, 8]
-      input %x : f32[8, 8] {dp: S(0)}
-      %t = aten.t(%l1.weight) : f32[8, 16]  # l1 fwd @mlp.py:7
-      output out(0) = %loss
-    }
+graph @mlp mesh<dp=2> {
+  param %l1.weight : f32[16, 8]
+  input %x : f32[8, 8] {dp: S(0)}
+  %t = aten.t(%l1.weight) : f32[8, 16]  # l1 fwd @mlp.py:7
+  output out(0) = %loss
+}
 """
 
 from __future__ import annotations

@@ -91,8 +91,10 @@ def _sweep(graph: Graph, table: PatternTable) -> tuple[Graph, bool]:
             continue
         changed = True
         if len(replacement) != len(op.results):
-            raise ValueError(f"pattern in {table.name!r} replaced {len(op.results)} results of {op.describe()} "
-                             f"with {len(replacement)} values")
+            raise ValueError(
+                f"pattern in {table.name!r} replaced {len(op.results)} results of {op.describe()} "
+                f"with {len(replacement)} values"
+            )
         for old, new in zip(op.results, replacement, strict=True):
             vmap[old] = new
     for o in graph.outputs:

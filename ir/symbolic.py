@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import re
+from typing import TypeAlias
 
 import sympy
 
-Dim = int | sympy.Expr
+Dim: TypeAlias = int | sympy.Expr
 
 _TOKEN = re.compile(r"\s*(?:(\d+)|([A-Za-z_][A-Za-z0-9_]*)|(\*\*|//|[-+*%(),]))")
 
@@ -36,7 +37,8 @@ def parse_dim(text: str) -> Dim:
         raise ValueError(f"unexpected {tokens[parser.pos]!r} in dimension {text!r}")
     if isinstance(expr, sympy.Integer):
         return int(expr)
-    return expr
+    result: sympy.Expr = expr
+    return result
 
 
 def _tokenize(text: str) -> list[str]:

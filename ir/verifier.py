@@ -56,16 +56,13 @@ def _define(graph: Graph, v: Value, defined: set[Value], where: str) -> None:
 def _check_layout(graph: Graph, v: Value, where: str) -> None:
     expected = Layout.replicated(graph.mesh).axes
     if v.layout.axes != expected:
-        raise VerifyError(
-            f"{where}: %{v.name} has layout axes {v.layout.axes} but the graph's mesh has {expected}"
-        )
+        raise VerifyError(f"{where}: %{v.name} has layout axes {v.layout.axes} but the graph's mesh has {expected}")
     for axis, p in zip(v.layout.axes, v.layout.placements, strict=True):
         if isinstance(p, Shard):
             rank = v.type.rank if isinstance(v.type, TensorType) else 0
             if not 0 <= p.dim < rank:
                 raise VerifyError(
-                    f"{where}: %{v.name} : {v.type} is sharded on dim {p.dim} over {axis!r}, "
-                    f"but it has rank {rank}"
+                    f"{where}: %{v.name} : {v.type} is sharded on dim {p.dim} over {axis!r}, but it has rank {rank}"
                 )
 
 
@@ -82,8 +79,8 @@ class _FakeRunner:
             args = _materialize(op.args)
             kwargs = {k: _materialize(v) for k, v in op.kwargs}
             try:
-                out = op.target(*args, **kwargs)  # type: ignore[operator]
-            except Exception as e:  # noqa: BLE001 - any failure is the op's own complaint
+                out = op.target(*args, **kwargs)  # type: ignore[operator, misc]
+            except Exception as e:
                 raise VerifyError(f"{op.describe()}: the op rejects its operand types: {e}") from None
         got = [x for x in _flatten(out)]
         if len(got) != len(op.results):

@@ -23,7 +23,11 @@ def _same_type(op: Op) -> bool:
 
 
 @TRIVIAL_VIEWS.register(
-    aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.expand.default, aten.alias.default,
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.expand.default,
+    aten.alias.default,
     aten.detach.default,
 )
 def _identity_view(rw: Rewriter, op: Op) -> Sequence[Value] | None:

@@ -47,7 +47,9 @@ def filecheck(path: Path, output: str) -> None:
     if UPDATE:
         kept = [ln for ln in path.read_text().splitlines() if not ln.startswith("// CHECK")]
         lines = output.rstrip("\n").splitlines()
-        checks = [f"// CHECK: {lines[0]}"] + [f"// CHECK-NEXT: {ln}" if ln.strip() else "// CHECK-EMPTY:" for ln in lines[1:]]
+        checks = [f"// CHECK: {lines[0]}"] + [
+            f"// CHECK-NEXT: {ln}" if ln.strip() else "// CHECK-EMPTY:" for ln in lines[1:]
+        ]
         path.write_text("\n".join(kept + checks) + "\n")
         return
     exe = shutil.which("filecheck") or str(Path(sys.executable).parent / "filecheck")
@@ -66,5 +68,9 @@ def expect_text(path: Path, actual: str) -> None:
     if expected != actual:
         import difflib
 
-        diff = "".join(difflib.unified_diff(expected.splitlines(True), actual.splitlines(True), "expected", "actual", n=2))
-        raise AssertionError(f"{path.name} differs from the golden file (MESHFOLD_UPDATE_GOLDEN=1 rewrites it):\n{diff[:6000]}")
+        diff = "".join(
+            difflib.unified_diff(expected.splitlines(True), actual.splitlines(True), "expected", "actual", n=2)
+        )
+        raise AssertionError(
+            f"{path.name} differs from the golden file (MESHFOLD_UPDATE_GOLDEN=1 rewrites it):\n{diff[:6000]}"
+        )

@@ -93,7 +93,9 @@ def test_captured_graph_computes_the_models_loss_and_gradients(name: str) -> Non
     torch.testing.assert_close(got[("out", "0")], loss.detach(), rtol=1e-5, atol=1e-6)
     for pname, p in model.named_parameters():
         assert p.grad is not None
-        torch.testing.assert_close(got[("grad", pname)], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=pname: f"{n}: {m}")
+        torch.testing.assert_close(
+            got[("grad", pname)], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=pname: f"{n}: {m}"
+        )
 
 
 def test_llama_tiny_module_paths_are_fqns() -> None:
@@ -174,8 +176,15 @@ def test_buffer_updates_become_update_outputs() -> None:
     g = capture(model, (torch.randn(2, 4),))
     (upd,) = [o for o in g.outputs if o.kind == "update"]
     assert upd.name == "calls"
-    got = interpret(g, {"lin.weight": model.lin.weight.detach(), "lin.bias": model.lin.bias.detach(),
-                        "calls": torch.tensor(3.0), "x": torch.randn(2, 4)})
+    got = interpret(
+        g,
+        {
+            "lin.weight": model.lin.weight.detach(),
+            "lin.bias": model.lin.bias.detach(),
+            "calls": torch.tensor(3.0),
+            "x": torch.randn(2, 4),
+        },
+    )
     assert got[("update", "calls")].item() == 4.0
 
 

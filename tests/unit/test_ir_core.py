@@ -75,7 +75,9 @@ def _mm_graph(out_shape: tuple[int, int], layout_dim: int = 0) -> ir.Graph:
     b = GraphBuilder("g", mesh)
     x = b.add_input("input", "x", TensorType((4, 8), F32), Layout.on(mesh, tp=Shard(layout_dim)))
     w = b.add_input("param", "w", TensorType((8, 16), F32))
-    (y,) = b.add_op(aten.mm.default, (x, w), (), [("y", TensorType(out_shape, F32))], ir.Provenance("lin", "fwd", "m.py:9"))
+    (y,) = b.add_op(
+        aten.mm.default, (x, w), (), [("y", TensorType(out_shape, F32))], ir.Provenance("lin", "fwd", "m.py:9")
+    )
     b.add_output("out", "0", y)
     return b.build()
 

@@ -19,7 +19,9 @@ def _sample_graph() -> ir.Graph:
     w = b.add_input("param", "layers.0.w", TensorType((16, 8), F32), Layout.on(mesh, tp=Shard(0)))
     x = b.add_input("input", "x", TensorType((4, 8), F32), Layout.on(mesh, dp=Shard(0)))
     s0 = sympy.Symbol("s0", integer=True, positive=True)
-    (t,) = b.add_op(aten.t.default, (w,), (), [("t", TensorType((8, 16), F32))], Provenance("layers.0", "fwd", "m.py:3"))
+    (t,) = b.add_op(
+        aten.t.default, (w,), (), [("t", TensorType((8, 16), F32))], Provenance("layers.0", "fwd", "m.py:3")
+    )
     (mm,) = b.add_op(
         aten.mm.default,
         (x, t),
@@ -40,9 +42,15 @@ def _sample_graph() -> ir.Graph:
         [("ln", TensorType((4, 16), F32)), ("mean", TensorType((4, 1), F32)), ("rstd", TensorType((4, 1), F32))],
         Provenance("", "bwd"),
     )
-    b.add_op(aten.view.default, (full, (6,)), (("sym", 2 * s0 + 1), ("s", 'a "quoted" #str'), ("m", None)),
-             [("v", TensorType((2 * s0, 6), F32))])
-    b.add_op(aten.clone.default, (mm,), (("memory_format", torch.contiguous_format),), [("c", TensorType((4, 16), F32))])
+    b.add_op(
+        aten.view.default,
+        (full, (6,)),
+        (("sym", 2 * s0 + 1), ("s", 'a "quoted" #str'), ("m", None)),
+        [("v", TensorType((2 * s0, 6), F32))],
+    )
+    b.add_op(
+        aten.clone.default, (mm,), (("memory_format", torch.contiguous_format),), [("c", TensorType((4, 16), F32))]
+    )
     b.add_output("out", "0", mm)
     b.add_output("grad", "layers.0.w", t)
     return b.build()

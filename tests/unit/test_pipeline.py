@@ -55,7 +55,8 @@ def _registry() -> dict[str, type[Pass]]:
 
 def test_parse_options_of_every_type() -> None:
     pipe = PassPipeline.parse(
-        "cleanup{cse=false}, needs-clean{mode=auto max-inflight=2 ratio=0.25 budget=60GiB enabled=0},verify", _registry()
+        "cleanup{cse=false}, needs-clean{mode=auto max-inflight=2 ratio=0.25 budget=60GiB enabled=0},verify",
+        _registry(),
     )
     cleanup, nc, verify = pipe.passes
     assert cleanup == Cleanup(cse=False) and isinstance(verify, Verify)
