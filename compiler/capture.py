@@ -134,7 +134,9 @@ def _existing_fake_mode(model: nn.Module, inputs: Sequence[Any]) -> FakeTensorMo
 
 def _dynamo_capture(model: nn.Module, inputs: Sequence[Any]) -> fx.GraphModule:
     try:
-        return _dynamo_graph_capture_for_export(model)(*inputs)
+        # NOTE: dynamo refuses nn.LSTM/GRU/RNN unless asked; their ATen decompositions trace fine.
+        with torch._dynamo.config.patch(allow_rnn=True):
+            return _dynamo_graph_capture_for_export(model)(*inputs)
     except Exception as e:
         raise _capture_error(e, "capturing the forward") from e
 

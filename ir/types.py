@@ -19,6 +19,9 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.bfloat16: "bf16",
     torch.float8_e4m3fn: "f8e4m3fn",
     torch.float8_e5m2: "f8e5m2",
+    torch.float8_e4m3fnuz: "f8e4m3fnuz",
+    torch.float8_e5m2fnuz: "f8e5m2fnuz",
+    torch.complex32: "c32",
     torch.complex64: "c64",
     torch.complex128: "c128",
     torch.int64: "i64",
@@ -26,6 +29,9 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.int16: "i16",
     torch.int8: "i8",
     torch.uint8: "u8",
+    torch.uint16: "u16",
+    torch.uint32: "u32",
+    torch.uint64: "u64",
     torch.bool: "b8",
 }
 DTYPES_BY_NAME: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
