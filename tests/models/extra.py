@@ -1,71 +1,83 @@
 """Models outside the zoo that capture must also handle: conv + BatchNorm, LSTM/GRU, nn.Transformer,
-bf16 with a tuple output."""
+bf16 with a tuple output. Each factory returns ``(model, example_inputs)``."""
 
-import torch, torch.nn as nn, torch.nn.functional as F
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
 
 
 class CNN(nn.Module):
-    def __init__(s):
-        super().__init__()
-        s.c1 = nn.Conv2d(3, 8, 3, padding=1)
-        s.bn = nn.BatchNorm2d(8)
-        s.c2 = nn.Conv2d(8, 8, 3, stride=2)
-        s.fc = nn.Linear(8 * 3 * 3, 10)
-        s.do = nn.Dropout(0.1)
+    """Conv, BatchNorm (running stats updated in place), pooling, dropout, cross-entropy."""
 
-    def forward(s, x, y):
-        h = F.max_pool2d(F.relu(s.bn(s.c1(x))), 2)
-        h = s.do(F.relu(s.c2(h)))
-        h = F.adaptive_avg_pool2d(h, 3)
-        return F.cross_entropy(s.fc(h.flatten(1)), y)
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 8, 3, stride=2)
+        self.fc = nn.Linear(8 * 3 * 3, 10)
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = F.max_pool2d(F.relu(self.bn(self.c1(x))), 2)
+        h = F.adaptive_avg_pool2d(self.drop(F.relu(self.c2(h))), 3)
+        return F.cross_entropy(self.fc(h.flatten(1)), y)
 
 
 class RNN(nn.Module):
-    def __init__(s):
-        super().__init__()
-        s.emb = nn.Embedding(50, 16)
-        s.lstm = nn.LSTM(16, 32, batch_first=True)
-        s.gru = nn.GRU(32, 16, batch_first=True)
-        s.out = nn.Linear(16, 50)
+    """Embedding, LSTM then GRU, token cross-entropy."""
 
-    def forward(s, x, y):
-        h, _ = s.lstm(s.emb(x))
-        h, _ = s.gru(h)
-        return F.cross_entropy(s.out(h).flatten(0, 1), y.flatten())
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 16)
+        self.lstm = nn.LSTM(16, 32, batch_first=True)
+        self.gru = nn.GRU(32, 16, batch_first=True)
+        self.out = nn.Linear(16, 50)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h, _ = self.lstm(self.emb(x))
+        h, _ = self.gru(h)
+        return F.cross_entropy(self.out(h).flatten(0, 1), y.flatten())
 
 
 class TX(nn.Module):
-    def __init__(s):
-        super().__init__()
-        s.emb = nn.Embedding(50, 32)
-        s.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0), 2)
-        s.head = nn.Linear(32, 50)
+    """torch.nn.TransformerEncoder, two layers."""
 
-    def forward(s, x, y):
-        return F.cross_entropy(s.head(s.enc(s.emb(x))).flatten(0, 1), y.flatten())
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(50, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(32, 50)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.head(self.enc(self.emb(x))).flatten(0, 1), y.flatten())
 
 
 class TupleOut(nn.Module):
-    def __init__(s):
-        super().__init__()
-        s.l = nn.Linear(8, 8).to(torch.bfloat16)
+    """A bf16 layer returning (loss, activations)."""
 
-    def forward(s, x):
-        h = s.l(x)
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8).to(torch.bfloat16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
         return h.float().pow(2).mean(), h
 
 
-def cnn():
+def cnn() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return CNN(), (torch.randn(2, 3, 12, 12), torch.randint(0, 10, (2,)))
 
 
-def rnn():
+def rnn() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return RNN(), (torch.randint(0, 50, (2, 7)), torch.randint(0, 50, (2, 7)))
 
 
-def tx():
+def tx() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return TX(), (torch.randint(0, 50, (2, 7)), torch.randint(0, 50, (2, 7)))
 
 
-def tup():
+def tup() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return TupleOut(), (torch.randn(4, 8, dtype=torch.bfloat16),)
