@@ -227,7 +227,8 @@ def _forward_arg_names(model: nn.Module, n: int) -> list[str]:
 
 
 def _snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+    """``GPT2Tiny`` → ``gpt2_tiny``, ``MLP`` → ``mlp``, ``LlamaForCausalLM`` → ``llama_for_causal_lm``."""
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
 
 
 _MODULE_PATH_CLEANUPS = (

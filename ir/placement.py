@@ -94,7 +94,7 @@ class Layout:
 
     def with_placement(self, axis: str, placement: Placement) -> Layout:
         i = self.axes.index(axis)
-        return Layout(self.axes, (*self.placements[:i], placement, *self.placements[i + 1:]))
+        return Layout(self.axes, (*self.placements[:i], placement, *self.placements[i + 1 :]))
 
     def __str__(self) -> str:
         inner = ", ".join(

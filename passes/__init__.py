@@ -1,6 +1,6 @@
 """Passes over the IR. ``passes`` imports ``ir`` and never ``compiler``, ``backends`` or ``tools``."""
 
-from passes.base import CLEAN, JOINT, VERIFIED, Pass, PassContext, PassError
+from passes.base import CLEAN, JOINT, VERIFIED, Pass, PassContext, PassError, PassFailure
 from passes.cleanup import Cleanup, eliminate_common_subexpressions, eliminate_dead_code
 from passes.pipeline import PassPipeline, PassTiming, parse_pipeline, parse_size, pass_spelling
 from passes.registry import default_registry
@@ -14,6 +14,7 @@ __all__ = [
     "Pass",
     "PassContext",
     "PassError",
+    "PassFailure",
     "PassPipeline",
     "PassTiming",
     "Verify",

@@ -18,6 +18,15 @@ class PassError(ValueError):
     """A pass cannot run: bad options, a pipeline in the wrong order, or a graph it cannot handle."""
 
 
+class PassFailure(PassError):
+    """A pass raised while running; names the pass and its position (the original error is the cause)."""
+
+    def __init__(self, index: int, spelling: str, cause: Exception) -> None:
+        super().__init__(f"pass {index + 1} ({spelling}) failed: {type(cause).__name__}: {cause}")
+        self.index = index
+        self.spelling = spelling
+
+
 @dataclass
 class PassContext:
     """Everything a pass may read besides the graph: the target mesh and collected diagnostics.

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin
 
 from ir import Graph
-from passes.base import JOINT, Pass, PassContext, PassError
+from passes.base import JOINT, Pass, PassContext, PassError, PassFailure
 from passes.registry import default_registry
 
 Callback = Callable[[int, Pass, Graph], None]
@@ -99,7 +99,10 @@ class PassPipeline:
         timings: list[PassTiming] = []
         for i, p in enumerate(self.passes):
             start = time.perf_counter()
-            graph = p.apply(ctx, graph)
+            try:
+                graph = p.apply(ctx, graph)
+            except Exception as e:
+                raise PassFailure(i, pass_spelling(p), e) from e
             timings.append(PassTiming(p.name, time.perf_counter() - start))
             if callback is not None:
                 callback(i, p, graph)

@@ -8,7 +8,18 @@ from typing import ClassVar, Literal
 import pytest
 
 import ir
-from passes import CLEAN, Cleanup, Pass, PassContext, PassError, PassPipeline, Verify, default_registry, parse_size
+from passes import (
+    CLEAN,
+    Cleanup,
+    Pass,
+    PassContext,
+    PassError,
+    PassFailure,
+    PassPipeline,
+    Verify,
+    default_registry,
+    parse_size,
+)
 
 TEXT = """graph @g {
   input %x : f32[4]
@@ -106,6 +117,13 @@ def test_callback_sees_every_pass_in_order() -> None:
     assert seen == [(0, "verify", 3), (1, "cleanup", 2), (2, "verify", 2)]
     assert [t.name for t in timings] == ["verify", "cleanup", "verify"]
     assert "%c = aten.add.Tensor(%a, %a)" in str(g)
+
+
+def test_a_failing_pass_is_named_with_its_position() -> None:
+    bad = ir.parse(TEXT.replace("%c = aten.add.Tensor(%a, %b) : f32[4]", "%c = aten.add.Tensor(%a, %b) : f32[5]"))
+    with pytest.raises(PassFailure, match=r"pass 2 \(verify\) failed: VerifyError: aten.add.Tensor at m") as info:
+        PassPipeline.parse("cleanup{cse=false},verify").run(PassContext(), bad)
+    assert info.value.index == 1 and isinstance(info.value.__cause__, ir.VerifyError)
 
 
 def test_passes_are_frozen_and_registry_is_fresh() -> None:

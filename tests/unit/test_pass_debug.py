@@ -1,0 +1,293 @@
+"""The ``pass-debug`` CLI, called in-process through ``tools.pass_debug.main``."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import ir
+from tools import dumps
+from tools.pass_debug import main
+
+REPO = Path(__file__).resolve().parents[2]
+
+JOINT = """\
+graph @g {
+  param %w : f32[4, 4]
+  input %x : f32[2, 4]
+  tangent %g : f32[]
+  %t = aten.t(%w) : f32[4, 4]  # lin fwd @m.py:3
+  %mm = aten.mm(%x, %t) : f32[2, 4]  # lin fwd @m.py:3
+  %d = aten.detach(%mm) : f32[2, 4]  # <root> fwd
+  %s = aten.sum(%d) : f32[]  # <root> fwd
+  %e = aten.expand(%g, [2, 4]) : f32[2, 4]  # <root> bwd
+  %tx = aten.t(%e) : f32[4, 2]  # lin bwd @m.py:3
+  %gw = aten.mm(%tx, %x) : f32[4, 4]  # lin bwd @m.py:3
+  output out(0) = %s
+  output grad(w) = %gw
+}
+"""
+
+# NOTE: JOINT after `cleanup`: the detach of %mm is gone and the sum reads %mm directly.
+CLEANED = """\
+graph @g {
+  param %w : f32[4, 4]
+  input %x : f32[2, 4]
+  tangent %g : f32[]
+  %t = aten.t(%w) : f32[4, 4]  # lin fwd @m.py:3
+  %mm = aten.mm(%x, %t) : f32[2, 4]  # lin fwd @m.py:3
+  %s = aten.sum(%mm) : f32[]  # <root> fwd
+  %e = aten.expand(%g, [2, 4]) : f32[2, 4]  # <root> bwd
+  %tx = aten.t(%e) : f32[4, 2]  # lin bwd @m.py:3
+  %gw = aten.mm(%tx, %x) : f32[4, 4]  # lin bwd @m.py:3
+  output out(0) = %s
+  output grad(w) = %gw
+}
+"""
+
+FACTORY_MODULE = """\
+import torch
+from torch import nn
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.lin(x).relu().sum()
+
+
+def make():
+    torch.manual_seed(0)
+    return Tiny(), (torch.randn(2, 4),)
+"""
+
+
+@pytest.fixture
+def ir_file(tmp_path: Path) -> Path:
+    path = tmp_path / "joint.ir"
+    path.write_text(JOINT)
+    return path
+
+
+def _dump_sections(stdout: str) -> list[tuple[str, ir.Graph]]:
+    """Split printed IR at the ``// -----`` headers and parse every graph."""
+    parts = re.split(r"^// ----- (.*) -----$", stdout, flags=re.M)
+    assert parts[0] == ""
+    return [(parts[i], ir.parse(parts[i + 1])) for i in range(1, len(parts), 2)]
+
+
+def _tree(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def test_print_after_round_trips_the_cleaned_ir(ir_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(ir_file), "-p", "cleanup", "--print-after", "cleanup"]) == 0
+    out = capsys.readouterr().out
+    # NOTE: header lines are `//` comments, which the parser skips, so the output parses as is.
+    assert str(ir.parse(out)) == CLEANED
+
+
+def test_print_between_passes_shows_input_and_every_pass(ir_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(ir_file), "-p", "cleanup,verify", "--print-between-passes", "--no-color"]) == 0
+    sections = _dump_sections(capsys.readouterr().out)
+    assert [header.split(" (")[0] for header, _ in sections] == [
+        "IR before the pipeline",
+        "IR after pass 1 of 2",
+        "IR after pass 2 of 2",
+    ]
+    assert [str(g) for _, g in sections] == [JOINT, CLEANED, CLEANED]
+
+
+def test_summary_without_print_options(ir_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(ir_file), "-p", "cleanup", "--no-color"]) == 0
+    out = capsys.readouterr().out
+    rows = [re.findall(r"[\w-]+", line) for line in out.splitlines() if line.startswith("│")]
+    assert rows == [["0", "input", "4", "3", "7"], ["1", "cleanup", "3", "3", "6"]]
+
+
+def test_time_passes_goes_to_stderr_only(ir_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(ir_file), "-p", "cleanup,verify", "--print-after", "verify", "--time-passes"]) == 0
+    captured = capsys.readouterr()
+    assert str(ir.parse(captured.out)) == CLEANED
+    assert "pass timings" in captured.err
+    assert re.search(r"cleanup\s*│\s*\d+\.\d{4}", captured.err)
+    assert re.search(r"verify\s*│\s*\d+\.\d{4}", captured.err)
+
+
+def test_dump_dir_writes_every_step(ir_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(dumps.shutil, "which", lambda name: None)
+    out = tmp_path / "dumps"
+    assert main([str(ir_file), "-p", "cleanup,verify", "--dump-dir", str(out)]) == 0
+    stems = ["00-input", "01-cleanup", "02-verify"]
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["index.html"] + [f"{s}.{ext}" for s in stems for ext in ("txt", "dot", "html")]
+    )
+    assert [(out / f"{s}.txt").read_text() for s in stems] == [JOINT, CLEANED, CLEANED]
+    page = (out / "01-cleanup.html").read_text()
+    removed = re.findall(r'<div class="del">.*?[-] (.*?)</div>', page)
+    added = re.findall(r'<div class="add">.*?[+] (.*?)</div>', page)
+    assert [line.strip() for line in removed] == [
+        "%d = aten.detach(%mm) : f32[2, 4]  # &lt;root&gt; fwd",
+        "%s = aten.sum(%d) : f32[]  # &lt;root&gt; fwd",
+    ]
+    assert [line.strip() for line in added] == ["%s = aten.sum(%mm) : f32[]  # &lt;root&gt; fwd"]
+    assert "initial graph" in (out / "00-input.html").read_text()
+    assert "no change" in (out / "02-verify.html").read_text()
+    index = (out / "index.html").read_text()
+    assert re.findall(r'href="(\d\d-[a-z-]+)\.html"', index) == stems
+    assert ".svg" not in page
+
+
+def test_dot_has_one_edge_per_operand_and_phase_clusters(ir_file: Path) -> None:
+    graph = ir.parse(JOINT)
+    text = dumps.graph_to_dot(graph)
+    label_of = {m[0]: m[1] for m in re.findall(r"^\s+(\w+) \[label=\"(.*?)\\l", text, flags=re.M)}
+    edges = {(label_of[a], label_of[b]) for a, b in re.findall(r"^\s+(\w+) -> (\w+);", text, flags=re.M)}
+
+    def label(v: ir.Value) -> str:
+        for i in graph.inputs:
+            if i.value is v:
+                return f"{i.kind} %{v.name}"
+        return f"%{v.name} = {graph.producers()[v].name}"
+
+    expected = {(label(v), label(op.results[0])) for op in graph.ops for v in op.operands}
+    expected |= {(label(o.value), f"output {o.kind}({o.name})") for o in graph.outputs}
+    assert edges == expected
+    bwd_block = text.split("subgraph cluster_bwd {")[1].split("\n  }")[0]
+    assert sorted(re.findall(r"\"(%\w+) =", bwd_block)) == ["%e", "%gw", "%tx"]
+
+
+def test_dumps_are_byte_identical_across_runs(ir_file: Path, tmp_path: Path) -> None:
+    trees = []
+    for run in ("a", "b"):
+        out = tmp_path / run
+        assert main([str(ir_file), "-p", "cleanup,verify", "--mesh", "dp=2", "--dump-dir", str(out)]) == 0
+        trees.append(_tree(out))
+    assert trees[0] == trees[1]
+    assert ("00-input.svg" in trees[0]) == (dumps.shutil.which("dot") is not None)
+
+
+def test_dump_dir_replaces_stale_steps_only(ir_file: Path, tmp_path: Path) -> None:
+    out = tmp_path / "dumps"
+    out.mkdir()
+    (out / "07-sharding.txt").write_text("old")
+    (out / "notes.md").write_text("mine")
+    assert main([str(ir_file), "-p", "cleanup", "--dump-dir", str(out)]) == 0
+    assert not (out / "07-sharding.txt").exists()
+    assert (out / "notes.md").read_text() == "mine"
+
+
+def test_diff_folds_long_unchanged_runs() -> None:
+    before = "\n".join(f"line {i}" for i in range(20))
+    after = before.replace("line 10", "line ten")
+    page = dumps.diff_html(before, after, context=2)
+    assert re.findall(r"<summary>(\d+) unchanged lines</summary>", page) == ["8", "7"]
+    assert re.findall(r'class="(?:add|del)">.*?([-+] line \w+)</div>', page) == ["- line 10", "+ line ten"]
+    assert dumps.diff_html(None, after) == '<p class="note">initial graph</p>'
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["-p", "cleanup,nope"], "unknown pass 'nope'"),
+        (["-p", "cleanup{fast=true}"], "has no option 'fast'"),
+        (["--mesh", "dp=two"], "--mesh 'dp=two' is malformed"),
+        (["--print-after", "sharding"], "no pass named 'sharding'"),
+    ],
+)
+def test_bad_options_exit_2(ir_file: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
+    assert main([str(ir_file), *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        (JOINT.replace("aten.sum(%d)", "aten.sum(%nope)"), "%nope is used before it is defined"),
+        (JOINT.replace("f32[2, 4]  # <root> fwd", "f32[2, 4  # <root> fwd"), "line 7"),
+        (JOINT.replace("aten.detach", "aten.no_such_op"), "no_such_op"),
+    ],
+)
+def test_bad_ir_text_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str], text: str, needle: str) -> None:
+    path = tmp_path / "bad.ir"
+    path.write_text(text)
+    assert main([str(path), "-p", "cleanup"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot parse IR" in err and needle in err and "Traceback" not in err
+
+
+def test_unknown_model_and_missing_file_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["no-such-model", "-p", "cleanup"]) == 2
+    assert "no-such-model" in capsys.readouterr().err
+    assert main(["missing.ir", "-p", "cleanup"]) == 2
+    assert "IR file 'missing.ir' does not exist" in capsys.readouterr().err
+
+
+def test_verify_names_the_failing_step(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "wrong-type.ir"
+    path.write_text(JOINT.replace("%gw = aten.mm(%tx, %x) : f32[4, 4]", "%gw = aten.mm(%tx, %x) : f32[4, 5]"))
+    assert main([str(path), "-p", "cleanup", "--verify"]) == 2
+    assert "verification failed on the input graph" in capsys.readouterr().err
+    assert main([str(path), "-p", "cleanup,verify"]) == 2
+    assert "pass 2 of 2 (verify) failed" in capsys.readouterr().err
+
+
+def test_module_factory_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "pd_tiny_factory.py").write_text(FACTORY_MODULE)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, "pd_tiny_factory", raising=False)
+    assert main(["pd_tiny_factory:make", "-p", "cleanup", "--print-after", "cleanup", "--verify"]) == 0
+    graph = ir.parse(capsys.readouterr().out)
+    assert [(i.kind, i.name) for i in graph.inputs if i.kind == "param"] == [
+        ("param", "lin.weight"),
+        ("param", "lin.bias"),
+    ]
+    assert {(o.kind, o.name) for o in graph.outputs} == {("out", "0"), ("grad", "lin.weight"), ("grad", "lin.bias")}
+    assert {op.prov.phase for op in graph.ops} == {"fwd", "bwd"}
+    assert main(["pd_tiny_factory:nope", "-p", "cleanup"]) == 2
+    assert "has no attribute 'nope'" in capsys.readouterr().err
+    assert main(["pd_no_such_module:make", "-p", "cleanup"]) == 2
+    assert "cannot import module 'pd_no_such_module'" in capsys.readouterr().err
+    sys.modules.pop("pd_tiny_factory", None)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("compiler.zoo") is None, reason="compiler.zoo is not written yet")
+def test_zoo_mlp_dumps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "mlp"
+    assert main(["mlp", "-p", "cleanup,verify", "--verify", "--dump-dir", str(out), "--no-color"]) == 0
+    assert str(out / "index.html") in capsys.readouterr().out
+    captured = ir.parse((out / "00-input.txt").read_text())
+    cleaned = ir.parse((out / "01-cleanup.txt").read_text())
+    assert {op.prov.phase for op in captured.ops} == {"fwd", "bwd"}
+    assert [o.name for o in cleaned.outputs] == [o.name for o in captured.outputs]
+    assert (out / "02-verify.txt").read_text() == (out / "01-cleanup.txt").read_text()
+
+
+def test_runs_as_a_module(ir_file: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tools.pass_debug", str(ir_file), "-p", "cleanup", "--print-after", "cleanup"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert str(ir.parse(proc.stdout)) == CLEANED
+
+
+def test_dump_dir_that_is_a_file_exits_2(ir_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(ir_file), "-p", "cleanup", "--dump-dir", str(ir_file)]) == 2
+    assert f"--dump-dir {ir_file} exists and is not a directory" in capsys.readouterr().err
+    assert ir_file.read_text() == JOINT

@@ -1,0 +1,263 @@
+"""``pass-debug``: run a pass pipeline on a model or an IR file and show the graph between passes.
+
+    pass-debug mlp -p cleanup,verify --print-after cleanup
+    pass-debug graph.ir --dump-dir dumps --time-passes
+    pass-debug my_models:make_model --mesh dp=2,tp=2 --verify
+
+MODEL is a zoo name, ``module:factory`` (the factory returns ``(model, example_inputs)``; the module
+is imported from the current directory) or a path to an IR text file. User errors print one line on
+stderr and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+import ir
+from passes import Pass, PassContext, PassError, PassFailure, PassPipeline, PassTiming, pass_spelling
+from tools.dumps import DumpWriter, phase_counts
+
+EXIT_ERROR = 2
+FALLBACK_PIPELINE = "cleanup,verify"
+_IR_SUFFIXES = (".mlir", ".ir", ".txt")
+
+
+class CliError(Exception):
+    """A user error: shown as one line on stderr, exit code 2."""
+
+
+def default_pipeline() -> str:
+    """``compiler.pipeline.DEFAULT_PIPELINE`` when that module exists, else ``cleanup,verify``."""
+    try:
+        module = importlib.import_module("compiler.pipeline")
+    except ModuleNotFoundError as e:
+        if e.name not in ("compiler.pipeline", "compiler"):
+            raise
+        return FALLBACK_PIPELINE
+    return str(getattr(module, "DEFAULT_PIPELINE", FALLBACK_PIPELINE))
+
+
+def _arg_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="pass-debug", description="Run a meshfold pass pipeline and show the graph between passes."
+    )
+    p.add_argument("model", metavar="MODEL", help="zoo model name, module:factory, or a path to an IR text file")
+    p.add_argument("-p", "--pipeline", help="pass pipeline, e.g. 'cleanup,verify' (default: the compiler's)")
+    p.add_argument("--print-after", action="append", default=[], metavar="NAME", help="print the IR after pass NAME")
+    p.add_argument("--print-between-passes", action="store_true", help="print the input IR and the IR after each pass")
+    p.add_argument("--time-passes", action="store_true", help="print per-pass wall time to stderr")
+    p.add_argument("--verify", action="store_true", help="run the IR verifier on the input and after every pass")
+    p.add_argument("--dump-dir", type=Path, metavar="DIR", help="write txt/dot/svg/html dumps of every step to DIR")
+    p.add_argument("--mesh", metavar="MESH", help="device mesh for the passes, e.g. dp=2,tp=2")
+    p.add_argument("--no-color", action="store_true", help="plain output without colour")
+    return p
+
+
+def _load_ir_file(path: Path) -> ir.Graph:
+    try:
+        return ir.parse(path.read_text(encoding="utf-8"))
+    except ir.ParseError as e:
+        raise CliError(f"{path}: cannot parse IR: {e}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise CliError(f"{path}: cannot read IR text ({e}); pass a file written by the IR printer") from None
+
+
+def _capture(model: Any, inputs: Any, what: str) -> ir.Graph:
+    from compiler.capture import CaptureError, capture
+
+    try:
+        return capture(model, tuple(inputs))
+    except CaptureError as e:
+        raise CliError(f"cannot capture {what}: {e}") from None
+
+
+def _load_factory(spec: str) -> ir.Graph:
+    module_name, _, attr_path = spec.partition(":")
+    if not module_name or not attr_path:
+        raise CliError(f"model {spec!r} must look like module:factory, e.g. my_models:make_mlp")
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        importlib.invalidate_caches()
+        obj: Any = importlib.import_module(module_name)
+    except Exception as e:
+        # NOTE: any failure while importing the user's module (syntax error, missing dependency) is a user error.
+        raise CliError(
+            f"cannot import module {module_name!r} for {spec!r} ({type(e).__name__}: {e}); "
+            f"run pass-debug from the directory that contains it"
+        ) from None
+    finally:
+        if added:
+            sys.path.remove(cwd)
+    for part in attr_path.split("."):
+        if not hasattr(obj, part):
+            raise CliError(f"module {module_name!r} has no attribute {attr_path!r}; check the factory name in {spec!r}")
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise CliError(f"{spec!r} is not callable; it must name a function returning (model, example_inputs)")
+    try:
+        result = obj()
+    except Exception as e:
+        # NOTE: the user's factory failed; report it in one line like every other user error.
+        raise CliError(f"factory {spec!r} raised {type(e).__name__}: {e}") from None
+    if not (isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[1], (tuple, list))):
+        raise CliError(f"factory {spec!r} returned {type(result).__name__}; it must return (model, example_inputs)")
+    return _capture(result[0], result[1], f"model from {spec!r}")
+
+
+def _load_zoo(name: str) -> ir.Graph:
+    try:
+        zoo = importlib.import_module("compiler.zoo")
+    except ModuleNotFoundError as e:
+        if e.name not in ("compiler.zoo", "compiler"):
+            raise
+        raise CliError(f"model {name!r} is not a file or module:factory, and the model zoo is not available") from None
+    if name not in zoo.zoo_names():
+        raise CliError(
+            f"unknown model {name!r}: not an existing file, not module:factory, and not a zoo model "
+            f"(zoo models: {', '.join(zoo.zoo_names())})"
+        )
+    try:
+        model, inputs = zoo.build(name)
+    except ImportError as e:
+        raise CliError(f"zoo model {name!r} needs a missing package ({e}); for hf-* install meshfold[hf]") from None
+    return _capture(model, inputs, f"zoo model {name!r}")
+
+
+def load_model(spec: str) -> tuple[ir.Graph, str]:
+    """Resolve MODEL (IR file, ``module:factory`` or zoo name) to a graph and a one-line description."""
+    path = Path(spec)
+    if path.is_file():
+        return _load_ir_file(path), f"IR file {spec}"
+    if path.suffix in _IR_SUFFIXES:
+        raise CliError(f"IR file {spec!r} does not exist")
+    if ":" in spec:
+        return _load_factory(spec), f"factory {spec}"
+    return _load_zoo(spec), f"zoo model {spec}"
+
+
+def _parse_mesh(text: str | None) -> ir.Mesh | None:
+    if text is None:
+        return None
+    try:
+        return ir.Mesh.parse(text)
+    except ValueError as e:
+        raise CliError(f"--mesh {text!r} is malformed: {e}") from None
+
+
+def _verify(graph: ir.Graph, where: str) -> None:
+    try:
+        ir.verify(graph)
+    except ir.VerifyError as e:
+        raise CliError(f"verification failed {where}: {e}") from None
+
+
+def _print_ir(header: str, graph: ir.Graph) -> None:
+    print(f"// ----- {header} -----")
+    print(str(graph), end="", flush=True)
+
+
+def _timing_table(timings: Sequence[PassTiming], passes: Sequence[Pass]) -> Table:
+    total = sum(t.seconds for t in timings) or 1.0
+    table = Table(title="pass timings")
+    for column in ("#", "pass", "seconds", "share"):
+        table.add_column(column, justify="left" if column == "pass" else "right")
+    for i, (t, p) in enumerate(zip(timings, passes, strict=False), 1):
+        table.add_row(str(i), pass_spelling(p), f"{t.seconds:.4f}", f"{100 * t.seconds / total:.1f}%")
+    table.add_row("", "total", f"{sum(t.seconds for t in timings):.4f}", "100.0%")
+    return table
+
+
+def _summary(title: str, steps: Sequence[tuple[str, int, int]]) -> Table:
+    table = Table(title=title)
+    for column in ("step", "pass", "fwd ops", "bwd ops", "total"):
+        table.add_column(column, justify="left" if column in ("step", "pass") else "right")
+    for i, (spelling, fwd, bwd) in enumerate(steps):
+        table.add_row(str(i), spelling, str(fwd), str(bwd), str(fwd + bwd))
+    return table
+
+
+def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    mesh = _parse_mesh(args.mesh)
+    pipeline = PassPipeline.parse(args.pipeline if args.pipeline is not None else default_pipeline())
+    pipeline.check()
+    names = [p.name for p in pipeline.passes]
+    for name in args.print_after:
+        if name not in names:
+            raise CliError(f"--print-after {name}: pipeline {pipeline} has no pass named {name!r}")
+    if args.dump_dir is not None and args.dump_dir.exists() and not args.dump_dir.is_dir():
+        raise CliError(f"--dump-dir {args.dump_dir} exists and is not a directory; pass a directory path")
+    graph, label = load_model(args.model)
+    if mesh is not None and graph.mesh is not None and mesh != graph.mesh:
+        raise CliError(f"--mesh {mesh} differs from the {graph.mesh} declared by {label}; drop --mesh or match it")
+    ctx = PassContext(mesh=mesh if mesh is not None else graph.mesh)
+    writer = DumpWriter(args.dump_dir, pipeline, title=label) if args.dump_dir is not None else None
+    printing = bool(args.print_between_passes or args.print_after)
+    n = len(pipeline.passes)
+    steps: list[tuple[str, int, int]] = [("input", *phase_counts(graph))]
+
+    def after_pass(i: int, p: Pass, g: ir.Graph) -> None:
+        where = f"pass {i + 1} of {n} ({pass_spelling(p)})"
+        if args.verify:
+            _verify(g, f"after {where}")
+        if args.print_between_passes or p.name in args.print_after:
+            _print_ir(f"IR after {where}", g)
+        if writer is not None:
+            writer.write_step(g)
+        steps.append((pass_spelling(p), *phase_counts(g)))
+
+    try:
+        if args.verify:
+            _verify(graph, f"on the input graph ({label})")
+        if args.print_between_passes:
+            _print_ir(f"IR before the pipeline (input, {label})", graph)
+        if writer is not None:
+            writer.write_step(graph)
+        try:
+            _, timings = pipeline.run(ctx, graph, after_pass)
+        except PassFailure as e:
+            raise CliError(f"{e.args[0].replace(f'pass {e.index + 1} ', f'pass {e.index + 1} of {n} ', 1)}") from None
+    finally:
+        if writer is not None and writer.records:
+            writer.write_index()
+    if args.time_passes:
+        err.print(_timing_table(timings, pipeline.passes))
+    if not printing:
+        title = f"{label}: graph @{graph.name}, {ctx.mesh or 'no mesh'}, pipeline {pipeline}"
+        out.print(_summary(title, steps))
+        if writer is not None:
+            out.print(f"dumps: {len(writer.records)} steps in {args.dump_dir}; open {args.dump_dir / 'index.html'}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``pass-debug``; returns the exit code (0 on success, 2 on a user error)."""
+    parser = _arg_parser()
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else EXIT_ERROR
+    out = Console(file=sys.stdout, no_color=args.no_color, highlight=False, soft_wrap=True)
+    err = Console(file=sys.stderr, no_color=args.no_color, highlight=False, soft_wrap=True)
+    try:
+        return _run(args, out, err)
+    except (CliError, PassError, ir.ParseError, ir.VerifyError) as e:
+        print(f"pass-debug: error: {e}", file=sys.stderr)
+    except OSError as e:
+        print(f"pass-debug: error: cannot write {e.filename or 'output'}: {e.strerror or e}", file=sys.stderr)
+    return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
