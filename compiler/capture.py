@@ -280,7 +280,15 @@ class _Lifter:
     def _placeholder(self, node: fx.Node) -> None:
         desc = node.meta.get("desc")
         kind_name = type(desc).__name__
-        val = node.meta["val"]
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            if not node.users:
+                # NOTE: a Python scalar argument; dynamo baked its example value into the graph.
+                return
+            raise CaptureError(
+                f"graph input {node.name} ({desc!r}) is a symbolic Python value ({type(val).__name__}); "
+                "pass tensors, or plain Python values the model may treat as constants"
+            )
         if kind_name == "ParamAOTInput":
             v = self.b.add_input("param", self._fqn(desc.target), tensor_type(val))
         elif kind_name == "BufferAOTInput":

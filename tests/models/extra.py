@@ -81,3 +81,19 @@ def tx() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 
 def tup() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return TupleOut(), (torch.randn(4, 8, dtype=torch.bfloat16),)
+
+
+class ScalarArg(nn.Module):
+    """Takes a Python float besides the tensor and returns a dict."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor, scale: float) -> dict[str, torch.Tensor]:
+        h = self.lin(x) * scale
+        return {"loss": h.pow(2).mean(), "h": h}
+
+
+def scalar_arg() -> tuple[nn.Module, tuple[torch.Tensor | float, ...]]:
+    return ScalarArg(), (torch.randn(2, 4), 3.0)

@@ -61,3 +61,17 @@ def test_numerics_match_eager(name: str) -> None:
     torch.testing.assert_close(got[("out", "0")], first.detach())
     for pname, p in model.named_parameters():
         torch.testing.assert_close(got[("grad", pname)], p.grad, rtol=1e-4, atol=1e-5)
+
+
+def test_python_scalar_arguments_are_constants_and_dict_outputs_flatten() -> None:
+    model, inputs = extra.scalar_arg()
+    g = capture(model, inputs)
+    assert [i.name for i in g.inputs if i.kind == "input"] == ["x"]
+    assert [o.name for o in g.outputs if o.kind == "out"] == ["0", "1"]
+    x = inputs[0]
+    assert isinstance(x, torch.Tensor)
+    feeds = {k: v.detach() for k, v in model.named_parameters()} | {"x": x, "tangent.1": torch.zeros(2, 4)}
+    got = interpret(g, feeds)
+    expected = model(*inputs)
+    torch.testing.assert_close(got[("out", "0")], expected["loss"].detach())
+    torch.testing.assert_close(got[("out", "1")], expected["h"].detach())
