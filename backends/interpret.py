@@ -24,6 +24,12 @@ def interpret(graph: Graph, inputs: Mapping[str, torch.Tensor]) -> dict[tuple[st
 
     Returns every output by ``(kind, name)``, e.g. ``("out", "0")`` or ``("grad", "l1.weight")``.
     """
+    env = run_values(graph, inputs)
+    return {(o.kind, o.name): env[o.value] for o in graph.outputs}
+
+
+def run_values(graph: Graph, inputs: Mapping[str, torch.Tensor]) -> dict[Value, Any]:
+    """Run ``graph`` and return the runtime value of every input and op result."""
     env: dict[Value, Any] = {}
     for i in graph.inputs:
         if i.name in inputs:
@@ -47,7 +53,7 @@ def interpret(graph: Graph, inputs: Mapping[str, torch.Tensor]) -> dict[tuple[st
             if len(outs) != len(op.results):
                 raise InterpretError(f"{op.describe()} returned {len(outs)} values for {len(op.results)} results")
             env.update(zip(op.results, outs, strict=True))
-    return {(o.kind, o.name): env[o.value] for o in graph.outputs}
+    return env
 
 
 def _load(a: Arg, env: dict[Value, Any]) -> Any:

@@ -35,14 +35,31 @@ class CaptureError(RuntimeError):
     """The model uses a construct meshfold cannot capture; the message names it and its source line."""
 
 
-def capture(model: nn.Module, example_inputs: Sequence[Any], *, name: str | None = None) -> ir.Graph:
+def sharding_decompositions() -> dict[Any, Any]:
+    """ATen decompositions applied at capture: losses whose results depend on global sizes.
+
+    ``nll_loss``/``mse_loss`` with ``reduction=mean`` divide by a count or a ``numel``; decomposed,
+    that becomes an explicit sum divided by a counted total (or a constant from the global shape),
+    which stays exact when the batch is sharded.
+    """
+    from torch._decomp import get_decompositions
+
+    aten = torch.ops.aten
+    return dict(
+        get_decompositions([aten.mse_loss, aten.mse_loss_backward, aten.nll_loss_forward, aten.nll_loss_backward])
+    )
+
+
+def capture(
+    model: nn.Module, example_inputs: Sequence[Any], *, name: str | None = None, decompose: bool = True
+) -> ir.Graph:
     """Capture ``model(*example_inputs)`` and its backward as one joint ``ir.Graph``.
 
     Inputs are ``param``/``buffer`` (model FQNs), ``input`` (the forward's argument names) and
     ``tangent`` (the seed gradient of each differentiable output); outputs are ``out(i)`` for the
     model's outputs, ``grad(fqn)`` for every parameter gradient and ``update(fqn)`` for the new
     value of every buffer the forward updates in place (e.g. running statistics). Runs on fake
-    tensors.
+    tensors. ``decompose`` applies :func:`sharding_decompositions` (numerically the same graph).
     """
     graph_name = name or _snake(type(model).__name__)
     with _fake_copies(model, example_inputs) as (fake_mode, fake_inputs):
@@ -51,7 +68,8 @@ def capture(model: nn.Module, example_inputs: Sequence[Any], *, name: str | None
         with contextlib.ExitStack() as stack:
             with fake_mode:
                 try:
-                    joint = aot_export_joint_with_descriptors(stack, gm, tuple(fake_inputs))
+                    decomps = sharding_decompositions() if decompose else None
+                    joint = aot_export_joint_with_descriptors(stack, gm, tuple(fake_inputs), decompositions=decomps)
                 except Exception as e:
                     raise _capture_error(e, "tracing the backward") from e
             arg_names = _forward_arg_names(model, len(fake_inputs))
