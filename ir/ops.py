@@ -40,7 +40,8 @@ def _declare(namespace: str, name: str, attrs: tuple[str, ...], doc: str, pure: 
     return op
 
 
-# NOTE: collectives take the mesh axis by name; their result types are per-rank (local) shapes.
+# NOTE: collectives take the mesh axis by name. Types stay GLOBAL shapes throughout the IR; a
+# value's layout says how ranks hold it, and backends derive local shapes from the two.
 ALL_GATHER = _declare("comm", "all_gather", ("axis", "dim"), "concatenate shards along dim over axis")
 REDUCE_SCATTER = _declare(
     "comm", "reduce_scatter", ("axis", "dim", "reduce"), "reduce partials over axis, keep this rank's dim shard"
@@ -51,6 +52,13 @@ ALL_TO_ALL = _declare(
 )
 PPERMUTE = _declare("comm", "ppermute", ("axis", "perm"), "send to the peer given by perm along axis")
 WAIT = _declare("comm", "wait", (), "wait for an asynchronous collective's result")
+REDISTRIBUTE = _declare(
+    "comm", "redistribute", (), "the operand in the result's layout; boxing lowers it to collectives"
+)
+SHARD = _declare("comm", "shard", ("axis", "dim"), "keep this rank's chunk of dim along axis (no communication)")
+PARTIAL = _declare(
+    "comm", "partial", ("axis", "reduce"), "a Replicate value as Partial along axis (sum: zero on all but one rank)"
+)
 OFFLOAD = _declare("mem", "offload", (), "copy an activation to host memory", pure=False)
 RELOAD = _declare("mem", "reload", (), "copy an offloaded activation back to device memory", pure=False)
 

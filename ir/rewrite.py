@@ -61,8 +61,15 @@ class Rewriter:
         self.append(Op(target, tuple(args), tuple(kwargs), results, like.prov))
         return results
 
-    def emit_op(self, target: Target, args: Sequence[Arg], results: Sequence[Value], prov: Provenance) -> None:
-        self.append(Op(target, tuple(args), (), tuple(results), prov))
+    def emit_op(
+        self,
+        target: Target,
+        args: Sequence[Arg],
+        results: Sequence[Value],
+        prov: Provenance,
+        kwargs: Sequence[tuple[str, Arg]] = (),
+    ) -> None:
+        self.append(Op(target, tuple(args), tuple(kwargs), tuple(results), prov))
 
 
 def apply_patterns(graph: Graph, table: PatternTable, max_sweeps: int = 8) -> Graph:

@@ -35,6 +35,8 @@ class PassContext:
     """
 
     mesh: Mesh | None = None
+    plan: object | None = None
+    """A ``passes.sharding.plans.Plan`` chosen by the caller (a user plan); overrides pass options."""
     diagnostics: list[str] = field(default_factory=list)
 
     def warn(self, message: str) -> None:

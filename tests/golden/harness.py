@@ -13,32 +13,34 @@ import sys
 from pathlib import Path
 
 import ir
-from passes import PassContext, PassPipeline
+from passes import JOINT, PassContext, PassPipeline
 
 GOLDEN_DIR = Path(__file__).parent
 UPDATE = os.environ.get("MESHFOLD_UPDATE_GOLDEN") == "1"
 
 
-def run_line(path: Path) -> tuple[str, ir.Mesh | None]:
-    """The pipeline (and optional ``--mesh``) from the file's ``// RUN:`` line."""
+def run_line(path: Path) -> tuple[str, ir.Mesh | None, frozenset[str]]:
+    """The pipeline, ``--mesh`` and ``--assume`` (graph properties taken as given) of the ``// RUN:`` line."""
     for line in path.read_text().splitlines():
         if line.startswith("// RUN:"):
-            spec = line[len("// RUN:") :].strip()
-            pipeline, _, mesh = spec.partition(" --mesh ")
-            return pipeline.strip(), ir.Mesh.parse(mesh) if mesh else None
+            words = line[len("// RUN:") :].split()
+            opts = dict(zip(words[1::2], words[2::2], strict=False))
+            mesh = opts.get("--mesh")
+            assume = frozenset(filter(None, opts.get("--assume", "").split(",")))
+            return words[0], ir.Mesh.parse(mesh) if mesh else None, assume
     raise AssertionError(f"{path} has no `// RUN: <pipeline>` line")
 
 
 def run_pipeline_file(path: Path) -> str:
     """Parse the file's IR, run its RUN pipeline verifying after every pass, return the printed result."""
-    pipeline, mesh = run_line(path)
+    pipeline, mesh, assume = run_line(path)
     graph = ir.parse(path.read_text())
     ir.verify(graph)
 
     def check(i: int, p: object, g: ir.Graph) -> None:
         ir.verify(g)
 
-    out, _ = PassPipeline.parse(pipeline).run(PassContext(mesh=mesh), graph, check)
+    out, _ = PassPipeline.parse(pipeline).run(PassContext(mesh=mesh), graph, check, initial=assume | {JOINT})
     return str(out)
 
 

@@ -1,0 +1,224 @@
+"""Lower a boxed SPMD graph to one rank's forward and backward ``fx.GraphModule``s.
+
+Types in the IR are global; here each value gets its local shape from its layout, shape-spelling
+arguments are rewritten by the rule table's localizers, and ``comm.*`` ops become
+``torch.ops._c10d_functional`` collectives (+ ``wait_tensor``) on the mesh's process groups.
+The joint graph is split by phase: forward ops form the forward module, which also returns the
+values the backward needs ("saved"); backward ops form the backward module.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+import ir
+from ir import Graph, Layout, Op, OpDef, Shard, TensorType, Value
+from ir.graph import Arg
+from ir.ops import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, PARTIAL, REDISTRIBUTE, REDUCE_SCATTER, SHARD
+from passes.sharding.rules import rule_table
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """What lowering needs to know about this rank: mesh sizes, its coordinate, group names."""
+
+    mesh: ir.Mesh
+    coordinate: tuple[int, ...]
+    group_names: tuple[str, ...]
+
+    def size(self, axis: str) -> int:
+        return self.mesh.size(axis)
+
+    def coord(self, axis: str) -> int:
+        return self.coordinate[self.mesh.index(axis)]
+
+    def group(self, axis: str) -> str:
+        return self.group_names[self.mesh.index(axis)]
+
+
+def local_shape(t: TensorType, layout: Layout, mesh: ir.Mesh) -> tuple[int, ...]:
+    """The per-rank shape of a value of type ``t`` held in ``layout``."""
+    shape = [int(d) for d in t.shape]
+    for axis, p in zip(layout.axes, layout.placements, strict=True):
+        if isinstance(p, Shard):
+            n = mesh.size(axis)
+            if shape[p.dim] % n:
+                raise ValueError(f"dim {p.dim} of {t} (size {shape[p.dim]}) does not divide over {axis}={n}")
+            shape[p.dim] //= n
+    return tuple(shape)
+
+
+@dataclass(frozen=True)
+class Lowered:
+    """One rank's program: forward and backward modules and how to call them."""
+
+    forward: fx.GraphModule
+    backward: fx.GraphModule
+    fwd_inputs: tuple[str, ...]
+    """Graph input names, in the forward module's placeholder order."""
+    fwd_outputs: tuple[tuple[str, str], ...]
+    """(kind, name) of the forward module's leading results; the saved values follow them."""
+    n_saved: int
+    bwd_inputs: tuple[str, ...]
+    """Tangent names the backward module takes after the saved values."""
+    bwd_outputs: tuple[str, ...]
+    """Parameter names whose gradients the backward module returns, in order."""
+
+
+def lower(graph: Graph, rank: RankContext) -> Lowered:
+    """Split ``graph`` by phase and lower both halves for ``rank``."""
+    if any(op.target == REDISTRIBUTE for op in graph.ops):
+        raise ValueError("graph still has comm.redistribute ops; run the boxing pass before lowering")
+    fwd_ops = [op for op in graph.ops if op.prov.phase == "fwd"]
+    bwd_ops = [op for op in graph.ops if op.prov.phase == "bwd"]
+    fwd_defined = {i.value for i in graph.inputs if i.kind != "tangent"} | {r for op in fwd_ops for r in op.results}
+    for op in fwd_ops:
+        for v in op.operands:
+            if v not in fwd_defined:
+                raise ValueError(f"{op.describe()}: forward op uses %{v.name}, which only the backward defines")
+    fwd_out = [o for o in graph.outputs if o.kind in ("out", "update")]
+    grads = [o for o in graph.outputs if o.kind == "grad"]
+    tangents = [i for i in graph.inputs if i.kind == "tangent"]
+    tangent_vals = {i.value for i in tangents}
+    bwd_defined = {r for op in bwd_ops for r in op.results} | tangent_vals
+    saved: list[Value] = []
+    for v in [*(u for op in bwd_ops for u in op.operands), *(o.value for o in grads)]:
+        if v not in bwd_defined and v not in saved:
+            saved.append(v)
+    table = rule_table()
+    fwd_inputs = [i for i in graph.inputs if i.kind != "tangent"]
+    forward = _build(
+        [i.value for i in fwd_inputs], fwd_ops, [o.value for o in fwd_out] + saved, graph.mesh, rank, table
+    )
+    backward = _build(saved + [i.value for i in tangents], bwd_ops, [o.value for o in grads], graph.mesh, rank, table)
+    return Lowered(
+        forward,
+        backward,
+        tuple(i.name for i in fwd_inputs),
+        tuple((o.kind, o.name) for o in fwd_out),
+        len(saved),
+        tuple(i.name for i in tangents),
+        tuple(o.name for o in grads),
+    )
+
+
+def _build(
+    inputs: Sequence[Value],
+    ops: Sequence[Op],
+    outputs: Sequence[Value],
+    mesh: ir.Mesh | None,
+    rank: RankContext,
+    table: Any,
+) -> fx.GraphModule:
+    g = fx.Graph()
+    env: dict[Value, fx.Node] = {}
+    for k, v in enumerate(inputs):
+        env[v] = g.placeholder(f"in{k}")
+    for op in ops:
+        outs = _emit(g, op, env, rank, table)
+        for r, node in zip(op.results, outs, strict=True):
+            env[r] = node
+    g.output(tuple(env[v] for v in outputs))
+    g.lint()
+    return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _load(a: Arg, env: dict[Value, fx.Node]) -> Any:
+    if isinstance(a, Value):
+        return env[a]
+    if isinstance(a, tuple):
+        return [_load(x, env) for x in a]
+    return a
+
+
+def _emit(g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext, table: Any) -> list[fx.Node]:
+    if isinstance(op.target, OpDef):
+        (x,) = op.operands
+        return [_collective(g, op, env[x], x, rank)]
+    args: tuple[Any, ...] = op.args
+    kwargs: dict[str, Any] = dict(op.kwargs)
+    loc = table.localizers.get(op.target)
+    if loc is not None:
+        shapes = tuple(
+            local_shape(r.type, r.layout, rank.mesh) if isinstance(r.type, TensorType) else () for r in op.results
+        )
+        args, kwargs = loc(op, shapes)
+    node = g.call_function(op.target, tuple(_load(a, env) for a in args), {k: _load(v, env) for k, v in kwargs.items()})
+    if len(op.results) == 1 and not _returns_sequence(op):
+        return [node]
+    return [g.call_function(operator.getitem, (node, i)) for i in range(len(op.results))]
+
+
+def _returns_sequence(op: Op) -> bool:
+    target = op.target
+    assert not isinstance(target, OpDef)
+    rets = target._schema.returns
+    return len(rets) != 1 or str(rets[0].type).startswith("List")
+
+
+def _collective(g: fx.Graph, op: Op, x: fx.Node, xv: Value, rank: RankContext) -> fx.Node:
+    axis = str(op.kwarg("axis"))
+    n = rank.size(axis)
+    group = rank.group(axis)
+    if op.target == ALL_GATHER:
+        dim = int(op.kwarg("dim"))  # type: ignore[arg-type]
+        moved = g.call_function(aten.movedim.int, (x, dim, 0))
+        cont = g.call_function(aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
+        out = g.call_function(c10d.all_gather_into_tensor.default, (cont, n, group))
+        waited = g.call_function(c10d.wait_tensor.default, (out,))
+        return g.call_function(aten.movedim.int, (waited, 0, dim))
+    if op.target == ALL_REDUCE:
+        reduce = str(op.kwarg("reduce"))
+        red = "sum" if reduce == "avg" else reduce
+        out = g.call_function(c10d.all_reduce.default, (x, red, group))
+        waited = g.call_function(c10d.wait_tensor.default, (out,))
+        return g.call_function(aten.div.Tensor, (waited, n)) if reduce == "avg" else waited
+    if op.target == REDUCE_SCATTER:
+        dim = int(op.kwarg("dim"))  # type: ignore[arg-type]
+        reduce = str(op.kwarg("reduce"))
+        if reduce == "max":
+            full = g.call_function(
+                c10d.wait_tensor.default, (g.call_function(c10d.all_reduce.default, (x, "max", group)),)
+            )
+            return _chunk(g, full, dim, n, rank.coord(axis))
+        moved = g.call_function(aten.movedim.int, (x, dim, 0))
+        cont = g.call_function(aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
+        out = g.call_function(c10d.reduce_scatter_tensor.default, (cont, "sum", n, group))
+        waited = g.call_function(c10d.wait_tensor.default, (out,))
+        back = g.call_function(aten.movedim.int, (waited, 0, dim))
+        return g.call_function(aten.div.Tensor, (back, n)) if reduce == "avg" else back
+    if op.target == ALL_TO_ALL:
+        # NOTE: realized as gather + local chunk (same result; an all_to_all_single moves less).
+        src_dim = int(op.kwarg("concat_dim"))  # type: ignore[arg-type]
+        dst_dim = int(op.kwarg("split_dim"))  # type: ignore[arg-type]
+        moved = g.call_function(aten.movedim.int, (x, src_dim, 0))
+        cont = g.call_function(aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
+        out = g.call_function(
+            c10d.wait_tensor.default, (g.call_function(c10d.all_gather_into_tensor.default, (cont, n, group)),)
+        )
+        full = g.call_function(aten.movedim.int, (out, 0, src_dim))
+        return _chunk(g, full, dst_dim, n, rank.coord(axis))
+    if op.target == SHARD:
+        return _chunk(g, x, int(op.kwarg("dim")), n, rank.coord(axis))  # type: ignore[arg-type]
+    if op.target == PARTIAL:
+        reduce = str(op.kwarg("reduce"))
+        if reduce == "sum" and rank.coord(axis) != 0:
+            return g.call_function(aten.zeros_like.default, (x,))
+        return x
+    raise ValueError(f"{op.describe()}: no eager lowering for {op.name}")
+
+
+def _chunk(g: fx.Graph, x: fx.Node, dim: int, n: int, coord: int) -> fx.Node:
+    """This rank's contiguous chunk of ``x`` along ``dim`` (a local slice, no communication)."""
+    parts = g.call_function(aten.chunk.default, (x, n, dim))
+    piece = g.call_function(operator.getitem, (parts, coord))
+    return g.call_function(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})

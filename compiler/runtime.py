@@ -1,0 +1,149 @@
+"""``ParallelModule``: runs one rank's lowered program under one ``autograd.Function``.
+
+Parameters are ``DTensor``s on the user's ``DeviceMesh`` under the model's own FQNs, so
+``torch.optim``, ``clip_grad_norm_`` and ``torch.distributed.checkpoint`` work unchanged. The
+forward module returns the model's outputs plus the values the backward needs; the backward
+module returns each parameter's local gradient already in the parameter's own layout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+
+import ir
+from backends.eager import Lowered
+
+
+def dtensor_placements(layout: ir.Layout) -> list[Any]:
+    """Our placements as DTensor's (same order: one per mesh dim)."""
+    out: list[Any] = []
+    for p in layout.placements:
+        if isinstance(p, ir.Shard):
+            out.append(Shard(p.dim))
+        elif isinstance(p, ir.Partial):
+            out.append(Partial(p.reduce))
+        else:
+            out.append(Replicate())
+    return out
+
+
+class _Step(torch.autograd.Function):
+    """Forward and backward of the whole model on this rank's shards."""
+
+    @staticmethod
+    def forward(ctx: Any, runner: ParallelModule, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        low = runner._mf_lowered
+        outs = low.forward(*tensors)
+        k = len(low.fwd_outputs)
+        ctx.runner = runner
+        ctx.save_for_backward(*outs[k:])
+        results = tuple(outs[:k])
+        ctx.mark_non_differentiable(
+            *[r for r, (kind, _) in zip(results, low.fwd_outputs, strict=True) if kind != "out"]
+        )
+        ctx.out_meta = [(r.shape, r.dtype) for r in results]
+        return results
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        runner: ParallelModule = ctx.runner
+        low = runner._mf_lowered
+        by_out = {name: i for i, (kind, name) in enumerate(low.fwd_outputs) if kind == "out"}
+        tangents = []
+        for t in low.bwd_inputs:
+            i = by_out[t.split(".", 1)[1]]
+            g = grads[i]
+            shape, dtype = ctx.out_meta[i]
+            tangents.append(g if g is not None else torch.zeros(shape, dtype=dtype))
+        local_grads = low.backward(*ctx.saved_tensors, *tangents)
+        by_name = dict(zip(low.bwd_outputs, local_grads, strict=True))
+        return (None, *[by_name.get(n) for n in low.fwd_inputs])
+
+
+class ParallelModule(nn.Module):
+    """The compiled model on one rank. Call it like the original model."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: DeviceMesh,
+        graph: ir.Graph,
+        lowered: Lowered,
+        output_is_tuple: bool,
+    ) -> None:
+        super().__init__()
+        self._mf_graph = graph
+        self._mf_lowered = lowered
+        self._mf_mesh = mesh
+        self._mf_tuple = output_is_tuple
+        layouts = {i.name: i.value.layout for i in graph.inputs}
+        self._mf_input_layouts = [layouts[n] for n in lowered.fwd_inputs]
+        self._mf_kinds = {i.name: i.kind for i in graph.inputs}
+        state = dict(model.named_parameters()) | dict(model.named_buffers())
+        for name in lowered.fwd_inputs:
+            kind = self._mf_kinds[name]
+            if kind not in ("param", "buffer"):
+                continue
+            src = state[name].detach()
+            dt = distribute_tensor(src, mesh, dtensor_placements(layouts[name]), src_data_rank=None)
+            parent, leaf = self._mf_parent(name)
+            if kind == "param":
+                parent.register_parameter(leaf, nn.Parameter(dt, requires_grad=state[name].requires_grad))
+            else:
+                parent.register_buffer(leaf, dt)
+
+    def _mf_parent(self, fqn: str) -> tuple[nn.Module, str]:
+        *path, leaf = fqn.split(".")
+        mod: nn.Module = self
+        for part in path:
+            child = mod._modules.get(part)
+            if child is None:
+                child = nn.Module()
+                mod.add_module(part, child)
+            mod = child
+        return mod, leaf
+
+    def _mf_tensor(self, fqn: str) -> torch.Tensor:
+        parent, leaf = self._mf_parent(fqn)
+        t = getattr(parent, leaf)
+        assert isinstance(t, torch.Tensor)
+        return t
+
+    def forward(self, *inputs: Any) -> Any:
+        low = self._mf_lowered
+        user = iter(x for x in inputs if isinstance(x, torch.Tensor))
+        tensors: list[torch.Tensor] = []
+        for name, layout in zip(low.fwd_inputs, self._mf_input_layouts, strict=True):
+            kind = self._mf_kinds[name]
+            if kind in ("param", "buffer"):
+                t = self._mf_tensor(name)
+                tensors.append(t.to_local() if isinstance(t, DTensor) else t)
+            else:
+                x = next(user)
+                dt = distribute_tensor(x, self._mf_mesh, dtensor_placements(layout), src_data_rank=None)
+                tensors.append(dt.to_local())
+        results = _Step.apply(self, *tensors)
+        outs: list[torch.Tensor] = []
+        with torch.no_grad():
+            for r, (kind, name) in zip(results, low.fwd_outputs, strict=True):
+                if kind == "update":
+                    buf = self._mf_tensor(name)
+                    (buf.to_local() if isinstance(buf, DTensor) else buf).copy_(r)
+                else:
+                    outs.append(r)
+        return tuple(outs) if self._mf_tuple or len(outs) != 1 else outs[0]
+
+    def graph(self) -> ir.Graph:
+        """The compiled SPMD graph (layouts and collectives), for inspection and dumps."""
+        return self._mf_graph
+
+
+def named_placements(pm: ParallelModule) -> Sequence[tuple[str, str]]:
+    """(FQN, layout text) for every parameter, for plan summaries."""
+    return [(i.name, str(i.value.layout)) for i in pm.graph().inputs if i.kind == "param"]

@@ -1,0 +1,118 @@
+"""``boxing``: lower every ``comm.redistribute`` to the collectives that realize it.
+
+Per mesh axis: ``S(d)→R`` all-gather, ``P→R`` all-reduce, ``P→S(d)`` reduce-scatter (not all-reduce
+then slice), ``S(d)→S(e)`` all-to-all, ``R→S(d)`` a local chunk, ``R→P`` a local partial. Axes are
+unsharded right to left and sharded left to right so that a dim split over several axes keeps
+the mesh's nesting order (outer axis first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+from ir import Graph, Layout, Op, Partial, Placement, R, Replicate, Shard, Value, apply_patterns
+from ir.ops import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, PARTIAL, REDISTRIBUTE, REDUCE_SCATTER, SHARD
+from ir.rewrite import PatternTable, Rewriter
+from passes.base import Pass, PassContext
+from passes.sharding.propagate import SHARDED
+
+BOXED = "boxed"
+BOXING = PatternTable("boxing")
+
+
+@BOXING.register(REDISTRIBUTE)
+def _lower(rw: Rewriter, op: Op) -> tuple[Value, ...]:
+    (src,) = op.operands
+    cur = src
+    for target, emit in plan_steps(src.layout, op.result.layout):
+        cur = emit(rw, op, cur, target)
+    return (cur,)
+
+
+Step = tuple[Layout, "Emitter"]
+
+
+class Emitter:
+    """One collective on one axis: builds the op when called."""
+
+    def __init__(self, target: object, axis: str, **attrs: object) -> None:
+        self.target, self.axis, self.attrs = target, axis, attrs
+
+    def __call__(self, rw: Rewriter, like: Op, v: Value, layout: Layout) -> Value:
+        kwargs = (("axis", self.axis), *sorted(self.attrs.items()))
+        out = Value(like.result.name, v.type, layout)
+        rw.emit_op(self.target, (v,), [out], like.prov, kwargs)  # type: ignore[arg-type]
+        return out
+
+
+def plan_steps(src: Layout, dst: Layout) -> list[tuple[Layout, Emitter]]:
+    """The sequence of (layout after the step, step) turning ``src`` into ``dst``."""
+    steps: list[tuple[Layout, Emitter]] = []
+    cur = src
+    axes = list(src.axes)
+    # NOTE: (axis, dim) pairs whose sharding changes. An inner axis holding S(d) must be gathered
+    # (and re-sharded in phase 2) whenever an outer axis changes its sharding of the same dim d.
+    changing = {
+        (i, p.dim)
+        for i in range(len(cur.axes))
+        if cur.placements[i] != dst.placements[i]
+        for p in (cur.placements[i], dst.placements[i])
+        if isinstance(p, Shard)
+    }
+
+    def blocks_nesting(i: int, dim: int) -> bool:
+        return any(j < i and d == dim for j, d in changing)
+
+    # NOTE: phase 1, right to left: take every axis that must change out of Shard/Partial.
+    for i in reversed(range(len(axes))):
+        s, d = cur.placements[i], dst.placements[i]
+        if s == d:
+            if isinstance(s, Shard) and blocks_nesting(i, s.dim):
+                cur = _step(steps, cur, i, R, Emitter(ALL_GATHER, axes[i], dim=s.dim))
+            continue
+        if isinstance(s, Shard):
+            other_shards = {p.dim for j, p in enumerate(cur.placements) if j != i and isinstance(p, Shard)}
+            if isinstance(d, Shard) and d.dim not in other_shards and s.dim not in other_shards:
+                cur = _step(steps, cur, i, d, Emitter(ALL_TO_ALL, axes[i], split_dim=d.dim, concat_dim=s.dim))
+            else:
+                cur = _step(steps, cur, i, R, Emitter(ALL_GATHER, axes[i], dim=s.dim))
+        elif isinstance(s, Partial):
+            later_shards = {p.dim for j, p in enumerate(cur.placements) if j > i and isinstance(p, Shard)}
+            if isinstance(d, Shard) and d.dim not in later_shards:
+                cur = _step(steps, cur, i, d, Emitter(REDUCE_SCATTER, axes[i], dim=d.dim, reduce=s.reduce))
+            else:
+                cur = _step(steps, cur, i, R, Emitter(ALL_REDUCE, axes[i], reduce=s.reduce))
+    # NOTE: phase 2, left to right: from Replicate to the target placement.
+    for i in range(len(axes)):
+        s, d = cur.placements[i], dst.placements[i]
+        if s == d:
+            continue
+        assert isinstance(s, Replicate), f"boxing left {s} on axis {axes[i]} (from {src} to {dst})"
+        if isinstance(d, Shard):
+            cur = _step(steps, cur, i, d, Emitter(SHARD, axes[i], dim=d.dim))
+        elif isinstance(d, Partial):
+            cur = _step(steps, cur, i, d, Emitter(PARTIAL, axes[i], reduce=d.reduce))
+    # NOTE: an axis that phase 1 gathered only to keep nesting order is re-sharded by phase 2,
+    # so every axis now matches.
+    assert cur == dst, f"boxing reached {cur}, not {dst}"
+    return steps
+
+
+def _step(steps: list[tuple[Layout, Emitter]], cur: Layout, i: int, p: Placement, e: Emitter) -> Layout:
+    nxt = cur.with_placement(cur.axes[i], p)
+    steps.append((nxt, e))
+    return nxt
+
+
+@dataclass(frozen=True)
+class Boxing(Pass):
+    """Replace each ``comm.redistribute`` by concrete ``comm.*`` collectives (cheapest per-axis path)."""
+
+    name: ClassVar[str] = "boxing"
+    requires: ClassVar[frozenset[str]] = frozenset({SHARDED})
+    ensures: ClassVar[frozenset[str]] = frozenset({BOXED})
+    invalidates: ClassVar[frozenset[str]] = frozenset()
+
+    def apply(self, ctx: PassContext, graph: Graph) -> Graph:
+        return apply_patterns(graph, BOXING, max_sweeps=1)

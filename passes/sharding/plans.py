@@ -1,0 +1,176 @@
+"""Plans: presets (``ddp``, ``fsdp``, ``tp`` and ``+`` combinations) and user plans, resolved into
+per-input layouts — the seeds that propagation starts from.
+
+A parameter has two layouts: where it is stored (and where its gradient must land) and where it
+is computed with. They differ only on fsdp axes: stored ``S(d)``, computed ``R`` (all-gathered
+before use, the gradient reduce-scattered back).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from ir import Graph, Layout, Mesh, Placement, R, Shard, TensorType, parse_placement
+from passes.base import PassError
+from passes.sharding.tp import megatron_roles
+
+PRESETS = ("ddp", "fsdp", "tp")
+DATA_AXES = ("dp", "fsdp")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A named preset (``"fsdp+tp"``) plus user overrides: FQN glob → ``{axis: "S(d)" | "R" | "P"}``."""
+
+    preset: str = "ddp"
+    overrides: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+
+    @staticmethod
+    def of(preset: str = "ddp", user: Mapping[str, Mapping[str, str]] | None = None) -> Plan:
+        items = tuple((glob, tuple(sorted(axes.items()))) for glob, axes in (user or {}).items())
+        return Plan(preset, items)
+
+    def parts(self) -> list[str]:
+        parts = [p.strip() for p in self.preset.split("+") if p.strip()]
+        for p in parts:
+            if p not in PRESETS:
+                raise PassError(f"unknown plan preset {p!r} in {self.preset!r}; presets: {', '.join(PRESETS)}")
+        if not parts:
+            raise PassError("empty plan; use e.g. plan='fsdp+tp'")
+        return parts
+
+
+@dataclass(frozen=True)
+class Seeds:
+    """Resolved plan: storage and compute layouts per input name, and the axes' roles."""
+
+    storage: dict[str, Layout] = field(default_factory=dict)
+    compute: dict[str, Layout] = field(default_factory=dict)
+    roles: dict[str, str] = field(default_factory=dict)
+
+
+def axis_roles(plan: Plan, mesh: Mesh) -> dict[str, str]:
+    """Mesh axis → preset using it. ``ddp`` takes ``dp``; ``fsdp`` takes ``fsdp`` if the mesh has one,
+    else ``dp``; ``tp`` takes ``tp``. Every mesh axis must be used."""
+    roles: dict[str, str] = {}
+    parts = plan.parts()
+    for p in parts:
+        if p == "tp":
+            axis = "tp"
+        elif p == "fsdp":
+            axis = "fsdp" if "fsdp" in mesh.names else "dp"
+        else:
+            axis = "dp"
+        if axis not in mesh.names:
+            raise PassError(
+                f"plan {plan.preset!r} puts {p} on a mesh axis named {axis!r}, but {mesh} has axes "
+                f"{list(mesh.names)}; name the mesh dims (mesh_dim_names=...) accordingly"
+            )
+        if axis in roles:
+            raise PassError(f"plan {plan.preset!r} puts both {roles[axis]} and {p} on mesh axis {axis!r}")
+        roles[axis] = p
+    unused = [a for a in mesh.names if a not in roles]
+    if unused:
+        raise PassError(
+            f"mesh axes {unused} of {mesh} are not used by plan {plan.preset!r}; add a preset for them "
+            "(e.g. 'ddp+tp' for a (dp, tp) mesh) or drop them from the mesh"
+        )
+    return roles
+
+
+def resolve(plan: Plan, graph: Graph, mesh: Mesh) -> Seeds:
+    """Seeds for every graph input: parameters by preset then user override, user inputs batch-sharded."""
+    roles = axis_roles(plan, mesh)
+    tp_roles = megatron_roles(graph) if "tp" in roles.values() else {}
+    seeds = Seeds(roles=roles)
+    data_axes = [a for a in mesh.names if roles[a] in ("ddp", "fsdp")]
+    for i in graph.inputs:
+        t = i.value.type
+        if not isinstance(t, TensorType):
+            continue
+        if i.kind == "input":
+            seeds.storage[i.name] = seeds.compute[i.name] = _batch_layout(i.name, t, mesh, data_axes)
+        elif i.kind in ("param", "buffer"):
+            store, comp = _param_layouts(i.name, t, mesh, roles, tp_roles.get(i.name))
+            seeds.storage[i.name], seeds.compute[i.name] = store, comp
+        else:
+            seeds.storage[i.name] = seeds.compute[i.name] = Layout.replicated(mesh)
+    _apply_overrides(plan, graph, mesh, seeds)
+    return seeds
+
+
+def _batch_layout(name: str, t: TensorType, mesh: Mesh, data_axes: list[str]) -> Layout:
+    if not data_axes or t.rank == 0:
+        return Layout.replicated(mesh)
+    ways = 1
+    for a in data_axes:
+        ways *= mesh.size(a)
+    if not isinstance(t.shape[0], int) or t.shape[0] % ways:
+        raise PassError(
+            f"input {name!r} has batch size {t.shape[0]} (dim 0 of {t}), not divisible by the {ways} data-parallel "
+            f"ranks of {mesh} (axes {data_axes}); use a batch that is a multiple of {ways}"
+        )
+    return Layout.on(mesh, **{a: Shard(0) for a in data_axes})
+
+
+def _param_layouts(
+    name: str, t: TensorType, mesh: Mesh, roles: dict[str, str], tp_role: str | None
+) -> tuple[Layout, Layout]:
+    store: dict[str, Placement] = {}
+    comp: dict[str, Placement] = {}
+    for axis in mesh.names:
+        role = roles[axis]
+        if role == "tp" and tp_role is not None:
+            dim = 0 if tp_role == "column" else 1
+            if t.rank > dim and _divides(t.shape[dim], mesh.size(axis)):
+                store[axis] = comp[axis] = Shard(dim)
+        elif role == "fsdp":
+            taken = {p.dim for p in store.values() if isinstance(p, Shard)}
+            for d in range(t.rank):
+                if d not in taken and _divides(t.shape[d], mesh.size(axis)):
+                    store[axis] = Shard(d)
+                    comp[axis] = R
+                    break
+    return Layout.on(mesh, **store), Layout.on(mesh, **comp)
+
+
+def _divides(size: object, n: int) -> bool:
+    return isinstance(size, int) and size % n == 0 and size >= n
+
+
+def _apply_overrides(plan: Plan, graph: Graph, mesh: Mesh, seeds: Seeds) -> None:
+    for glob, axes in plan.overrides:
+        matched = [i for i in graph.inputs if i.kind in ("param", "buffer") and fnmatch.fnmatchcase(i.name, glob)]
+        if not matched:
+            raise PassError(f"plan entry {glob!r} matches no parameter or buffer; check the FQN glob")
+        for axis, text in axes:
+            if axis not in mesh.names:
+                raise PassError(f"plan entry {glob!r} names mesh axis {axis!r}, but {mesh} has axes {list(mesh.names)}")
+            try:
+                placement = parse_placement(text)
+            except ValueError as e:
+                raise PassError(f"plan entry {glob!r}, axis {axis!r}: {e}") from None
+            for i in matched:
+                t = i.value.type
+                assert isinstance(t, TensorType)
+                if isinstance(placement, Shard):
+                    _check_shard(i.name, t, placement.dim, axis, mesh, seeds.storage[i.name])
+                seeds.storage[i.name] = seeds.storage[i.name].with_placement(axis, placement)
+                seeds.compute[i.name] = seeds.compute[i.name].with_placement(axis, placement)
+
+
+def _check_shard(name: str, t: TensorType, dim: int, axis: str, mesh: Mesh, current: Layout) -> None:
+    if not 0 <= dim < t.rank:
+        raise PassError(f"plan shards {name!r} : {t} on dim {dim} over {axis!r}, but it has rank {t.rank}")
+    ways = mesh.size(axis)
+    for a, p in zip(current.axes, current.placements, strict=True):
+        if a != axis and isinstance(p, Shard) and p.dim == dim:
+            ways *= mesh.size(a)
+    size = t.shape[dim]
+    if not isinstance(size, int) or size % ways:
+        raise PassError(
+            f"plan shards {name!r} : {t} on dim {dim} (size {size}) over mesh axis {axis!r} "
+            f"({ways} ways in all), which does not divide it; pick a dim divisible by {ways} or 'R'"
+        )

@@ -1,0 +1,179 @@
+"""``sharding``: give every value a layout, starting from plan seeds, by a greedy min-cost rule choice.
+
+For each op in program order and each mesh axis independently, among the strategies its rule
+allows (that the axis divides), pick the one whose operand placements are cheapest to reach from
+the operands' current placements. Where a chosen operand placement differs from the value's
+layout, a ``comm.redistribute`` op makes the change explicit (``boxing`` lowers it to collectives).
+Graph outputs get their required layouts the same way: the loss Replicate, each gradient the
+layout its parameter is stored in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+from ir import Graph, GraphBuilder, Layout, Mesh, Op, Partial, Placement, Provenance, Shard, TensorType, Value
+from ir.graph import Arg
+from ir.ops import REDISTRIBUTE
+from passes.base import JOINT, Pass, PassContext, PassError
+from passes.sharding.cost import IMPOSSIBLE, nbytes, transition_cost
+from passes.sharding.plans import Plan, Seeds, resolve
+from passes.sharding.rules import RuleTable, rule_table, strategies_for
+from passes.sharding.strategy import Strategy
+
+SHARDED = "sharded"
+
+
+@dataclass(frozen=True)
+class Sharding(Pass):
+    """Assign layouts from a plan (``plan=fsdp+tp``); the context's plan, if set, takes precedence."""
+
+    name: ClassVar[str] = "sharding"
+    requires: ClassVar[frozenset[str]] = frozenset({JOINT})
+    ensures: ClassVar[frozenset[str]] = frozenset({SHARDED})
+    plan: str = "ddp"
+
+    def apply(self, ctx: PassContext, graph: Graph) -> Graph:
+        mesh = ctx.mesh
+        if mesh is None:
+            raise PassError("sharding needs a mesh; pass --mesh dp=2,tp=2 (or parallelize(model, mesh, ...))")
+        plan = ctx.plan if isinstance(ctx.plan, Plan) else Plan.of(self.plan)
+        seeds = resolve(plan, graph, mesh)
+        return _Propagator(graph, mesh, seeds, rule_table(), ctx).run()
+
+
+@dataclass
+class _Propagator:
+    graph: Graph
+    mesh: Mesh
+    seeds: Seeds
+    table: RuleTable
+    ctx: PassContext
+    b: GraphBuilder = field(init=False)
+    vmap: dict[Value, Value] = field(default_factory=dict)
+    moved: dict[tuple[Value, Layout, str], Value] = field(default_factory=dict)
+    warned: set[str] = field(default_factory=set)
+
+    def run(self) -> Graph:
+        self.b = GraphBuilder(self.graph.name, self.mesh)
+        compute: dict[Value, Layout] = {}
+        for i in self.graph.inputs:
+            lay = self.seeds.storage.get(i.name, Layout.replicated(self.mesh))
+            new = self.b.add_input(i.kind, i.name, i.value.type, lay)
+            self.vmap[i.value] = new
+            compute[new] = self.seeds.compute.get(i.name, lay)
+        self.compute = compute
+        for op in self.graph.ops:
+            self._op(op)
+        grads = {o.name: self.seeds.storage.get(o.name) for o in self.graph.outputs if o.kind in ("grad", "update")}
+        for o in self.graph.outputs:
+            v = self.vmap[o.value]
+            want = grads.get(o.name) if o.kind != "out" else None
+            target = want if want is not None else Layout.replicated(self.mesh)
+            prov = Provenance("", "bwd" if o.kind == "grad" else "fwd")
+            self.b.add_output(o.kind, o.name, self._move(v, target, prov))
+        return self.b.build()
+
+    def _current(self, v: Value) -> Layout:
+        """The layout a value is used in: parameters' compute layout, else its own."""
+        return self.compute.get(v, v.layout)
+
+    def _op(self, op: Op) -> None:
+        operands = [self.vmap.get(v, v) for v in op.operands]
+        strategies, source = strategies_for(op, self.table)
+        if source == "replicate" and op.name not in self.warned:
+            self.warned.add(op.name)
+            self.ctx.warn(f"no sharding rule for {op.name} (first at {op.prov.describe()}); it runs replicated")
+        chosen: list[Strategy] = []
+        for axis in self.mesh.names:
+            chosen.append(self._choose(op, operands, strategies, axis, chosen))
+        for k, v in enumerate(operands):
+            if isinstance(v.type, TensorType):
+                operands[k] = self._move(v, Layout(self.mesh.names, tuple(s.inputs[k] for s in chosen)), op.prov)
+        args, kwargs = _rebind(op, operands)
+        results = tuple(
+            Value(r.name, r.type, Layout(self.mesh.names, tuple(s.outputs[j] for s in chosen)))
+            for j, r in enumerate(op.results)
+        )
+        self.b.append(Op(op.target, args, kwargs, results, op.prov))
+        self.vmap.update(zip(op.results, results, strict=True))
+
+    def _choose(
+        self, op: Op, operands: list[Value], strategies: list[Strategy], axis: str, earlier: list[Strategy]
+    ) -> Strategy:
+        n = self.mesh.size(axis)
+        best: tuple[float, int] | None = None
+        best_s = strategies[0]
+        for idx, s in enumerate(strategies):
+            if not _valid(s, operands, op.results, self.mesh, earlier):
+                continue
+            cost = 0.0
+            for v, want in zip(operands, s.inputs, strict=True):
+                if isinstance(v.type, TensorType):
+                    cost += transition_cost(self._current(v).placement(axis), want, nbytes(v.type), n)
+            if cost == IMPOSSIBLE:
+                continue
+            if best is None or (cost, idx) < best:
+                best, best_s = (cost, idx), s
+        if best is None:
+            raise PassError(f"{op.describe()}: no valid sharding strategy on mesh axis {axis!r}")
+        return best_s
+
+    def _move(self, v: Value, target: Layout, prov: Provenance) -> Value:
+        """``v`` in ``target`` layout: itself, or a (phase-cached) ``comm.redistribute`` of it."""
+        if v.layout == target:
+            return v
+        key = (v, target, prov.phase)
+        if key not in self.moved:
+            (new,) = self.b.add_op(REDISTRIBUTE, (v,), (), [Value(v.name, v.type, target)], prov)
+            self.moved[key] = new
+        return self.moved[key]
+
+
+def _valid(s: Strategy, operands: list[Value], results: tuple[Value, ...], mesh: Mesh, earlier: list[Strategy]) -> bool:
+    """Every Shard divides its dim (with the axes chosen before this one that shard the same dim),
+    non-tensors stay Replicate, and Partial appears only on floating-point tensors."""
+    n = mesh.sizes[len(earlier)]
+    pairs = [*zip(operands, s.inputs, strict=True), *zip(results, s.outputs, strict=True)]
+    for pos, (v, p) in enumerate(pairs):
+        t = v.type
+        if not isinstance(t, TensorType):
+            if not _is_replicate(p):
+                return False
+            continue
+        if isinstance(p, Shard):
+            ways = n
+            for a, e in enumerate(earlier):
+                q = (e.inputs + e.outputs)[pos]
+                if isinstance(q, Shard) and q.dim == p.dim:
+                    ways *= mesh.sizes[a]
+            size = t.shape[p.dim] if p.dim < t.rank else None
+            if not isinstance(size, int) or size % ways or size < ways:
+                return False
+        if isinstance(p, Partial) and not t.dtype.is_floating_point:
+            return False
+    return True
+
+
+def _is_replicate(p: Placement) -> bool:
+    return not isinstance(p, (Shard, Partial))
+
+
+def _rebind(op: Op, operands: list[Value]) -> tuple[tuple[Arg, ...], tuple[tuple[str, Arg], ...]]:
+    """Replace the op's operands, in ``op.operands`` order, by ``operands``."""
+    it = iter(operands)
+
+    def sub(a: Arg) -> Arg:
+        if isinstance(a, Value):
+            return next(it)
+        if isinstance(a, tuple):
+            return tuple(sub(x) for x in a)
+        return a
+
+    args = tuple(sub(a) for a in op.args)
+    kwargs = tuple((k, sub(v)) for k, v in op.kwargs)
+    return args, kwargs
+
+
+__all__ = ["SHARDED", "Sharding"]

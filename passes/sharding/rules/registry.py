@@ -1,0 +1,93 @@
+"""The rule table: op target → rule function. Each family module declares a ``RuleSet`` and
+decorates its rules; ``rule_table()`` merges the family sets (a target claimed twice is an error)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ir import Op, Target, target_name
+from passes.sharding.strategy import Strategy
+
+RuleFn = Callable[[Op], list[Strategy]]
+"""Given an op (with global operand and result types), its single-axis strategies."""
+
+
+LocalizeFn = Callable[[Op, tuple[tuple[int, ...], ...]], tuple[tuple[Any, ...], dict[str, Any]]]
+"""Given an op and its results' LOCAL shapes, the args and kwargs to call it with on one rank."""
+
+
+@dataclass
+class RuleSet:
+    """The rules of one op family, registered with :meth:`rule`."""
+
+    family: str
+    rules: dict[Target, RuleFn] = field(default_factory=dict)
+    localizers: dict[Target, LocalizeFn] = field(default_factory=dict)
+
+    def rule(self, *targets: Target, shape_arg: int | None = None) -> Callable[[RuleFn], RuleFn]:
+        """``@RULES.rule(aten.mm.default)`` registers a rule for those targets.
+
+        ``shape_arg``: index of a positional argument that spells the first result's shape
+        (``view``'s size, ``full``'s size); on a rank it becomes the local shape.
+        """
+
+        def deco(fn: RuleFn) -> RuleFn:
+            for t in targets:
+                if t in self.rules:
+                    raise ValueError(f"{self.family}: two rules for {target_name(t)}")
+                self.rules[t] = fn
+                if shape_arg is not None:
+                    self.localizers[t] = _shape_arg_localizer(shape_arg)
+            return fn
+
+        return deco
+
+    def localizer(self, *targets: Target) -> Callable[[LocalizeFn], LocalizeFn]:
+        """Register how to rewrite an op's non-tensor arguments for local shapes."""
+
+        def deco(fn: LocalizeFn) -> LocalizeFn:
+            for t in targets:
+                self.localizers[t] = fn
+            return fn
+
+        return deco
+
+
+def _shape_arg_localizer(index: int) -> LocalizeFn:
+    def localize(op: Op, local_shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        args = list(op.args)
+        args[index] = tuple(local_shapes[0])
+        return tuple(args), dict(op.kwargs)
+
+    return localize
+
+
+@dataclass(frozen=True)
+class RuleTable:
+    """All of our rules by target, which family each came from, and argument localizers."""
+
+    rules: dict[Target, RuleFn]
+    family: dict[Target, str]
+    localizers: dict[Target, LocalizeFn]
+
+    def get(self, target: Target) -> RuleFn | None:
+        return self.rules.get(target)
+
+
+def rule_table() -> RuleTable:
+    """Build the table from every family module (a fresh dict each call)."""
+    from passes.sharding.rules import FAMILIES
+
+    rules: dict[Target, RuleFn] = {}
+    family: dict[Target, str] = {}
+    localizers: dict[Target, LocalizeFn] = {}
+    for rs in FAMILIES:
+        for t, fn in rs.rules.items():
+            if t in rules:
+                raise ValueError(f"{target_name(t)} has rules in both {family[t]} and {rs.family}")
+            rules[t] = fn
+            family[t] = rs.family
+        localizers.update(rs.localizers)
+    return RuleTable(rules, family, localizers)

@@ -1,0 +1,124 @@
+"""Megatron tensor parallelism found from the graph's dataflow, not from module names.
+
+A linear layer is ``mm``/``addmm`` of an activation with ``t(W)`` for a 2-D parameter ``W``. Walking
+forward from a linear's output through ops that keep the hidden dimension's meaning (elementwise
+ops, views, transposes, attention), the first linears reached consume it: the first layer is
+column-parallel (``W`` sharded on its output dim 0), those it feeds are row-parallel (dim 1). A
+linear that feeds no other (an LM head) is column-parallel. Wrong guesses only cost
+communication: propagation and boxing keep every result exact.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from ir import Graph, Op, Value
+
+aten = torch.ops.aten
+
+_TRANSPARENT = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.expand.default,
+    aten.transpose.int,
+    aten.permute.default,
+    aten.t.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.clone.default,
+    aten._to_copy.default,
+    aten.slice.Tensor,
+    aten.cat.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.select.int,
+    aten.add.Tensor,
+    aten.sub.Tensor,
+    aten.mul.Tensor,
+    aten.mul.Scalar,
+    aten.div.Tensor,
+    aten.div.Scalar,
+    aten.neg.default,
+    aten.silu.default,
+    aten.gelu.default,
+    aten.relu.default,
+    aten.sigmoid.default,
+    aten.tanh.default,
+    aten.exp.default,
+    aten.pow.Tensor_Scalar,
+    aten.where.self,
+    aten.repeat_interleave.self_int,
+    aten.alias.default,
+    aten.detach.default,
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_efficient_attention.default,
+    aten._scaled_dot_product_flash_attention.default,
+    aten._scaled_dot_product_cudnn_attention.default,
+}
+
+
+def _linear_weight(op: Op, params: set[Value], producers: dict[Value, Op]) -> tuple[Value, Value] | None:
+    """(activation, weight parameter) when ``op`` is a forward linear layer, else None."""
+    if op.prov.phase != "fwd":
+        return None
+    if op.target == aten.mm.default:
+        act, wt = op.args[0], op.args[1]
+    elif op.target == aten.addmm.default:
+        act, wt = op.args[1], op.args[2]
+    else:
+        return None
+    if not isinstance(wt, Value) or not isinstance(act, Value):
+        return None
+    t_op = producers.get(wt)
+    if t_op is None or t_op.target != aten.t.default:
+        return None
+    w = t_op.args[0]
+    return (act, w) if isinstance(w, Value) and w in params else None
+
+
+def megatron_roles(graph: Graph) -> dict[str, str]:
+    """Parameter name → ``"column"`` or ``"row"`` (weights and column biases); others are absent."""
+    params = {i.value: i.name for i in graph.inputs if i.kind == "param"}
+    producers = graph.producers()
+    users = graph.users()
+    linears: list[tuple[Op, Value, Value]] = []
+    for op in graph.ops:
+        found = _linear_weight(op, set(params), producers)
+        if found is not None:
+            linears.append((op, *found))
+    by_activation: dict[Value, list[tuple[Op, Value]]] = {}
+    for op, act, w in linears:
+        by_activation.setdefault(act, []).append((op, w))
+    roles: dict[str, str] = {}
+    for op, _act, w in linears:
+        name = params[w]
+        if name in roles:
+            continue
+        roles[name] = "column"
+        if op.target == aten.addmm.default and isinstance(op.args[0], Value) and op.args[0] in params:
+            roles.setdefault(params[op.args[0]], "column")
+        for _row_op, row_w in _reached_linears(op.result, users, by_activation):
+            roles.setdefault(params[row_w], "row")
+    return roles
+
+
+def _reached_linears(
+    start: Value, users: dict[Value, list[Op]], by_activation: dict[Value, list[tuple[Op, Value]]]
+) -> list[tuple[Op, Value]]:
+    seen: set[Value] = {start}
+    queue = deque([start])
+    found: list[tuple[Op, Value]] = []
+    while queue:
+        v = queue.popleft()
+        found.extend(by_activation.get(v, []))
+        for op in users.get(v, []):
+            if op.prov.phase != "fwd" or op.target not in _TRANSPARENT:
+                continue
+            for r in op.results:
+                if r not in seen:
+                    seen.add(r)
+                    queue.append(r)
+    return found
