@@ -152,7 +152,10 @@ def _emit(g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext, tab
             local_shape(r.type, r.layout, rank.mesh) if isinstance(r.type, TensorType) else () for r in op.results
         )
         args, kwargs = loc(op, shapes)
-    node = g.call_function(op.target, tuple(_load(a, env) for a in args), {k: _load(v, env) for k, v in kwargs.items()})
+    # NOTE: a view that is valid on the global tensor may not be on a local shard (other strides);
+    # in a functional graph reshape computes the same value and copies only when it must.
+    target = aten.reshape.default if op.target in (aten.view.default, aten._unsafe_view.default) else op.target
+    node = g.call_function(target, tuple(_load(a, env) for a in args), {k: _load(v, env) for k, v in kwargs.items()})
     if len(op.results) == 1 and not _returns_sequence(op):
         return [node]
     return [g.call_function(operator.getitem, (node, i)) for i in range(len(op.results))]
@@ -170,43 +173,25 @@ def _collective(g: fx.Graph, op: Op, x: fx.Node, xv: Value, rank: RankContext) -
     n = rank.size(axis)
     group = rank.group(axis)
     if op.target == ALL_GATHER:
-        dim = int(op.kwarg("dim"))  # type: ignore[arg-type]
-        moved = g.call_function(aten.movedim.int, (x, dim, 0))
-        cont = g.call_function(aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
-        out = g.call_function(c10d.all_gather_into_tensor.default, (cont, n, group))
-        waited = g.call_function(c10d.wait_tensor.default, (out,))
-        return g.call_function(aten.movedim.int, (waited, 0, dim))
+        return _gather(g, x, int(op.kwarg("dim")), n, group)  # type: ignore[arg-type]
     if op.target == ALL_REDUCE:
         reduce = str(op.kwarg("reduce"))
         red = "sum" if reduce == "avg" else reduce
-        out = g.call_function(c10d.all_reduce.default, (x, red, group))
-        waited = g.call_function(c10d.wait_tensor.default, (out,))
+        waited = _wait(g, g.call_function(c10d.all_reduce.default, (x, red, group)))
         return g.call_function(aten.div.Tensor, (waited, n)) if reduce == "avg" else waited
     if op.target == REDUCE_SCATTER:
         dim = int(op.kwarg("dim"))  # type: ignore[arg-type]
         reduce = str(op.kwarg("reduce"))
         if reduce == "max":
-            full = g.call_function(
-                c10d.wait_tensor.default, (g.call_function(c10d.all_reduce.default, (x, "max", group)),)
-            )
+            full = _wait(g, g.call_function(c10d.all_reduce.default, (x, "max", group)))
             return _chunk(g, full, dim, n, rank.coord(axis))
-        moved = g.call_function(aten.movedim.int, (x, dim, 0))
-        cont = g.call_function(aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
-        out = g.call_function(c10d.reduce_scatter_tensor.default, (cont, "sum", n, group))
-        waited = g.call_function(c10d.wait_tensor.default, (out,))
-        back = g.call_function(aten.movedim.int, (waited, 0, dim))
+        out = _wait(g, g.call_function(c10d.reduce_scatter_tensor.default, (_to_front(g, x, dim), "sum", n, group)))
+        back = _from_front(g, out, dim)
         return g.call_function(aten.div.Tensor, (back, n)) if reduce == "avg" else back
     if op.target == ALL_TO_ALL:
         # NOTE: realized as gather + local chunk (same result; an all_to_all_single moves less).
-        src_dim = int(op.kwarg("concat_dim"))  # type: ignore[arg-type]
-        dst_dim = int(op.kwarg("split_dim"))  # type: ignore[arg-type]
-        moved = g.call_function(aten.movedim.int, (x, src_dim, 0))
-        cont = g.call_function(aten.clone.default, (moved,), {"memory_format": torch.contiguous_format})
-        out = g.call_function(
-            c10d.wait_tensor.default, (g.call_function(c10d.all_gather_into_tensor.default, (cont, n, group)),)
-        )
-        full = g.call_function(aten.movedim.int, (out, 0, src_dim))
-        return _chunk(g, full, dst_dim, n, rank.coord(axis))
+        full = _gather(g, x, int(op.kwarg("concat_dim")), n, group)  # type: ignore[arg-type]
+        return _chunk(g, full, int(op.kwarg("split_dim")), n, rank.coord(axis))  # type: ignore[arg-type]
     if op.target == SHARD:
         return _chunk(g, x, int(op.kwarg("dim")), n, rank.coord(axis))  # type: ignore[arg-type]
     if op.target == PARTIAL:
@@ -215,6 +200,28 @@ def _collective(g: fx.Graph, op: Op, x: fx.Node, xv: Value, rank: RankContext) -
             return g.call_function(aten.zeros_like.default, (x,))
         return x
     raise ValueError(f"{op.describe()}: no eager lowering for {op.name}")
+
+
+def _contiguous(g: fx.Graph, x: fx.Node) -> fx.Node:
+    return g.call_function(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+
+
+def _to_front(g: fx.Graph, x: fx.Node, dim: int) -> fx.Node:
+    """``x`` with ``dim`` moved to the front, contiguous (collectives work on dim 0)."""
+    return _contiguous(g, g.call_function(aten.movedim.int, (x, dim, 0)) if dim else x)
+
+
+def _from_front(g: fx.Graph, x: fx.Node, dim: int) -> fx.Node:
+    return _contiguous(g, g.call_function(aten.movedim.int, (x, 0, dim))) if dim else x
+
+
+def _wait(g: fx.Graph, x: fx.Node) -> fx.Node:
+    return g.call_function(c10d.wait_tensor.default, (x,))
+
+
+def _gather(g: fx.Graph, x: fx.Node, dim: int, n: int, group: str) -> fx.Node:
+    out = _wait(g, g.call_function(c10d.all_gather_into_tensor.default, (_to_front(g, x, dim), n, group)))
+    return _from_front(g, out, dim)
 
 
 def _chunk(g: fx.Graph, x: fx.Node, dim: int, n: int, coord: int) -> fx.Node:

@@ -90,7 +90,7 @@ class ParallelModule(nn.Module):
             kind = self._mf_kinds[name]
             if kind not in ("param", "buffer"):
                 continue
-            src = state[name].detach()
+            src = state[name].detach().clone()  # NOTE: never alias the user's tensors
             dt = distribute_tensor(src, mesh, dtensor_placements(layouts[name]), src_data_rank=None)
             parent, leaf = self._mf_parent(name)
             if kind == "param":

@@ -71,15 +71,17 @@ def plan_steps(src: Layout, dst: Layout) -> list[tuple[Layout, Emitter]]:
             if isinstance(s, Shard) and blocks_nesting(i, s.dim):
                 cur = _step(steps, cur, i, R, Emitter(ALL_GATHER, axes[i], dim=s.dim))
             continue
+        # NOTE: never move straight into S(d) while an outer axis still has to change dim d.
+        direct = isinstance(d, Shard) and not blocks_nesting(i, d.dim)
         if isinstance(s, Shard):
             other_shards = {p.dim for j, p in enumerate(cur.placements) if j != i and isinstance(p, Shard)}
-            if isinstance(d, Shard) and d.dim not in other_shards and s.dim not in other_shards:
+            if direct and isinstance(d, Shard) and d.dim not in other_shards and s.dim not in other_shards:
                 cur = _step(steps, cur, i, d, Emitter(ALL_TO_ALL, axes[i], split_dim=d.dim, concat_dim=s.dim))
             else:
                 cur = _step(steps, cur, i, R, Emitter(ALL_GATHER, axes[i], dim=s.dim))
         elif isinstance(s, Partial):
             later_shards = {p.dim for j, p in enumerate(cur.placements) if j > i and isinstance(p, Shard)}
-            if isinstance(d, Shard) and d.dim not in later_shards:
+            if direct and isinstance(d, Shard) and d.dim not in later_shards:
                 cur = _step(steps, cur, i, d, Emitter(REDUCE_SCATTER, axes[i], dim=d.dim, reduce=s.reduce))
             else:
                 cur = _step(steps, cur, i, R, Emitter(ALL_REDUCE, axes[i], reduce=s.reduce))

@@ -41,3 +41,15 @@ def transition_cost(src: Placement, dst: Placement, size: float, n: int) -> floa
         return 2 * size * frac + LOCAL_SLICE
     # Replicate → Shard is a local slice; Replicate → Partial zeroes all but one rank
     return LOCAL_SLICE
+
+
+def comm_volume(op_name: str, local_bytes: float, n: int) -> float:
+    """Bytes one rank sends for a lowered collective whose operand is ``local_bytes`` on that rank."""
+    frac = (n - 1) / n
+    if op_name == "comm.all_gather":
+        return local_bytes * (n - 1)
+    if op_name == "comm.all_reduce":
+        return 2 * local_bytes * frac
+    if op_name in ("comm.reduce_scatter", "comm.all_to_all"):
+        return local_bytes * frac
+    return 0.0
