@@ -54,7 +54,9 @@ class Einsum:
                 return ()
             return tuple(tuple(g.split()) for g in side.split(","))
 
-        return Einsum(groups(lhs), groups(rhs))
+        # NOTE: an empty left side is an op without tensor operands (a factory); an empty right side
+        # is one 0-d result (``"k, k -> "`` is a dot product), since every op has a result.
+        return Einsum(groups(lhs), groups(rhs) or ((),))
 
 
 def einsum_strategies(

@@ -33,7 +33,7 @@ def _locals(x: torch.Tensor, layout: Layout, mesh: Mesh, gen: torch.Generator) -
         for c in coords:
             if c[i] != 0:
                 continue
-            group = [c[:i] + (k,) + c[i + 1 :] for k in range(mesh.sizes[i])]
+            group = [(*c[:i], k, *c[i + 1 :]) for k in range(mesh.sizes[i])]
             base = out[c]
             noise = [torch.randn(base.shape, generator=gen) for _ in group]
             mean = sum(noise) / len(noise)
@@ -52,7 +52,7 @@ def _simulate(step: Emitter, mesh: Mesh, vals: dict[Coord, torch.Tensor]) -> dic
     n = mesh.sizes[i]
     new: dict[Coord, torch.Tensor] = {}
     for c, v in vals.items():
-        group = [vals[c[:i] + (k,) + c[i + 1 :]] for k in range(n)]
+        group = [vals[(*c[:i], k, *c[i + 1 :])] for k in range(n)]
         a = step.attrs
         if step.target == ALL_GATHER:
             new[c] = torch.cat(group, int(a["dim"]))  # type: ignore[arg-type]
@@ -77,7 +77,7 @@ def _reduce_partials(vals: dict[Coord, torch.Tensor], layout: Layout, mesh: Mesh
         if isinstance(p, Partial):
             out = {}
             for c in vals:
-                stacked = torch.stack([vals[c[:i] + (k,) + c[i + 1 :]] for k in range(mesh.sizes[i])])
+                stacked = torch.stack([vals[(*c[:i], k, *c[i + 1 :])] for k in range(mesh.sizes[i])])
                 out[c] = {"sum": stacked.sum(0), "avg": stacked.mean(0), "max": stacked.amax(0)}[p.reduce]
             vals = out
     return vals

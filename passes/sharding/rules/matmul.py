@@ -63,4 +63,3 @@ def addmm(op: Op) -> list[Strategy]:
 def baddbmm(op: Op) -> list[Strategy]:
     """``b m n, b m k, b k n -> b m n`` (bias broadcast): like :func:`addmm` with a batch dim."""
     return _biased(op, (["a", "b", "k"], ["a", "k", "c"], ["a", "b", "c"]))
-

@@ -57,6 +57,7 @@ class RuleSet:
 
 def _shape_arg_localizer(index: int) -> LocalizeFn:
     def localize(op: Op, local_shapes: tuple[tuple[int, ...], ...]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """Argument ``index`` becomes the first result's local shape; everything else is unchanged."""
         args = list(op.args)
         args[index] = tuple(local_shapes[0])
         return tuple(args), dict(op.kwargs)

@@ -1,0 +1,58 @@
+"""Tasks that run on every rank of a pool: compile a model with a plan and compare it, step by step,
+with the single-device model (loss, every gradient, and the parameters after AdamW steps)."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
+from compiler.api import parallelize
+from compiler.zoo import build
+from tests.dist.pool import device_mesh
+
+RTOL, ATOL = 1e-5, 1e-6
+LR = 1e-3
+# NOTE: Adam's update is about lr * g/|g|, so on gradients near zero it turns 1e-9 of float noise
+# into a visible step; parameters must agree to 5% of one step, which any wrong update exceeds.
+PARAM_ATOL = 0.05 * LR
+
+
+def equivalence(
+    model: str, shape: tuple[int, ...], names: tuple[str, ...], plan: Any, steps: int = 2
+) -> dict[str, float]:
+    """Train ``steps`` AdamW steps compiled and single-device side by side; raise on any difference."""
+    warnings.filterwarnings("ignore")
+    mesh = device_mesh(tuple(shape), tuple(names))
+    net, inputs = build(model)
+    ref, _ = build(model)
+    pm = parallelize(net, mesh, inputs, plan=plan)
+    names_pm = [n for n, _ in pm.named_parameters()]
+    assert names_pm == [n for n, _ in ref.named_parameters()], "parameter FQNs differ from the model's"
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    ref_params = dict(ref.named_parameters())
+    worst = 0.0
+    for step in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = pm(*inputs)
+        loss.backward()
+        ref_loss = ref(*inputs)
+        ref_loss.backward()
+        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL,
+                                   msg=lambda m, s=step: f"step {s} loss: {m}")
+        for name, p in pm.named_parameters():
+            assert p.grad is not None, f"{name} has no gradient"
+            full = p.grad.full_tensor()
+            want = ref_params[name].grad
+            assert want is not None
+            torch.testing.assert_close(full, want, rtol=RTOL, atol=ATOL, msg=lambda m, n=name, s=step: f"step {s} grad {n}: {m}")
+            worst = max(worst, float((full - want).abs().max()))
+        opt.step()
+        ref_opt.step()
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(p.detach().full_tensor(), ref_params[name].detach(), rtol=0, atol=PARAM_ATOL,
+                                   msg=lambda m, n=name: f"param {n} after {steps} steps: {m}")
+    return {"worst_grad_abs_diff": worst, "loss": float(loss)}

@@ -1,0 +1,433 @@
+"""A pool of CPU/gloo ranks, spawned once and fed many tasks (DESIGN.md, "Testing").
+
+A task is a function named by import path (``"tests.dist.cases_smoke:rank_and_world"``) plus picklable
+keyword arguments; code is never pickled. Every rank calls the function with the default (gloo) process
+group initialised and returns a picklable value; ``RankPool.run`` returns those values in rank order::
+
+    results = rank_pools.get(4).run("tests.dist.cases_smoke:functional_collectives", n=3)  # a list of 4
+
+A task builds what it needs itself (``init_device_mesh``, or ``device_mesh`` below to reuse one) and must
+leave no collective half-issued; tasks share the worker processes, so they must not rely on each other.
+
+Each rank writes its stdout/stderr to a log file; after every task the parent prints what the ranks
+wrote, prefixed ``[rank r]``, so pytest shows it with a failing test. A script (not pytest) that makes a
+pool needs the ``if __name__ == "__main__":`` guard: ``spawn`` re-imports the main module in every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import faulthandler
+import importlib
+import math
+import multiprocessing
+import os
+import pickle
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, NoReturn
+from unittest import mock
+
+if TYPE_CHECKING:
+    from multiprocessing.process import BaseProcess
+
+    from torch.distributed.device_mesh import DeviceMesh
+
+DEFAULT_TIMEOUT_S = 300.0
+SPAWN_TIMEOUT_S = 180.0
+FAILURE_GRACE_S = 5.0
+MAX_WORLD = 8
+
+# NOTE: these must be in the environment when the interpreter starts (PYTHONUNBUFFERED) or when torch is
+# first imported (thread counts), so the parent sets them around ``Process.start``; 8 ranks share 2 cores.
+_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+_READY = -1
+_Fingerprint = tuple[int, dict[str, int]] | None
+
+
+class RankFailure(RuntimeError):
+    """A task failed on some ranks.
+
+    ``failures`` maps each rank that raised (or died) to its formatted traceback; ``stuck`` maps each rank
+    that never answered to a dump of its Python stacks. The message holds all of them, by rank.
+    """
+
+    def __init__(self, target: str, world: int, failures: dict[int, str], stuck: dict[int, str], note: str) -> None:
+        self.target = target
+        self.world = world
+        self.failures = dict(sorted(failures.items()))
+        self.stuck = dict(sorted(stuck.items()))
+        lines = [f"{target} on {world} rank(s): {note}"]
+        lines += [f"--- rank {rank} failed ---\n{text.rstrip()}" for rank, text in self.failures.items()]
+        for rank, text in self.stuck.items():
+            lines.append(f"--- rank {rank} did not finish; its stacks ---\n{text.rstrip()}")
+        super().__init__("\n".join(lines))
+
+
+class RankTimeout(RankFailure):
+    """No rank raised, but some did not finish within the timeout (typically blocked in a collective)."""
+
+
+@dataclass
+class _Rank:
+    """Parent-side handle of one worker process and its files in the pool's temporary directory."""
+
+    rank: int
+    process: BaseProcess
+    conn: Connection
+    tmpdir: Path
+    log_offset: int = 0
+
+    @property
+    def stacks(self) -> Path:
+        """Where the worker's faulthandler writes its stacks on SIGUSR1."""
+        return self.tmpdir / f"rank{self.rank}.stacks"
+
+    def new_output(self) -> str:
+        """What the worker wrote to stdout/stderr since the last call."""
+        try:
+            with (self.tmpdir / f"rank{self.rank}.log").open("rb") as f:
+                f.seek(self.log_offset)
+                data = f.read()
+        except FileNotFoundError:
+            return ""
+        self.log_offset += len(data)
+        return data.decode(errors="replace")
+
+
+class RankPool:
+    """``world`` gloo ranks on localhost in ``spawn``-ed processes, serving tasks until ``close``.
+
+    Ranks are spawned at construction. A task that raises on some ranks leaves the pool usable when the
+    ranks still agree on their process-group state; a hang, a dead rank or diverged state kills every rank,
+    and the next ``run`` respawns them (``spawns`` counts spawns, so tests can tell).
+    """
+
+    def __init__(
+        self,
+        world: int,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        spawn_timeout: float = SPAWN_TIMEOUT_S,
+        failure_grace: float = FAILURE_GRACE_S,
+    ) -> None:
+        if not 1 <= world <= MAX_WORLD:
+            raise ValueError(f"world must be in 1..{MAX_WORLD}, got {world}")
+        self.world = world
+        self.timeout = timeout
+        self.spawn_timeout = spawn_timeout
+        self.failure_grace = failure_grace
+        self.spawns = 0
+        self._task_id = 0
+        # NOTE: the finalizer owns these two lists (mutated in place, never rebound) so that ranks are
+        # killed and temporary files removed even when the pool is dropped without ``close``.
+        self._ranks: list[_Rank] = []
+        self._tmpdirs: list[Path] = []
+        self._finalizer = weakref.finalize(self, _kill, self._ranks, self._tmpdirs)
+        self._spawn()
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def run(self, target: str, /, *, timeout: float | None = None, **kwargs: Any) -> list[Any]:
+        """Run ``target`` (``"package.module:function"``) with ``kwargs`` on every rank; return values by rank.
+
+        ``timeout`` (seconds, default ``self.timeout``) is the pool's own keyword and never reaches the task.
+        Raises ``RankFailure`` when any rank raises or dies, ``RankTimeout`` when some rank does not finish.
+        """
+        module, sep, qualname = target.partition(":")
+        if not (sep and module and qualname):
+            raise ValueError(f"target must look like 'package.module:function', got {target!r}")
+        if not self._finalizer.alive:
+            raise RuntimeError("this RankPool is closed")
+        task = pickle.dumps((self._task_id + 1, target, kwargs))
+        if not self._ranks:
+            self._spawn()
+        self._task_id += 1
+        try:
+            return self._run(target, task, self.timeout if timeout is None else timeout)
+        except RankFailure:
+            raise
+        except BaseException:
+            # NOTE: unknown state (e.g. KeyboardInterrupt mid-task): never hand these ranks another task.
+            self._teardown()
+            raise
+
+    def close(self) -> None:
+        """Stop every rank (politely, then by force) and remove the pool's temporary files."""
+        for r in self._ranks:
+            with contextlib.suppress(OSError):
+                r.conn.send_bytes(pickle.dumps(None))
+        deadline = time.monotonic() + 5.0
+        for r in self._ranks:
+            r.process.join(max(0.0, deadline - time.monotonic()))
+        self._finalizer()
+
+    def _run(self, target: str, task: bytes, timeout: float) -> list[Any]:
+        """Send one pickled task to every rank and gather the replies (see ``run``)."""
+        for r in self._ranks:
+            with contextlib.suppress(OSError):  # a dead rank shows up in ``_gather``, as EOF on its pipe
+                r.conn.send_bytes(task)
+        results, failures, prints, pending, broken = self._gather(self._task_id, timeout, self.failure_grace)
+        stuck = _dump_stacks(pending)
+        self._relay_output()
+        if not (stuck or broken or failures):
+            return [results[rank] for rank in range(self.world)]
+        diverged = not (stuck or broken) and not _agree(list(prints.values()))
+        respawn = bool(stuck) or broken or diverged
+        if respawn:
+            self._teardown()
+        notes = [f"rank(s) {sorted(failures)} failed"] if failures else []
+        if stuck:
+            waited = f"{self.failure_grace}s after the first failure" if failures else f"within {timeout}s"
+            notes.append(f"rank(s) {sorted(stuck)} did not finish {waited}")
+        if diverged:
+            notes.append("ranks disagree on process-group state (groups made or collectives issued)")
+        if respawn:
+            notes.append("ranks killed; the next task respawns them")
+        raise (RankFailure if failures else RankTimeout)(target, self.world, failures, stuck, "; ".join(notes))
+
+    def _gather(
+        self, task_id: int, timeout: float, grace: float
+    ) -> tuple[dict[int, Any], dict[int, str], dict[int, _Fingerprint], list[_Rank], bool]:
+        """Wait for each rank's reply to ``task_id``: values, failures, fingerprints, silent ranks, broken."""
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        prints: dict[int, _Fingerprint] = {}
+        pending: dict[Any, _Rank] = {r.conn: r for r in self._ranks}
+        start, first_failure, broken = time.monotonic(), math.inf, False
+        while pending:
+            # NOTE: once a rank has failed, the others get only ``grace`` more: a rank blocked in a collective
+            # that the failed rank never joined would otherwise hold the pool for the whole timeout.
+            until = min(start + timeout, first_failure + grace)
+            ready = wait(list(pending), timeout=max(0.0, until - time.monotonic()))
+            if not ready:
+                break
+            for conn in ready:
+                r = pending.pop(conn)
+                ok, payload, prints[r.rank], bad = _receive(r, task_id)
+                broken = broken or bad
+                if ok:
+                    results[r.rank] = payload
+                else:
+                    failures[r.rank] = payload
+                    first_failure = min(first_failure, time.monotonic())
+        return results, failures, prints, list(pending.values()), broken
+
+    def _spawn(self) -> None:
+        """Start ``world`` workers on a fresh FileStore and wait until each has joined the process group."""
+        tmp = Path(tempfile.mkdtemp(prefix=f"meshfold-rankpool-w{self.world}-"))
+        self._tmpdirs.append(tmp)
+        ctx = multiprocessing.get_context("spawn")
+        with mock.patch.dict(os.environ, _WORKER_ENV):
+            for rank in range(self.world):
+                parent_conn, child_conn = ctx.Pipe()
+                args = (rank, self.world, str(tmp), os.getpid(), list(sys.path), child_conn)
+                process = ctx.Process(target=_worker_main, args=args, name=f"rankpool-w{self.world}-r{rank}")
+                process.start()
+                child_conn.close()
+                self._ranks.append(_Rank(rank, process, parent_conn, tmp))
+        self.spawns += 1
+        _, failures, _, pending, _ = self._gather(_READY, self.spawn_timeout, grace=0.0)
+        if failures or pending:
+            stuck = _dump_stacks(pending)
+            self._teardown()
+            note = "ranks failed to start" if failures else f"ranks did not start within {self.spawn_timeout}s"
+            raise RankFailure("<spawn>", self.world, failures, stuck, note)
+        self._relay_output()
+
+    def _teardown(self) -> None:
+        """Kill every rank now; the next ``run`` respawns them."""
+        self._relay_output()
+        _kill(self._ranks, self._tmpdirs)
+
+    def _relay_output(self) -> None:
+        """Print what each rank wrote since the last relay, prefixed with its rank."""
+        for r in self._ranks:
+            text = r.new_output()
+            if text:
+                sys.stdout.write("".join(f"[rank {r.rank}] {line}\n" for line in text.splitlines()))
+        sys.stdout.flush()
+
+
+def device_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
+    """Inside a task: a CPU ``DeviceMesh`` of ``shape``/``names``, created once per worker and then reused.
+
+    Each ``init_device_mesh`` call makes new gloo groups (threads and sockets that are never freed), so a
+    session sending hundreds of cases should take its meshes from here. Every rank must ask for the same
+    meshes in the same order, as with ``init_device_mesh``.
+    """
+    key = (tuple(shape), tuple(names))
+    if key not in _MESHES:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _MESHES[key] = init_device_mesh("cpu", key[0], mesh_dim_names=key[1])
+    return _MESHES[key]
+
+
+# NOTE: worker-process state only (the parent never fills it); it lives exactly as long as the
+# worker's process groups, so a cached mesh can never outlive its groups.
+_MESHES: dict[tuple[tuple[int, ...], tuple[str, ...]], DeviceMesh] = {}
+
+
+def _worker_main(rank: int, world: int, tmpdir: str, parent_pid: int, path: list[str], conn: Connection) -> None:
+    """Body of a worker process: join the gloo group, then run tasks until told to stop or orphaned."""
+    sys.path[:] = path
+    os.environ.update(_WORKER_ENV)
+    fd = os.open(os.path.join(tmpdir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    # NOTE: Ctrl-C reaches the whole process group; the parent handles it and kills the ranks.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    if hasattr(signal, "SIGUSR1"):
+        stacks = open(os.path.join(tmpdir, f"rank{rank}.stacks"), "a")  # noqa: SIM115 (lives as long as we do)
+        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    threading.Thread(target=_exit_when_orphaned, args=(parent_pid, tmpdir), daemon=True).start()
+    try:
+        import torch
+        import torch.distributed as dist
+
+        torch.set_num_threads(1)
+        store = dist.FileStore(os.path.join(tmpdir, "store"), world)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+        dist.barrier()
+    except BaseException:
+        conn.send_bytes(pickle.dumps((_READY, False, traceback.format_exc(), None)))
+        return
+    conn.send_bytes(pickle.dumps((_READY, True, None, None)))
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except EOFError:
+            _orphaned(tmpdir)
+        if message is None:
+            # NOTE: a normal interpreter exit with torch loaded costs ~0.5 s of CPU per rank; nothing a
+            # worker holds needs cleaning up, so leave at once (stdio is flushed after every task).
+            os._exit(0)
+        task_id, target, kwargs = message
+        conn.send_bytes(_run_task(task_id, target, kwargs))
+
+
+def _run_task(task_id: int, target: str, kwargs: dict[str, Any]) -> bytes:
+    """Run one task in a worker; the pickled reply is ``(task_id, ok, value or traceback, fingerprint)``."""
+    try:
+        module, _, qualname = target.partition(":")
+        fn: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            fn = getattr(fn, part)
+        ok, value = True, fn(**kwargs)
+    except BaseException:
+        ok, value = False, traceback.format_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    fingerprint = _fingerprint()
+    if "torch._dynamo" in sys.modules:
+        # NOTE: tasks must not see each other's compiled code or hit recompile limits from earlier tasks.
+        sys.modules["torch._dynamo"].reset()
+    try:
+        return pickle.dumps((task_id, ok, value, fingerprint))
+    except Exception:
+        error = f"{target} returned an unpicklable value\n{traceback.format_exc()}"
+        return pickle.dumps((task_id, False, error, fingerprint))
+
+
+def _receive(r: _Rank, task_id: int) -> tuple[bool, Any, _Fingerprint, bool]:
+    """Read one reply: ``(ok, value or error text, fingerprint, whether the pool is now unusable)``."""
+    try:
+        reply = r.conn.recv_bytes()
+    except (EOFError, OSError):
+        r.process.join(1.0)
+        return False, f"rank died (exit code {r.process.exitcode})", None, True
+    try:
+        got_id, ok, payload, fingerprint = pickle.loads(reply)
+    except Exception:
+        return False, f"the parent could not unpickle the reply\n{traceback.format_exc()}", None, False
+    # NOTE: ranks answer tasks in order and an unanswered task kills the pool: another id means a broken protocol.
+    return ok, payload, fingerprint, got_id != task_id
+
+
+def _fingerprint() -> _Fingerprint:
+    """This rank's process-group state: groups created so far and the collective count of each group."""
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        pgs = c10d._world.pg_map
+        return c10d._world.group_count, {str(pg.group_name): int(pg._get_sequence_number_for_group()) for pg in pgs}
+    except Exception:
+        return None
+
+
+def _agree(prints: list[_Fingerprint]) -> bool:
+    """Whether ranks' fingerprints allow another task: same group count, same collective count per group."""
+    known = [p for p in prints if p is not None]
+    if len(known) != len(prints):
+        return False
+    seen: dict[str, int] = {}
+    for count, seqs in known:
+        if count != known[0][0]:
+            return False
+        for name, seq in seqs.items():
+            if seen.setdefault(name, seq) != seq:
+                return False
+    return True
+
+
+def _dump_stacks(ranks: list[_Rank]) -> dict[int, str]:
+    """Python stacks of every thread of each still-running rank (faulthandler, triggered by SIGUSR1)."""
+    dumps = {r.rank: f"(not running; exit code {r.process.exitcode})" for r in ranks}
+    alive = [r for r in ranks if r.process.is_alive() and r.process.pid and hasattr(signal, "SIGUSR1")]
+    for r in alive:
+        r.stacks.write_bytes(b"")
+        os.kill(r.process.pid, signal.SIGUSR1)  # type: ignore[arg-type]
+    sizes: dict[int, int] = {}
+    deadline = time.monotonic() + 3.0
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.2)
+        now = {r.rank: r.stacks.stat().st_size for r in alive}
+        if now == sizes and all(now.values()):
+            break
+        sizes = now
+    for r in alive:
+        dumps[r.rank] = r.stacks.read_text(errors="replace") or "(no stack dump arrived)"
+    return dumps
+
+
+def _exit_when_orphaned(parent_pid: int, tmpdir: str) -> None:
+    """Worker watchdog thread: notices within a second that the parent is gone, even mid-task."""
+    while os.getppid() == parent_pid:
+        time.sleep(1.0)
+    _orphaned(tmpdir)
+
+
+def _orphaned(tmpdir: str) -> NoReturn:
+    """The parent died without closing the pool: remove the pool's files (no one else will) and exit."""
+    shutil.rmtree(tmpdir, ignore_errors=True)
+    os._exit(1)
+
+
+def _kill(ranks: list[_Rank], tmpdirs: list[Path]) -> None:
+    """Kill and reap every process in ``ranks``, close their pipes, delete ``tmpdirs``; empty both lists."""
+    for r in ranks:
+        if r.process.is_alive():
+            r.process.kill()
+    for r in ranks:
+        r.process.join(5.0)
+        r.conn.close()
+    ranks.clear()
+    for tmp in tmpdirs:
+        shutil.rmtree(tmp, ignore_errors=True)
+    tmpdirs.clear()
