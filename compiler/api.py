@@ -14,11 +14,10 @@ from torch.distributed.device_mesh import DeviceMesh
 import ir
 from backends.eager import RankContext, lower
 from compiler.capture import capture
+from compiler.pipeline import DEFAULT_PIPELINE
 from compiler.runtime import ParallelModule
 from passes import PassContext, PassError, PassPipeline
-from passes.sharding.plans import Plan
-
-PARALLEL_PIPELINE = "cleanup,sharding,boxing,verify{types=false}"
+from passes.sharding.plans import Plan, axis_roles, default_preset
 
 PlanSpec = str | Plan | Mapping[str, Any]
 
@@ -36,7 +35,7 @@ def ir_mesh(mesh: DeviceMesh) -> ir.Mesh:
 
 def to_plan(plan: PlanSpec, mesh: ir.Mesh) -> Plan:
     """A preset string, a ``Plan``, or a user dict ``{fqn_glob: {axis: "S(d)"|"R"|"P"}}`` with an
-    optional ``"preset"`` key (default: ``ddp`` on ``dp``, ``fsdp`` on ``fsdp``, ``tp`` on ``tp``)."""
+    optional ``"preset"`` key (default: from the mesh's axis names, see ``default_preset``)."""
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, str):
@@ -44,8 +43,7 @@ def to_plan(plan: PlanSpec, mesh: ir.Mesh) -> Plan:
     entries = dict(plan)
     preset = entries.pop("preset", None)
     if preset is None:
-        by_axis = {"dp": "ddp", "fsdp": "fsdp", "tp": "tp"}
-        preset = "+".join(by_axis.get(a, a) for a in mesh.names)
+        preset = default_preset(mesh)
     for glob, axes in entries.items():
         if not isinstance(axes, Mapping):
             raise PassError(f"plan entry {glob!r} must map mesh axes to placements, e.g. {{'tp': 'S(0)'}}")
@@ -58,7 +56,7 @@ def parallelize(
     example_inputs: Sequence[Any],
     plan: PlanSpec = "ddp",
     *,
-    pipeline: str = PARALLEL_PIPELINE,
+    pipeline: str = DEFAULT_PIPELINE,
 ) -> ParallelModule:
     """Compile ``model`` for ``mesh`` with ``plan`` and return this rank's ``ParallelModule``.
 
@@ -75,6 +73,7 @@ def parallelize(
         )
     imesh = ir_mesh(mesh)
     the_plan = to_plan(plan, imesh)
+    axis_roles(the_plan, imesh)  # NOTE: a bad preset or axis fails here, before the capture
     ctx = PassContext(mesh=imesh, plan=the_plan)
     graph = capture(model, example_inputs)
     compiled, _ = PassPipeline.parse(pipeline).run(ctx, graph)

@@ -13,9 +13,9 @@ from compiler.capture import capture
 from passes import Pass, PassContext, PassPipeline, PassTiming, parse_pipeline
 from passes.pipeline import Callback
 
-# NOTE: grows with every pass that lands (sharding, boxing, ...); `meshfold demo` and `pass-debug`
-# use it when no pipeline is given.
-DEFAULT_PIPELINE = "cleanup,verify"
+# NOTE: grows with every pass that lands; `meshfold demo`, `pass-debug` and `parallelize` use it.
+# Without a mesh, sharding and boxing leave the single-device graph as it is.
+DEFAULT_PIPELINE = "cleanup,sharding,boxing,verify"
 
 
 @dataclass(frozen=True)

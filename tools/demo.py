@@ -128,7 +128,7 @@ def run_demo(model_name: str, mesh_text: str, plan: str, steps: int, dump_dir: P
         worst = max(worst, abs(a - b))
         steps_table.add_row(str(i + 1), f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.1e}")
     console.print(steps_table)
-    console.print(f"compiled graph: {dump_dir.resolve() / 'parallel.txt'}")
+    console.print(f"compiled graph of rank 0: {dump_dir.resolve() / 'parallel.txt'}")
     ok = worst <= 1e-4 * max(1.0, abs(reference[0]))
     console.print("[green]matches single-device training[/green]" if ok else "[red]differs from single device[/red]")
     return 0 if ok else 1

@@ -117,4 +117,6 @@ class Boxing(Pass):
     invalidates: ClassVar[frozenset[str]] = frozenset()
 
     def apply(self, ctx: PassContext, graph: Graph) -> Graph:
+        if graph.mesh is None:
+            return graph
         return apply_patterns(graph, BOXING, max_sweeps=1)

@@ -42,6 +42,18 @@ class Plan:
         return parts
 
 
+def default_preset(mesh: Mesh) -> str:
+    """The preset named by the mesh's axes: ``tp`` on ``tp``; ``dp`` is fsdp, or ddp when the mesh
+    also has an ``fsdp`` axis (HSDP)."""
+    by_axis = {"dp": "ddp" if "fsdp" in mesh.names else "fsdp", "fsdp": "fsdp", "tp": "tp"}
+    unknown = [a for a in mesh.names if a not in by_axis]
+    if unknown:
+        raise PassError(
+            f"cannot infer a plan for mesh axes {unknown} of {mesh}; name axes dp, fsdp or tp, or pass a plan"
+        )
+    return "+".join(by_axis[a] for a in mesh.names)
+
+
 @dataclass(frozen=True)
 class Seeds:
     """Resolved plan: storage and compute layouts per input name, and the axes' roles."""

@@ -18,7 +18,7 @@ from ir.graph import Arg
 from ir.ops import REDISTRIBUTE
 from passes.base import JOINT, Pass, PassContext, PassError
 from passes.sharding.cost import IMPOSSIBLE, nbytes, transition_cost
-from passes.sharding.plans import Plan, Seeds, resolve
+from passes.sharding.plans import Plan, Seeds, default_preset, resolve
 from passes.sharding.rules import RuleTable, rule_table, strategies_for
 from passes.sharding.strategy import Strategy
 
@@ -27,18 +27,20 @@ SHARDED = "sharded"
 
 @dataclass(frozen=True)
 class Sharding(Pass):
-    """Assign layouts from a plan (``plan=fsdp+tp``); the context's plan, if set, takes precedence."""
+    """Assign layouts from a plan (``plan=fsdp+tp``; empty: inferred from the mesh's axis names); the
+    context's plan, if set, takes precedence. Without a mesh the graph runs on one device and is
+    returned unchanged."""
 
     name: ClassVar[str] = "sharding"
     requires: ClassVar[frozenset[str]] = frozenset({JOINT})
     ensures: ClassVar[frozenset[str]] = frozenset({SHARDED})
-    plan: str = "ddp"
+    plan: str = ""
 
     def apply(self, ctx: PassContext, graph: Graph) -> Graph:
         mesh = ctx.mesh
         if mesh is None:
-            raise PassError("sharding needs a mesh; pass --mesh dp=2,tp=2 (or parallelize(model, mesh, ...))")
-        plan = ctx.plan if isinstance(ctx.plan, Plan) else Plan.of(self.plan)
+            return graph
+        plan = ctx.plan if isinstance(ctx.plan, Plan) else Plan.of(self.plan or default_preset(mesh))
         seeds = resolve(plan, graph, mesh)
         return _Propagator(graph, mesh, seeds, rule_table(), ctx).run()
 
