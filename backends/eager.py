@@ -72,10 +72,18 @@ class Lowered:
     """Tangent names the backward module takes after the saved values."""
     bwd_outputs: tuple[str, ...]
     """Parameter names whose gradients the backward module returns, in order."""
+    fwd_recorded: tuple[Value, ...] = ()
+    """With ``record``: values the forward module returns after the saved ones."""
+    bwd_recorded: tuple[Value, ...] = ()
+    """With ``record``: values the backward module returns after the gradients."""
 
 
-def lower(graph: Graph, rank: RankContext) -> Lowered:
-    """Split ``graph`` by phase and lower both halves for ``rank``."""
+def lower(graph: Graph, rank: RankContext, *, record: bool = False) -> Lowered:
+    """Split ``graph`` by phase and lower both halves for ``rank``.
+
+    ``record``: each module also returns, after its usual results, the local value of every tensor
+    its ops produce (``Lowered.fwd_recorded`` / ``bwd_recorded`` say which), for verification.
+    """
     if any(op.target == REDISTRIBUTE for op in graph.ops):
         raise ValueError("graph still has comm.redistribute ops; run the boxing pass before lowering")
     fwd_ops = [op for op in graph.ops if op.prov.phase == "fwd"]
@@ -96,10 +104,14 @@ def lower(graph: Graph, rank: RankContext) -> Lowered:
             saved.append(v)
     table = rule_table()
     fwd_inputs = [i for i in graph.inputs if i.kind != "tangent"]
+    fwd_rec = _recorded(fwd_ops) if record else []
+    bwd_rec = _recorded(bwd_ops) if record else []
     forward = _build(
-        [i.value for i in fwd_inputs], fwd_ops, [o.value for o in fwd_out] + saved, graph.mesh, rank, table
+        [i.value for i in fwd_inputs], fwd_ops, [o.value for o in fwd_out] + saved + fwd_rec, graph.mesh, rank, table
     )
-    backward = _build(saved + [i.value for i in tangents], bwd_ops, [o.value for o in grads], graph.mesh, rank, table)
+    backward = _build(
+        saved + [i.value for i in tangents], bwd_ops, [o.value for o in grads] + bwd_rec, graph.mesh, rank, table
+    )
     return Lowered(
         forward,
         backward,
@@ -108,7 +120,13 @@ def lower(graph: Graph, rank: RankContext) -> Lowered:
         len(saved),
         tuple(i.name for i in tangents),
         tuple(o.name for o in grads),
+        tuple(fwd_rec),
+        tuple(bwd_rec),
     )
+
+
+def _recorded(ops: Sequence[Op]) -> list[Value]:
+    return [r for op in ops for r in op.results if isinstance(r.type, TensorType)]
 
 
 def _build(

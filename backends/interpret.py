@@ -28,8 +28,12 @@ def interpret(graph: Graph, inputs: Mapping[str, torch.Tensor]) -> dict[tuple[st
     return {(o.kind, o.name): env[o.value] for o in graph.outputs}
 
 
-def run_values(graph: Graph, inputs: Mapping[str, torch.Tensor]) -> dict[Value, Any]:
-    """Run ``graph`` and return the runtime value of every input and op result."""
+def run_values(graph: Graph, inputs: Mapping[str, torch.Tensor], *, global_view: bool = False) -> dict[Value, Any]:
+    """Run ``graph`` and return the runtime value of every input and op result.
+
+    ``global_view``: run a sharded graph on whole (global) tensors. IR types are global, so every
+    ``comm.*`` op — a change of layout, not of value — is the identity there.
+    """
     env: dict[Value, Any] = {}
     for i in graph.inputs:
         if i.name in inputs:
@@ -42,6 +46,9 @@ def run_values(graph: Graph, inputs: Mapping[str, torch.Tensor]) -> dict[Value, 
     with torch.no_grad():
         for op in graph.ops:
             if isinstance(op.target, OpDef):
+                if global_view and op.target.namespace == "comm":
+                    env[op.result] = env[op.operands[0]]
+                    continue
                 raise InterpretError(f"{op.describe()}: {op.name} needs a mesh; lower the graph with a backend")
             args = [_load(a, env) for a in op.args]
             kwargs = {k: _load(v, env) for k, v in op.kwargs}

@@ -6,7 +6,6 @@ import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -51,18 +50,37 @@ def to_plan(plan: PlanSpec, mesh: ir.Mesh) -> Plan:
 
 
 def parallelize(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    example_inputs: Sequence[Any],
+    model: nn.Module | None = None,
+    mesh: DeviceMesh | None = None,
+    example_inputs: Sequence[Any] | None = None,
     plan: PlanSpec = "ddp",
     *,
+    verify: bool = False,
     pipeline: str = DEFAULT_PIPELINE,
-) -> ParallelModule:
+) -> Any:
     """Compile ``model`` for ``mesh`` with ``plan`` and return this rank's ``ParallelModule``.
 
     Everything that can be wrong with the request (mesh vs world size, unknown preset or axis,
     indivisible sizes, a batch the data-parallel ranks do not divide) raises before any collective.
+    ``verify``: the first step also checks every value on every rank against the single-device
+    model and raises ``VerificationError`` naming the first that differs (op, module path, layouts).
+
+    Without a model, ``@parallelize(mesh=..., plan=...)`` decorates an ``nn.Module`` subclass:
+    constructing it builds the model, its first call compiles it for those inputs (create the
+    optimizer after that call: the parameters are the compiled module's DTensors).
     """
+    if model is None:
+        if mesh is None:
+            raise PassError("parallelize needs a mesh: @parallelize(mesh=init_device_mesh(...), plan='fsdp+tp')")
+        return _decorator(mesh, plan, verify, pipeline)
+    if mesh is None or example_inputs is None:
+        raise PassError("parallelize(model, mesh, example_inputs, plan=...) needs the mesh and example inputs")
+    return _compile(model, mesh, example_inputs, plan, verify, pipeline)
+
+
+def _compile(
+    model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], plan: PlanSpec, verify: bool, pipeline: str
+) -> ParallelModule:
     if not dist.is_initialized():
         raise PassError("parallelize needs torch.distributed initialized (run under torchrun or spawn ranks)")
     world = dist.get_world_size()
@@ -80,41 +98,49 @@ def parallelize(
     coordinate = mesh.get_coordinate()
     assert coordinate is not None, "this rank is not in the mesh"
     groups = tuple(mesh.get_group(i).group_name for i in range(mesh.ndim))
-    lowered = lower(compiled, RankContext(imesh, tuple(coordinate), groups))
+    rank = RankContext(imesh, tuple(coordinate), groups)
+    lowered = lower(compiled, rank)
+    checked = (lower(compiled, rank, record=True), rank) if verify else None
     n_out = sum(1 for o in compiled.outputs if o.kind == "out")
-    return ParallelModule(model, mesh, compiled, lowered, output_is_tuple=n_out > 1)
+    return ParallelModule(model, mesh, compiled, lowered, output_is_tuple=n_out > 1, verify_with=checked)
 
 
 M = TypeVar("M", bound=nn.Module)
 
 
-def parallelize_class(mesh: DeviceMesh, plan: PlanSpec = "ddp") -> Callable[[type[M]], Callable[..., Any]]:
-    """``@parallelize_class(mesh=..., plan=...)`` on an ``nn.Module`` subclass: construction builds the
-    model; the first call compiles it with those inputs, later calls run the compiled module."""
+def _decorator(mesh: DeviceMesh, plan: PlanSpec, verify: bool, pipeline: str) -> Callable[[type[M]], type[M]]:
+    def deco(cls: type[M]) -> type[M]:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise PassError(f"@parallelize(...) decorates nn.Module subclasses, not {cls!r}")
 
-    def deco(cls: type[M]) -> Callable[..., Any]:
-        @functools.wraps(cls, updated=())
-        def make(*args: Any, **kwargs: Any) -> _Lazy:
-            return _Lazy(cls(*args, **kwargs), mesh, plan)
+        def make(*args: Any, **kwargs: Any) -> LazyParallel:
+            return LazyParallel(cls(*args, **kwargs), mesh, plan, verify, pipeline)
 
-        return make
+        functools.update_wrapper(make, cls, updated=())
+        return make  # type: ignore[return-value]
 
     return deco
 
 
-class _Lazy(nn.Module):
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: PlanSpec) -> None:
+class LazyParallel(nn.Module):
+    """A decorated model: compiled on its first call, then that call's ``ParallelModule`` runs it.
+
+    After compilation the compiled module's parameters appear here under the model's own FQNs.
+    """
+
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: PlanSpec, verify: bool, pipeline: str) -> None:
         super().__init__()
-        self._mf_model = [model]
-        self._mf_mesh = mesh
-        self._mf_plan = plan
-        self._mf_compiled: ParallelModule | None = None
+        self._mf_model = [model]  # NOTE: a list, so the uncompiled model is not a submodule
+        self._mf_args = (mesh, plan, verify, pipeline)
+        self._mf_compiled: list[ParallelModule] = []
 
     def forward(self, *inputs: Any) -> Any:
-        if self._mf_compiled is None:
-            self._mf_compiled = parallelize(self._mf_model[0], self._mf_mesh, inputs, self._mf_plan)
-            self.add_module("compiled", self._mf_compiled)
-        return self._mf_compiled(*inputs)
-
-
-_ = torch
+        if not self._mf_compiled:
+            mesh, plan, verify, pipeline = self._mf_args
+            pm = _compile(self._mf_model[0], mesh, inputs, plan, verify, pipeline)
+            self._mf_compiled.append(pm)
+            for name, child in pm._modules.items():
+                self.add_module(name, child)
+            for name, p in pm._parameters.items():
+                self.register_parameter(name, p)
+        return self._mf_compiled[0](*inputs)

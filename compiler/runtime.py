@@ -17,7 +17,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 import ir
-from backends.eager import Lowered
+from backends.eager import Lowered, RankContext
+from compiler.verify import Verifier
 
 
 def dtensor_placements(layout: ir.Layout) -> list[Any]:
@@ -38,11 +39,15 @@ class _Step(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, runner: ParallelModule, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        low = runner._mf_lowered
+        low = runner._mf_active()
         outs = low.forward(*tensors)
         k = len(low.fwd_outputs)
+        end = k + low.n_saved
+        if runner._mf_verifier is not None:
+            runner._mf_verifier.check(low.fwd_recorded, outs[end:], "forward")
         ctx.runner = runner
-        ctx.save_for_backward(*outs[k:])
+        ctx.low = low
+        ctx.save_for_backward(*outs[k:end])
         results = tuple(outs[:k])
         ctx.mark_non_differentiable(
             *[r for r, (kind, _) in zip(results, low.fwd_outputs, strict=True) if kind != "out"]
@@ -53,7 +58,7 @@ class _Step(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         runner: ParallelModule = ctx.runner
-        low = runner._mf_lowered
+        low: Lowered = ctx.low
         by_out = {name: i for i, (kind, name) in enumerate(low.fwd_outputs) if kind == "out"}
         tangents = []
         for t in low.bwd_inputs:
@@ -61,8 +66,14 @@ class _Step(torch.autograd.Function):
             g = grads[i]
             shape, dtype = ctx.out_meta[i]
             tangents.append(g if g is not None else torch.zeros(shape, dtype=dtype))
-        local_grads = low.backward(*ctx.saved_tensors, *tangents)
-        by_name = dict(zip(low.bwd_outputs, local_grads, strict=True))
+        outs = low.backward(*ctx.saved_tensors, *tangents)
+        n = len(low.bwd_outputs)
+        verifier = runner._mf_verifier
+        if verifier is not None:
+            runner._mf_verifier = None
+            if all(bool((t == 1).all()) for t in tangents):
+                verifier.check(low.bwd_recorded, outs[n:], "backward")
+        by_name = dict(zip(low.bwd_outputs, outs[:n], strict=True))
         return (None, *[by_name.get(n) for n in low.fwd_inputs])
 
 
@@ -76,16 +87,21 @@ class ParallelModule(nn.Module):
         graph: ir.Graph,
         lowered: Lowered,
         output_is_tuple: bool,
+        verify_with: tuple[Lowered, RankContext] | None = None,
     ) -> None:
         super().__init__()
         self._mf_graph = graph
         self._mf_lowered = lowered
+        self._mf_verify_with = verify_with
+        self._mf_verifier: Verifier | None = None
         self._mf_mesh = mesh
         self._mf_tuple = output_is_tuple
         layouts = {i.name: i.value.layout for i in graph.inputs}
         self._mf_input_layouts = [layouts[n] for n in lowered.fwd_inputs]
         self._mf_kinds = {i.name: i.kind for i in graph.inputs}
         state = dict(model.named_parameters()) | dict(model.named_buffers())
+        # NOTE: verification compares against the single-device model as it was handed to us.
+        self._mf_reference_state = {n: t.detach().clone() for n, t in state.items()} if verify_with else {}
         for name in lowered.fwd_inputs:
             kind = self._mf_kinds[name]
             if kind not in ("param", "buffer"):
@@ -115,8 +131,27 @@ class ParallelModule(nn.Module):
         assert isinstance(t, torch.Tensor)
         return t
 
+    def _mf_active(self) -> Lowered:
+        return self._mf_verify_with[0] if self._mf_verifier is not None and self._mf_verify_with else self._mf_lowered
+
+    def _mf_start_verification(self, inputs: Sequence[Any]) -> None:
+        assert self._mf_verify_with is not None
+        low, rank = self._mf_verify_with
+        feeds: dict[str, torch.Tensor] = {}
+        user = iter(x for x in inputs if isinstance(x, torch.Tensor))
+        for name in low.fwd_inputs:
+            if self._mf_kinds[name] in ("param", "buffer"):
+                feeds[name] = self._mf_reference_state[name]
+            else:
+                feeds[name] = next(user)
+        self._mf_verifier = Verifier(self._mf_graph, self._mf_mesh, rank, feeds)
+
     def forward(self, *inputs: Any) -> Any:
-        low = self._mf_lowered
+        if self._mf_verify_with is not None:
+            self._mf_start_verification(inputs)
+        else:
+            self._mf_verifier = None
+        low = self._mf_active()
         user = iter(x for x in inputs if isinstance(x, torch.Tensor))
         tensors: list[torch.Tensor] = []
         for name, layout in zip(low.fwd_inputs, self._mf_input_layouts, strict=True):
@@ -129,6 +164,7 @@ class ParallelModule(nn.Module):
                 dt = distribute_tensor(x, self._mf_mesh, dtensor_placements(layout), src_data_rank=None)
                 tensors.append(dt.to_local())
         results = _Step.apply(self, *tensors)
+        self._mf_verify_with = None
         outs: list[torch.Tensor] = []
         with torch.no_grad():
             for r, (kind, name) in zip(results, low.fwd_outputs, strict=True):

@@ -56,3 +56,53 @@ def equivalence(
         torch.testing.assert_close(p.detach().full_tensor(), ref_params[name].detach(), rtol=0, atol=PARAM_ATOL,
                                    msg=lambda m, n=name: f"param {n} after {steps} steps: {m}")
     return {"worst_grad_abs_diff": worst, "loss": float(loss)}
+
+
+def verify_mode(model: str, shape: tuple[int, ...], names: tuple[str, ...], plan: Any, corrupt: str = "") -> str:
+    """``verify=True`` on a correct compilation passes; with one rank's shard of ``corrupt`` perturbed,
+    every rank raises the same error naming the first value that differs. Returns the error text."""
+    from compiler.verify import VerificationError
+
+    warnings.filterwarnings("ignore")
+    mesh = device_mesh(tuple(shape), tuple(names))
+    net, inputs = build(model)
+    pm = parallelize(net, mesh, inputs, plan=plan, verify=True)
+    if corrupt and torch.distributed.get_rank() == 1:
+        with torch.no_grad():
+            dict(pm.named_parameters())[corrupt].to_local().add_(1.0)
+    try:
+        loss = pm(*inputs)
+        loss.backward()
+        pm(*inputs).backward()  # NOTE: the second step is not verified and must not raise
+    except VerificationError as e:
+        return str(e)
+    return ""
+
+
+def decorated(plan: str = "fsdp") -> float:
+    """``@parallelize(mesh=..., plan=...)`` on a subclass: FQNs, loss and gradients as single device."""
+    from compiler import parallelize as par
+    from compiler.zoo import MLP
+
+    warnings.filterwarnings("ignore")
+    mesh = device_mesh((2,), ("dp",))
+
+    @par(mesh=mesh, plan=plan)
+    class Net(MLP):
+        pass
+
+    torch.manual_seed(0)
+    net = Net()
+    torch.manual_seed(0)
+    ref = MLP()
+    _, inputs = build("mlp")
+    loss = net(*inputs)
+    loss.backward()
+    ref_loss = ref(*inputs)
+    ref_loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    ref_params = dict(ref.named_parameters())
+    assert [n for n, _ in net.named_parameters()] == list(ref_params)
+    for name, p in net.named_parameters():
+        torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, rtol=RTOL, atol=ATOL)
+    return float(loss)

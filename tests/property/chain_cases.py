@@ -58,12 +58,13 @@ def local_pieces(x: torch.Tensor, layout: Layout, mesh: Mesh, seed: int) -> dict
             continue
         assert p.reduce == "sum", f"inputs are only ever P(sum), not {p}"
         split_out: dict[Coord, torch.Tensor] = {}
+        later = [j for j in range(i + 1, mesh.ndim) if isinstance(layout.placements[j], Partial)]
         for c in coords:
             # NOTE: the ranks of one group along axis i hold the same value here (axis i is not a
-            # Shard, and later Partial axes are not split yet); one seed per group keeps their parts
-            # consistent, and part k goes to the group's rank k.
-            group = (*c[:i], 0, *c[i + 1 :])
-            gen = torch.Generator().manual_seed(hash((seed, i, group)) % 2**63)
+            # Shard). So do ranks differing only on later Partial axes (not split yet): they must
+            # split it alike, so the seed ignores those coordinates too. Part k goes to rank k.
+            key = tuple(0 if j == i or j in later else c[j] for j in range(mesh.ndim))
+            gen = torch.Generator().manual_seed(hash((seed, i, key)) % 2**63)
             split_out[c] = split(out[c], p, mesh.sizes[i], gen)[c[i]]
         out = split_out
     return out

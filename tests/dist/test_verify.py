@@ -1,0 +1,31 @@
+"""``parallelize(..., verify=True)`` checks the first step value by value against the single-device model."""
+
+from __future__ import annotations
+
+from tests.dist.conftest import RankPools
+
+
+def test_verify_passes_on_a_correct_compilation(rank_pools: RankPools) -> None:
+    errors = rank_pools.get(4).run(
+        "tests.dist.cases:verify_mode", model="llama-tiny", shape=(2, 2), names=("dp", "tp"), plan="fsdp+tp"
+    )
+    assert errors == ["", "", "", ""]
+
+
+def test_verify_names_the_first_value_that_differs(rank_pools: RankPools) -> None:
+    errors = rank_pools.get(2).run(
+        "tests.dist.cases:verify_mode", model="mlp", shape=(2,), names=("tp",), plan="tp", corrupt="fc2.weight"
+    )
+    # NOTE: ranks name the same value; only the detail (this rank's own difference) may differ.
+    shared = [e.split("); ")[0] for e in errors]
+    assert shared[0] == shared[1] != ""
+    assert "largest difference 1 at local index" in errors[1]
+    msg = errors[0]
+    assert msg.startswith("forward: the first value that differs from the single-device model is %")
+    # NOTE: fc2 is row-parallel; the first value computed from the corrupted shard is fc2's matmul.
+    assert "at fc2 (fwd, zoo.py:" in msg and "{tp: S(1)}" in msg
+
+
+def test_decorator_form(rank_pools: RankPools) -> None:
+    losses = rank_pools.get(2).run("tests.dist.cases:decorated", plan="fsdp")
+    assert losses[0] == losses[1] > 0
