@@ -81,4 +81,5 @@ class Verifier:
         if got.shape != want.shape:
             return f"local shape {tuple(got.shape)} instead of {tuple(want.shape)}"
         err = (got.double() - want.double()).abs()
-        return f"largest difference {float(err.max()):.3g} at local index {tuple(int(i) for i in torch.nonzero(err == err.max())[0])}"
+        where = tuple(int(i) for i in torch.nonzero(err == err.max())[0])
+        return f"largest difference {float(err.max()):.3g} at local index {where}"
