@@ -39,8 +39,11 @@ def transition_cost(src: Placement, dst: Placement, size: float, n: int) -> floa
         if isinstance(dst, Shard):
             return size * frac
         return 2 * size * frac + LOCAL_SLICE
-    # Replicate → Shard is a local slice; Replicate → Partial zeroes all but one rank
-    return LOCAL_SLICE
+    if isinstance(dst, Partial):
+        # NOTE: Replicate → Partial moves nothing now but defers a reduction that some consumer
+        # must pay later (often several, one per consumer); priced like that reduction.
+        return 2 * size * frac
+    return LOCAL_SLICE  # Replicate → Shard is a local slice
 
 
 def comm_volume(op_name: str, local_bytes: float, n: int) -> float:

@@ -200,7 +200,7 @@ def test_diff_folds_long_unchanged_runs() -> None:
         (["-p", "cleanup,nope"], "unknown pass 'nope'"),
         (["-p", "cleanup{fast=true}"], "has no option 'fast'"),
         (["--mesh", "dp=two"], "--mesh 'dp=two' is malformed"),
-        (["--print-after", "sharding"], "no pass named 'sharding'"),
+        (["-p", "cleanup,verify", "--print-after", "sharding"], "no pass named 'sharding'"),
     ],
 )
 def test_bad_options_exit_2(ir_file: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needle: str) -> None:
