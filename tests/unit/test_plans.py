@@ -1,0 +1,75 @@
+"""Plans and what propagation makes of them, checked on the compiled IR (no ranks needed)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+
+import ir
+from compiler import DEFAULT_PIPELINE, capture
+from compiler.zoo import build
+from passes import PassContext, PassError, PassPipeline
+from passes.sharding.plans import Plan, default_preset, resolve
+from passes.sharding.tp import megatron_roles
+
+
+@cache
+def _captured(name: str) -> ir.Graph:
+    return capture(*build(name))
+
+
+def _compile(name: str, mesh: ir.Mesh, plan: str) -> ir.Graph:
+    g, _ = PassPipeline.parse(DEFAULT_PIPELINE).run(PassContext(mesh=mesh, plan=Plan.of(plan)), _captured(name))
+    return g
+
+
+def test_megatron_roles_from_dataflow() -> None:
+    roles = megatron_roles(_captured("llama-tiny"))
+    for i in (0, 1):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            assert roles[f"layers.{i}.self_attn.{proj}.weight"] == "column"
+        assert roles[f"layers.{i}.self_attn.o_proj.weight"] == "row"
+        assert roles[f"layers.{i}.mlp.gate_proj.weight"] == roles[f"layers.{i}.mlp.up_proj.weight"] == "column"
+        assert roles[f"layers.{i}.mlp.down_proj.weight"] == "row"
+    assert roles["lm_head.weight"] == "column"
+    assert "layers.0.input_layernorm.weight" not in roles
+
+
+def test_norms_after_the_first_block_run_sequence_parallel() -> None:
+    g = _compile("llama-tiny", ir.Mesh.of(tp=2), "tp")
+    norm_ops = [
+        op
+        for op in g.ops
+        if op.prov.phase == "fwd"
+        and op.prov.module in ("layers.0.post_attention_layernorm", "layers.1.input_layernorm", "norm")
+        and op.target.__class__.__name__ == "OpOverload"
+        and any(isinstance(r.type, ir.TensorType) and r.type.rank == 3 for r in op.results)
+    ]
+    assert norm_ops
+    for op in norm_ops:
+        assert op.result.layout.placement("tp") == ir.Shard(1), f"{op.describe()} is {op.result.layout}"
+    reduce_scatters = [op for op in g.ops if op.name == "comm.reduce_scatter" and op.prov.phase == "fwd"]
+    assert reduce_scatters and all(op.kwarg("dim") == 1 for op in reduce_scatters)
+
+
+def test_fsdp_params_are_stored_sharded_and_gathered_before_use() -> None:
+    g = _compile("mlp", ir.Mesh.of(dp=2), "fsdp")
+    params = {i.name: i.value for i in g.inputs if i.kind == "param"}
+    assert all(v.layout.placement("dp") == ir.Shard(0) for v in params.values())
+    gathered = {op.operands[0] for op in g.ops if op.name == "comm.all_gather" and op.operands[0] in params.values()}
+    assert gathered == set(params.values())
+    grads = {o.name: o.value for o in g.outputs if o.kind == "grad"}
+    assert all(grads[n].layout == params[n].layout for n in params)
+
+
+def test_default_preset_and_user_overrides() -> None:
+    assert default_preset(ir.Mesh.of(dp=2, tp=2)) == "fsdp+tp"
+    assert default_preset(ir.Mesh.of(dp=2, fsdp=2, tp=2)) == "ddp+fsdp+tp"
+    with pytest.raises(PassError, match="cannot infer a plan for mesh axes \\['pp'\\]"):
+        default_preset(ir.Mesh.of(pp=2))
+    mesh = ir.Mesh.of(dp=2, tp=2)
+    seeds = resolve(Plan.of("ddp+tp", {"fc2.*": {"tp": "R", "dp": "S(1)"}}), _captured("mlp"), mesh)
+    assert seeds.storage["fc2.weight"] == ir.Layout.on(mesh, dp=ir.Shard(1))
+    assert seeds.storage["fc1.weight"] == ir.Layout.on(mesh, tp=ir.Shard(0))
+    assert seeds.storage["x"] == ir.Layout.on(mesh, dp=ir.Shard(0))
