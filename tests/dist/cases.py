@@ -41,20 +41,28 @@ def equivalence(
         loss.backward()
         ref_loss = ref(*inputs)
         ref_loss.backward()
-        torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL,
-                                   msg=lambda m, s=step: f"step {s} loss: {m}")
+        torch.testing.assert_close(
+            loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL, msg=lambda m, s=step: f"step {s} loss: {m}"
+        )
         for name, p in pm.named_parameters():
             assert p.grad is not None, f"{name} has no gradient"
             full = p.grad.full_tensor()
             want = ref_params[name].grad
             assert want is not None
-            torch.testing.assert_close(full, want, rtol=RTOL, atol=ATOL, msg=lambda m, n=name, s=step: f"step {s} grad {n}: {m}")
+            torch.testing.assert_close(
+                full, want, rtol=RTOL, atol=ATOL, msg=lambda m, n=name, s=step: f"step {s} grad {n}: {m}"
+            )
             worst = max(worst, float((full - want).abs().max()))
         opt.step()
         ref_opt.step()
     for name, p in pm.named_parameters():
-        torch.testing.assert_close(p.detach().full_tensor(), ref_params[name].detach(), rtol=0, atol=PARAM_ATOL,
-                                   msg=lambda m, n=name: f"param {n} after {steps} steps: {m}")
+        torch.testing.assert_close(
+            p.detach().full_tensor(),
+            ref_params[name].detach(),
+            rtol=0,
+            atol=PARAM_ATOL,
+            msg=lambda m, n=name: f"param {n} after {steps} steps: {m}",
+        )
     return {"worst_grad_abs_diff": worst, "loss": float(loss)}
 
 
@@ -105,4 +113,27 @@ def decorated(plan: str = "fsdp") -> float:
     assert [n for n, _ in net.named_parameters()] == list(ref_params)
     for name, p in net.named_parameters():
         torch.testing.assert_close(p.grad.full_tensor(), ref_params[name].grad, rtol=RTOL, atol=ATOL)
+    return float(loss)
+
+
+def hf_equivalence(arch: str, shape: tuple[int, ...], names: tuple[str, ...], plan: str) -> float:
+    """One step of an HF model from ``tests.dist.hf_models``: loss and every gradient as single device."""
+    from tests.dist.hf_models import build_hf
+
+    warnings.filterwarnings("ignore")
+    mesh = device_mesh(tuple(shape), tuple(names))
+    net, inputs = build_hf(arch)
+    ref, _ = build_hf(arch)
+    pm = parallelize(net, mesh, inputs, plan=plan)
+    loss = pm(*inputs)
+    loss.backward()
+    ref_loss = ref(*inputs)
+    ref_loss.backward()
+    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL)
+    ref_params = dict(ref.named_parameters())
+    assert [n for n, _ in pm.named_parameters()] == list(ref_params)
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(
+            p.grad.full_tensor(), ref_params[name].grad, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"grad {n}: {m}"
+        )
     return float(loss)

@@ -64,3 +64,12 @@ def test_equivalence_hf(rank_pools: RankPools, case: tuple[str, tuple[int, ...],
         "tests.dist.cases:equivalence", model=model, shape=shape, names=names, plan=plan
     )
     assert len(results) == _world(shape)
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("arch", ["gpt2", "qwen2", "mistral", "phi3", "gemma"])
+def test_more_hf_architectures_fsdp_tp(rank_pools: RankPools, arch: str) -> None:
+    losses = rank_pools.get(4).run(
+        "tests.dist.cases:hf_equivalence", arch=arch, shape=(2, 2), names=("dp", "tp"), plan="fsdp+tp"
+    )
+    assert len(set(losses)) == 1

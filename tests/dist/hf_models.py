@@ -1,0 +1,60 @@
+"""Small HF causal LMs beyond Llama/Mixtral, built from their config classes with random weights."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+SMALL = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def _loss_model(base: type[nn.Module]) -> type[nn.Module]:
+    class WithLoss(base):  # type: ignore[misc, valid-type]
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+            return super().forward(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+    WithLoss.__name__ = base.__name__
+    return WithLoss
+
+
+def build_hf(arch: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """``(model, (ids, labels))`` for one of ``gpt2``, ``qwen2``, ``mistral``, ``phi3``, ``gemma``."""
+    import transformers as tf
+
+    configs: dict[str, tuple[Any, Any]] = {
+        "gpt2": (
+            tf.GPT2Config(
+                vocab_size=256,
+                n_embd=64,
+                n_layer=2,
+                n_head=4,
+                n_positions=64,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            ),
+            tf.GPT2LMHeadModel,
+        ),
+        "qwen2": (tf.Qwen2Config(**SMALL), tf.Qwen2ForCausalLM),
+        "mistral": (tf.MistralConfig(**SMALL), tf.MistralForCausalLM),
+        "phi3": (tf.Phi3Config(**SMALL, pad_token_id=0), tf.Phi3ForCausalLM),
+        "gemma": (tf.GemmaConfig(**SMALL, head_dim=16), tf.GemmaForCausalLM),
+    }
+    config, cls = configs[arch]
+    config._attn_implementation = "sdpa"
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        model = _loss_model(cls)(config)
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 256, (4, 16), generator=gen)
+    return model, (ids, ids.clone())
