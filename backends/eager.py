@@ -170,6 +170,12 @@ def _emit(g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext, tab
             local_shape(r.type, r.layout, rank.mesh) if isinstance(r.type, TensorType) else () for r in op.results
         )
         args, kwargs = loc(op, shapes)
+    ranged = table.ranged.get(op.target)
+    bounds = _slice_bounds(op, ranged.where(op), rank) if ranged is not None else None
+    if ranged is not None and bounds is not None:
+        loaded = tuple(_load(a, env) for a in args)
+        node = g.call_function(ranged.impl, (*bounds, *loaded), {k: _load(v, env) for k, v in kwargs.items()})
+        return [node]
     # NOTE: a view that is valid on the global tensor may not be on a local shard (other strides);
     # in a functional graph reshape computes the same value and copies only when it must.
     target = aten.reshape.default if op.target in (aten.view.default, aten._unsafe_view.default) else op.target
@@ -177,6 +183,20 @@ def _emit(g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext, tab
     if len(op.results) == 1 and not _returns_sequence(op):
         return [node]
     return [g.call_function(operator.getitem, (node, i)) for i in range(len(op.results))]
+
+
+def _slice_bounds(op: Op, where: tuple[str, int, int], rank: RankContext) -> tuple[int, int] | None:
+    """``(lo, size)`` of this rank's slice of the indexed dim, or None when that dim is whole."""
+    kind, i, dim = where
+    v = op.operands[i] if kind == "operand" else op.results[i]
+    assert isinstance(v.type, TensorType)
+    chunk, lo, sharded = int(v.type.shape[dim]), 0, False
+    for axis, p in zip(v.layout.axes, v.layout.placements, strict=True):
+        if isinstance(p, Shard) and p.dim == dim:
+            chunk //= rank.size(axis)
+            lo += rank.coord(axis) * chunk
+            sharded = True
+    return (lo, chunk) if sharded else None
 
 
 def _returns_sequence(op: Op) -> bool:
@@ -190,6 +210,8 @@ def _collective(g: fx.Graph, op: Op, x: fx.Node, xv: Value, rank: RankContext) -
     axis = str(op.kwarg("axis"))
     n = rank.size(axis)
     group = rank.group(axis)
+    if n == 1:
+        return x  # NOTE: every layout change on a one-rank axis is the identity
     if op.target == ALL_GATHER:
         return _gather(g, x, int(op.kwarg("dim")), n, group)  # type: ignore[arg-type]
     if op.target == ALL_REDUCE:

@@ -40,14 +40,17 @@ def sharding_decompositions() -> dict[Any, Any]:
 
     ``nll_loss``/``mse_loss`` with ``reduction=mean`` divide by a count or a ``numel``; decomposed,
     that becomes an explicit sum divided by a counted total (or a constant from the global shape),
-    which stays exact when the batch is sharded.
+    which stays exact when the batch is sharded. ``log_softmax`` becomes max / exp / sum, which
+    stays exact when the vocabulary is sharded.
     """
     from torch._decomp import get_decompositions
 
     aten = torch.ops.aten
-    return dict(
-        get_decompositions([aten.mse_loss, aten.mse_loss_backward, aten.nll_loss_forward, aten.nll_loss_backward])
-    )
+    losses = [aten.mse_loss, aten.mse_loss_backward, aten.nll_loss_forward, aten.nll_loss_backward]
+    # NOTE: log_softmax as amax / exp / sum: a vocab-sharded LM head's logits then need only two
+    # small all-reduces (max and sum) instead of an all-gather of the logits.
+    softmax = [aten._log_softmax, aten._log_softmax_backward_data]
+    return dict(get_decompositions(losses + softmax))
 
 
 def capture(

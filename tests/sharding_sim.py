@@ -117,12 +117,23 @@ def run_on_ranks(
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     args, kwargs = localize(op, shapes) if localize is not None else (op.args, dict(op.kwargs))
+    ranged = table.ranged.get(op.target)
+    sliced: tuple[int, int] | None = None
+    if ranged is not None:
+        kind, i, dim = ranged.where(op)
+        value, p = (op.operands[i], s.inputs[i]) if kind == "operand" else (op.results[i], s.outputs[i])
+        if isinstance(p, Shard) and p.dim == dim:
+            assert isinstance(value.type, TensorType)
+            sliced = (dim, int(value.type.shape[dim]) // n)
     per_rank: list[list[Any]] = []
     for r in range(n):
         it = iter(ranks[r])
         call_args = [_fill(a, it) for a in args]
         call_kwargs = {k: _fill(v, it) for k, v in kwargs.items()}
-        out = op.target(*call_args, **call_kwargs)  # type: ignore[operator]
+        if ranged is not None and sliced is not None:
+            out = ranged.impl(r * sliced[1], sliced[1], *call_args, **call_kwargs)
+        else:
+            out = op.target(*call_args, **call_kwargs)  # type: ignore[operator]
         per_rank.append(list(out) if isinstance(out, (tuple, list)) else [out])
     combined = []
     for j, (res, p) in enumerate(zip(op.results, s.outputs, strict=True)):

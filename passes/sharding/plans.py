@@ -132,20 +132,30 @@ def _param_layouts(
 ) -> tuple[Layout, Layout]:
     store: dict[str, Placement] = {}
     comp: dict[str, Placement] = {}
-    for axis in mesh.names:
+    # NOTE: tp axes choose first so fsdp shards another dim: gathering the fsdp axis then leaves
+    # the tp shard in place instead of gathering both and slicing the tp half back out.
+    for axis in sorted(mesh.names, key=lambda a: roles[a] != "tp"):
         role = roles[axis]
         if role == "tp" and tp_role is not None:
-            dim = 0 if tp_role == "column" else 1
+            dim = 1 if tp_role == "row" else 0
             if t.rank > dim and _divides(t.shape[dim], mesh.size(axis)):
                 store[axis] = comp[axis] = Shard(dim)
         elif role == "fsdp":
             taken = {p.dim for p in store.values() if isinstance(p, Shard)}
-            for d in range(t.rank):
-                if d not in taken and _divides(t.shape[d], mesh.size(axis)):
+            for d in [*(d for d in range(t.rank) if d not in taken), *sorted(taken)]:
+                if _divides(t.shape[d] // _ways(store, mesh, d), mesh.size(axis)):
                     store[axis] = Shard(d)
                     comp[axis] = R
                     break
     return Layout.on(mesh, **store), Layout.on(mesh, **comp)
+
+
+def _ways(store: dict[str, Placement], mesh: Mesh, dim: int) -> int:
+    ways = 1
+    for a, p in store.items():
+        if isinstance(p, Shard) and p.dim == dim:
+            ways *= mesh.size(a)
+    return ways
 
 
 def _divides(size: object, n: int) -> bool:

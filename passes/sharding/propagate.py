@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+import torch
+
 from ir import Graph, GraphBuilder, Layout, Mesh, Op, Partial, Placement, Provenance, Shard, TensorType, Value
 from ir.graph import Arg
 from ir.ops import REDISTRIBUTE
@@ -23,6 +25,19 @@ from passes.sharding.rules import RuleTable, rule_table, strategies_for
 from passes.sharding.strategy import Strategy
 
 SHARDED = "sharded"
+
+# NOTE: moving a weight in the forward is paid three times over (gathered again for the backward,
+# and its gradient reduced back), so its redistribution cost counts triple; activations once.
+PARAM_WEIGHT = 3.0
+_VIEW_LIKE = {
+    torch.ops.aten.t.default,
+    torch.ops.aten.transpose.int,
+    torch.ops.aten.permute.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten._unsafe_view.default,
+    torch.ops.aten.reshape.default,
+    torch.ops.aten._to_copy.default,
+}
 
 
 @dataclass(frozen=True)
@@ -55,6 +70,8 @@ class _Propagator:
     b: GraphBuilder = field(init=False)
     vmap: dict[Value, Value] = field(default_factory=dict)
     moved: dict[tuple[Value, Layout, str], Value] = field(default_factory=dict)
+    compute: dict[Value, Layout] = field(default_factory=dict)
+    param_like: set[Value] = field(default_factory=set)
     warned: set[str] = field(default_factory=set)
 
     def run(self) -> Graph:
@@ -66,8 +83,12 @@ class _Propagator:
             self.vmap[i.value] = new
             compute[new] = self.seeds.compute.get(i.name, lay)
         self.compute = compute
+        self.param_like = {self.vmap[i.value] for i in self.graph.inputs if i.kind == "param"}
         for op in self.graph.ops:
             self._op(op)
+            derived = any(self.vmap.get(u, u) in self.param_like for u in op.operands)
+            if op.prov.phase == "fwd" and len(op.results) == 1 and op.target in _VIEW_LIKE and derived:
+                self.param_like.add(self.vmap[op.result])
         grads = {o.name: self.seeds.storage.get(o.name) for o in self.graph.outputs if o.kind in ("grad", "update")}
         for o in self.graph.outputs:
             v = self.vmap[o.value]
@@ -113,7 +134,8 @@ class _Propagator:
             cost = 0.0
             for v, want in zip(operands, s.inputs, strict=True):
                 if isinstance(v.type, TensorType):
-                    cost += transition_cost(self._current(v).placement(axis), want, nbytes(v.type), n)
+                    c = transition_cost(self._current(v).placement(axis), want, nbytes(v.type), n)
+                    cost += c * (PARAM_WEIGHT if v in self.param_like else 1.0)
             if cost == IMPOSSIBLE:
                 continue
             if best is None or (cost, idx) < best:

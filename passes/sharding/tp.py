@@ -80,7 +80,8 @@ def _linear_weight(op: Op, params: set[Value], producers: dict[Value, Op]) -> tu
 
 
 def megatron_roles(graph: Graph) -> dict[str, str]:
-    """Parameter name → ``"column"`` or ``"row"`` (weights and column biases); others are absent."""
+    """Parameter name → ``"column"``, ``"row"`` (weights and column biases) or ``"vocab"`` (embedding
+    tables, rows sharded); others are absent."""
     params = {i.value: i.name for i in graph.inputs if i.kind == "param"}
     producers = graph.producers()
     users = graph.users()
@@ -93,6 +94,10 @@ def megatron_roles(graph: Graph) -> dict[str, str]:
     for op, act, w in linears:
         by_activation.setdefault(act, []).append((op, w))
     roles: dict[str, str] = {}
+    # NOTE: an embedding table is vocab-parallel (rows sharded), like the LM head it is often tied to.
+    for op in graph.ops:
+        if op.target == aten.embedding.default and op.prov.phase == "fwd" and op.args[0] in params:
+            roles[params[op.args[0]]] = "vocab"  # type: ignore[index]
     for op, _act, w in linears:
         name = params[w]
         if name in roles:

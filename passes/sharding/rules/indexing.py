@@ -8,9 +8,11 @@ stays whole; dims that only ride along shard on every operand that has them.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from ir import Op, TensorType, Value
+from ir import Op, Partial, R, Shard, TensorType, Value
 from ir.placement import ReduceOp
 from ir.symbolic import Dim
 from passes.sharding.rules.common import (
@@ -150,7 +152,54 @@ def gather(op: Op) -> list[Strategy]:
     self_g = ["_" if (k == d or src.shape[k] != idx.shape[k]) else names[k] for k in range(src.rank)]
     idx_g = [names[k] if k == d else self_g[k] for k in range(src.rank)]
     base = einsum_strategies(einsum_of([self_g, idx_g], [idx_g]))
-    return with_partials(base, 2, 1, [((0,), k) for k in ALL_KINDS])
+    out = with_partials(base, 2, 1, [((0,), k) for k in ALL_KINDS])
+    if src.dtype.is_floating_point:
+        # NOTE: ``self`` sharded along ``dim``: each rank gathers the indices it holds (masked, see
+        # gather_ranged) and the sum over ranks is the whole gather.
+        out.append(Strategy((Shard(d), R), (Partial("sum"),)))
+    return out
+
+
+def _along_self(op: Op) -> tuple[str, int, int]:
+    return ("operand", 0, _along(op)[0])
+
+
+def _in_range(index: torch.Tensor, lo: int, size: int) -> torch.Tensor:
+    return (index >= lo) & (index < lo + size)
+
+
+@RULES.ranged_impl(aten.gather.default, _along_self)
+def gather_ranged(lo: int, size: int, x: torch.Tensor, dim: int, index: torch.Tensor, **kw: Any) -> torch.Tensor:
+    """``gather`` on the slice ``[lo, lo + size)`` of ``dim``: other indices contribute zero."""
+    mask = _in_range(index, lo, size)
+    local: torch.Tensor = aten.gather.default(x, dim, torch.where(mask, index - lo, 0), **kw)
+    return local * mask
+
+
+def _scatter_ranged(
+    target: Any, lo: int, size: int, x: torch.Tensor, dim: int, index: torch.Tensor, value: Any
+) -> torch.Tensor:
+    # NOTE: indices outside this rank's slice write into one padding slot that is cut off again.
+    mask = _in_range(index, lo, size)
+    pad = list(x.shape)
+    pad[dim] = 1
+    padded = torch.cat([x, x.new_zeros(pad)], dim)
+    out: torch.Tensor = target(padded, dim, torch.where(mask, index - lo, size), value)
+    return out.narrow(dim, 0, size).contiguous()
+
+
+@RULES.ranged_impl(aten.scatter.value, _along_self)
+def scatter_value_ranged(
+    lo: int, size: int, x: torch.Tensor, dim: int, index: torch.Tensor, value: Any
+) -> torch.Tensor:
+    """``scatter.value`` on the slice ``[lo, lo + size)`` of ``dim``."""
+    return _scatter_ranged(aten.scatter.value, lo, size, x, dim, index, value)
+
+
+@RULES.ranged_impl(aten.scatter.src, _along_self)
+def scatter_src_ranged(lo: int, size: int, x: torch.Tensor, dim: int, index: torch.Tensor, src: Any) -> torch.Tensor:
+    """``scatter.src`` on the slice ``[lo, lo + size)`` of ``dim``."""
+    return _scatter_ranged(aten.scatter.src, lo, size, x, dim, index, src)
 
 
 @RULES.rule(aten.scatter.src, aten.scatter.value, aten.scatter_add.default)
@@ -167,6 +216,9 @@ def scatter(op: Op) -> list[Strategy]:
         "_" if (k == d or any(t.shape[k] != types[0].shape[k] for t in types)) else names[k] for k in range(len(names))
     ]
     base = einsum_strategies(einsum_of([g] * n, [g]))
+    if op.target in (aten.scatter.value, aten.scatter.src):
+        # NOTE: ``self`` sharded along ``dim`` with Replicate index (and src): see _scatter_ranged.
+        base.append(Strategy((Shard(d), *(R for _ in range(n - 1))), (Shard(d),)))
     if op.target == aten.scatter_add.default:
         return with_partials(base, n, 1, [((0, 2), "sum"), ((0, 2), "avg")])
     if op.target == aten.scatter.value:

@@ -18,6 +18,18 @@ LocalizeFn = Callable[[Op, tuple[tuple[int, ...], ...]], tuple[tuple[Any, ...], 
 """Given an op and its results' LOCAL shapes, the args and kwargs to call it with on one rank."""
 
 
+@dataclass(frozen=True)
+class Ranged:
+    """An op whose local form depends on which slice ``[lo, lo + size)`` of an indexed dim this rank
+    holds (vocab-parallel embedding, gather/scatter along a sharded dim): out-of-range indices are
+    masked. ``where(op)`` names the indexed tensor — ``("operand", i, dim)`` or ``("result", i, dim)``;
+    ``impl(lo, size, *args, **kwargs)`` computes the op on one rank's shard (a module-level function,
+    so lowered fx graphs can call it)."""
+
+    where: Callable[[Op], tuple[str, int, int]]
+    impl: Callable[..., Any]
+
+
 @dataclass
 class RuleSet:
     """The rules of one op family, registered with :meth:`rule`."""
@@ -25,6 +37,7 @@ class RuleSet:
     family: str
     rules: dict[Target, RuleFn] = field(default_factory=dict)
     localizers: dict[Target, LocalizeFn] = field(default_factory=dict)
+    ranged: dict[Target, Ranged] = field(default_factory=dict)
 
     def rule(self, *targets: Target, shape_arg: int | None = None) -> Callable[[RuleFn], RuleFn]:
         """``@RULES.rule(aten.mm.default)`` registers a rule for those targets.
@@ -40,6 +53,15 @@ class RuleSet:
                 self.rules[t] = fn
                 if shape_arg is not None:
                     self.localizers[t] = _shape_arg_localizer(shape_arg)
+            return fn
+
+        return deco
+
+    def ranged_impl(self, target: Target, where: Callable[[Op], tuple[str, int, int]]) -> Callable[[Any], Any]:
+        """Register the local form of ``target`` when its indexed dim (``where``) is sharded."""
+
+        def deco(fn: Any) -> Any:
+            self.ranged[target] = Ranged(where, fn)
             return fn
 
         return deco
@@ -72,6 +94,7 @@ class RuleTable:
     rules: dict[Target, RuleFn]
     family: dict[Target, str]
     localizers: dict[Target, LocalizeFn]
+    ranged: dict[Target, Ranged] = field(default_factory=dict)
 
     def get(self, target: Target) -> RuleFn | None:
         return self.rules.get(target)
@@ -84,11 +107,13 @@ def rule_table() -> RuleTable:
     rules: dict[Target, RuleFn] = {}
     family: dict[Target, str] = {}
     localizers: dict[Target, LocalizeFn] = {}
+    ranged: dict[Target, Ranged] = {}
     for rs in FAMILIES:
+        ranged.update(rs.ranged)
         for t, fn in rs.rules.items():
             if t in rules:
                 raise ValueError(f"{target_name(t)} has rules in both {family[t]} and {rs.family}")
             rules[t] = fn
             family[t] = rs.family
         localizers.update(rs.localizers)
-    return RuleTable(rules, family, localizers)
+    return RuleTable(rules, family, localizers, ranged)
