@@ -7,33 +7,37 @@ Spawns ``--world`` local CPU ranks (gloo, one thread each) and trains the same L
 (GQA + RoPE + SwiGLU, untied LM head; same weights, inputs and global batch) two ways:
 
 1. meshfold: ``parallelize(model, mesh, inputs, plan="fsdp+tp")`` and AdamW on its DTensor params;
-2. DTensor eager: ``parallelize_module`` with ``ColwiseParallel`` on q/k/v/gate/up and
-   ``RowwiseParallel`` on o/down of every layer over ``tp``, then ``fully_shard`` (FSDP2) over ``dp``
-   on every layer and the root; each rank feeds its ``dp`` slice of the batch.
+2. DTensor eager, the torchtitan way: ``parallelize_module`` with ``ColwiseParallel`` on q/k/v and
+   gate/up and ``RowwiseParallel`` on o/down of every layer over ``tp``, then ``fully_shard`` (FSDP2)
+   over ``dp`` on every layer and the root; each rank feeds its ``dp`` slice of the batch. The LM
+   head stays whole on every tp rank unless ``--dtensor-lm-head loss-parallel`` (vocab-sharded,
+   ``loss_parallel``; meshfold's ``tp`` preset shards the LM head on its own).
 
-Both sides use the one model class below, whose attention infers the head count from the tensor
-(``view(b, t, -1, head_dim)``), so the local q/k/v that ``ColwiseParallel`` hands back (a
-``1/tp`` slice of the heads) need no DTensor in the attention math.
+Both sides run the one model class below, whose attention infers the head count from the tensor
+(``view(b, t, -1, head_dim)``), so the local q/k/v that ``ColwiseParallel`` hands back (a ``1/tp``
+slice of the heads) need no DTensor inside the attention math.
 
-Measured in one run: median step time (forward + backward + AdamW, between barriers) after warm-up
-steps; collectives and bytes each rank sends per step (ring volumes: all-gather ``(n-1)·in``,
-all-reduce ``2(n-1)/n·in``, reduce-scatter ``(n-1)/n·in``), for meshfold from ``comm_summary`` and,
-for both sides, counted from the collectives actually dispatched during the first warm-up step;
-the loss of every step, checked against each other and against a single-device run. Timings are
-printed, never asserted.
+Measured in one run: the median step time (forward + backward + AdamW between barriers, the two
+sides' steps interleaved) after warm-up steps; collectives and bytes each rank sends per step (ring
+volumes: all-gather ``(n-1)·in``, all-reduce ``2(n-1)/n·in``, reduce-scatter ``(n-1)/n·in``), for
+meshfold from ``comm_summary`` and, for both sides, counted from the collectives actually dispatched
+in the first warm-up step; the loss of every step, checked against each other and against a
+single-device run. ``--profile`` adds torch.profiler tables of rank 0. Timings are printed, never
+asserted.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
+import dataclasses
 import os
 import statistics
 import sys
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -48,9 +52,19 @@ from tools.demo import _free_port
 
 LOSS_TOL = 1e-4
 WIRE_OPS = ("comm.all_gather", "comm.all_reduce", "comm.reduce_scatter", "comm.all_to_all")
+SIZES = (
+    "layers",
+    "hidden",
+    "heads",
+    "kv_heads",
+    "intermediate",
+    "vocab",
+    "seq",
+    "batch",
+)  # batch: global, dp divides it
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class Config:
     """Model and run sizes (the same on both sides)."""
 
@@ -197,39 +211,56 @@ class CommCounter(TorchDispatchMode):
         return out
 
 
-def _train(
-    step: Callable[[], torch.Tensor], total: int, counter: CommCounter
-) -> tuple[list[float], list[torch.Tensor]]:
-    """Run ``total`` steps between barriers; the first runs under ``counter``. Returns times (s), losses."""
-    times: list[float] = []
-    losses: list[torch.Tensor] = []
-    for i in range(total):
+class Side:
+    """One way of training: its step function, and what its steps measured."""
+
+    def __init__(self, step: Callable[[], torch.Tensor]) -> None:
+        self.step = step
+        self.counter = CommCounter()
+        self.times: list[float] = []
+        self.losses: list[torch.Tensor] = []
+
+    def run(self, count: bool) -> None:
+        """One step between barriers (all ranks start together; the time is the slowest rank's)."""
         dist.barrier()
         t0 = time.perf_counter()
-        if i == 0:
-            with counter:
-                loss = step()
-        else:
-            loss = step()
+        with self.counter if count else contextlib.nullcontext():
+            loss = self.step()
         dist.barrier()
-        times.append(time.perf_counter() - t0)
-        losses.append(loss.detach())
-    return times, losses
+        self.times.append(time.perf_counter() - t0)
+        self.losses.append(loss.detach())
+
+
+def _train(sides: list[Side], total: int) -> None:
+    """``total`` steps of every side, interleaved step by step so that drift in machine load hits all
+    sides alike; each side's first step runs under its ``CommCounter``."""
+    for i in range(total):
+        for side in sides:
+            side.run(count=i == 0)
 
 
 def _profile(step: Callable[[], torch.Tensor], label: str) -> str:
-    from torch.profiler import ProfilerActivity, profile
+    """torch.profiler table of 2 steps on this rank; a barrier before each keeps stragglers out of the waits."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         for _ in range(2):
-            step()
-    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=60)
+            with record_function("bench.barrier"):
+                dist.barrier()
+            with record_function("bench.step"):
+                step()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60)
     return f"--- {label}: top ops by self CPU time over 2 steps (rank 0) ---\n{table}"
 
 
-def _dtensor_model(model: nn.Module, mesh: Any) -> nn.Module:
-    """torchtitan-style TP (colwise q/k/v/gate/up, rowwise o/down) over ``tp``, then FSDP2 over ``dp``."""
+def _dtensor_model(model: nn.Module, mesh: Any, lm_head: str) -> nn.Module:
+    """torchtitan-style TP (colwise q/k/v/gate/up, rowwise o/down) over ``tp``, then FSDP2 over ``dp``.
+
+    ``lm_head="loss-parallel"`` also shards the LM head on the vocab (logits stay a ``Shard(-1)``
+    DTensor for ``loss_parallel``), as torchtitan does; ``"replicate"`` leaves it whole on every tp rank.
+    """
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     layers = model.layers
@@ -239,6 +270,9 @@ def _dtensor_model(model: nn.Module, mesh: Any) -> nn.Module:
         plan |= {"self_attn.o_proj": RowwiseParallel(), "mlp.gate_proj": ColwiseParallel()}
         plan |= {"mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
         parallelize_module(layer, mesh["tp"], plan)  # type: ignore[arg-type]
+    if lm_head == "loss-parallel":
+        head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+        parallelize_module(model, mesh["tp"], {"lm_head": head})
     for layer in layers:
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -252,16 +286,20 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor
+        from torch.distributed.tensor.parallel import loss_parallel
 
         from compiler.api import parallelize
         from passes.sharding.report import comm_summary
+
+        loss_ctx = loss_parallel if opts["lm_head"] == "loss-parallel" else contextlib.nullcontext
 
         cfg = Config(**cfg_dict)
         mesh = init_device_mesh("cpu", tuple(opts["mesh"]), mesh_dim_names=("dp", "tp"))
         model, inputs = build(cfg)
         ref_copy = copy.deepcopy(model)
         total = cfg.warmup + cfg.steps
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"lm_head": opts["lm_head"]}
 
         t0 = time.perf_counter()
         pm = parallelize(model, mesh, inputs, plan="fsdp+tp")
@@ -282,7 +320,7 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
         out["mf_lines"] = [(c.op, c.axis, c.phase, c.count, c.bytes_per_rank) for c in summary]
 
         t0 = time.perf_counter()
-        dt_model = _dtensor_model(ref_copy, mesh)
+        dt_model = _dtensor_model(ref_copy, mesh, opts["lm_head"])
         out["dt_setup_s"] = time.perf_counter() - t0
         dt_opt = torch.optim.AdamW(dt_model.parameters(), lr=cfg.lr)
         dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
@@ -290,14 +328,16 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
 
         def dt_step() -> torch.Tensor:
             dt_opt.zero_grad()
-            loss = dt_model(*local)
-            loss.backward()
+            with loss_ctx():
+                loss = dt_model(*local)
+                loss.backward()
             dt_opt.step()
-            return loss
+            return loss.to_local() if isinstance(loss, DTensor) else loss
 
-        mf_counter, dt_counter = CommCounter(), CommCounter()
-        mf_times, mf_losses = _train(mf_step, total, mf_counter)
-        dt_times, dt_losses = _train(dt_step, total, dt_counter)
+        mf, dt = Side(mf_step), Side(dt_step)
+        _train([mf, dt], total)
+        mf_times, mf_losses, mf_counter = mf.times, mf.losses, mf.counter
+        dt_times, dt_losses, dt_counter = dt.times, dt.losses, dt.counter
         # NOTE: each dp rank's loss is the mean over its equal share of tokens; their mean is the global loss.
         dt_global = torch.stack(dt_losses)
         dist.all_reduce(dt_global, op=dist.ReduceOp.AVG, group=mesh.get_group("dp"))
@@ -348,8 +388,10 @@ def _report(cfg: Config, mesh: tuple[int, int], r: dict[str, Any], ref: list[flo
     )
     print(
         f"setup: meshfold parallelize {r['mf_compile_s']:.1f} s; DTensor parallelize_module+fully_shard "
-        f"{r['dt_setup_s']:.2f} s\n"
+        f"{r['dt_setup_s']:.2f} s"
     )
+    head = "vocab-sharded over tp + loss_parallel" if r["lm_head"] == "loss-parallel" else "replicated over tp"
+    print(f"plans: meshfold 'fsdp+tp' (tp roles from dataflow); DTensor TP on q/k/v/o + gate/up/down, LM head {head}\n")
     rows = [
         ("median step (ms)", f"{mf_ms:.1f}", f"{dt_ms:.1f}"),
         (
@@ -373,13 +415,8 @@ def _report(cfg: Config, mesh: tuple[int, int], r: dict[str, Any], ref: list[flo
     for side, key in (("meshfold", "mf_kinds"), ("DTensor eager", "dt_kinds")):
         kinds = ", ".join(f"{k} x{n} {b / mib:.3f} MiB" for k, (n, b) in r[key].items())
         print(f"traced per step, {side}: {kinds}")
-    print(
-        "meshfold comm_summary: "
-        + "; ".join(
-            f"{op.removeprefix('comm.')} {axis} {phase} x{n} {b / mib:.3f} MiB"
-            for op, axis, phase, n, b in r["mf_lines"]
-        )
-    )
+    lines = (f"{op.removeprefix('comm.')} {ax} {ph} x{n} {b / mib:.3f} MiB" for op, ax, ph, n, b in r["mf_lines"])
+    print("meshfold comm_summary: " + "; ".join(lines))
 
     pair = max(abs(a - b) for a, b in zip(r["mf_losses"], r["dt_losses"], strict=True))
     first_mf, first_dt = abs(r["mf_losses"][0] - ref[0]), abs(r["dt_losses"][0] - ref[0])
@@ -391,11 +428,8 @@ def _report(cfg: Config, mesh: tuple[int, int], r: dict[str, Any], ref: list[flo
         f"max |meshfold - dtensor| over all steps {pair:.1e}"
     )
     ok = max(pair, first_mf, first_dt) <= LOSS_TOL
-    print(
-        "losses agree (tolerance 1e-4)"
-        if ok
-        else "!!! LOSSES DISAGREE (tolerance 1e-4): the figures above compare different computations !!!"
-    )
+    bad = "!!! LOSSES DISAGREE (tolerance 1e-4): the figures above compare different computations !!!"
+    print("losses agree (tolerance 1e-4)" if ok else bad)
     for text in r["profiles"]:
         print("\n" + text)
     return 0 if ok else 1
@@ -409,14 +443,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mesh", default="2,2", help="dp,tp sizes (product = world)")
     ap.add_argument("--steps", type=int, default=d.steps, help="timed steps")
     ap.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first (the first counts bytes)")
-    ap.add_argument("--layers", type=int, default=d.layers)
-    ap.add_argument("--hidden", type=int, default=d.hidden)
-    ap.add_argument("--heads", type=int, default=d.heads)
-    ap.add_argument("--kv-heads", type=int, default=d.kv_heads)
-    ap.add_argument("--intermediate", type=int, default=d.intermediate)
-    ap.add_argument("--vocab", type=int, default=d.vocab)
-    ap.add_argument("--seq", type=int, default=d.seq)
-    ap.add_argument("--batch", type=int, default=d.batch, help="global batch (divisible by dp)")
+    for size in SIZES:
+        ap.add_argument(f"--{size.replace('_', '-')}", type=int, default=getattr(d, size))
+    ap.add_argument(
+        "--dtensor-lm-head",
+        choices=("replicate", "loss-parallel"),
+        default="replicate",
+        help="DTensor side: LM head whole on every tp rank, or vocab-sharded with loss_parallel (torchtitan)",
+    )
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler tables of rank 0")
     a = ap.parse_args(argv)
     mesh = tuple(int(s) for s in a.mesh.split(","))
@@ -424,19 +458,12 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--mesh {a.mesh} must be two sizes dp,tp whose product is --world {a.world}")
     if a.warmup < 1:
         ap.error("--warmup must be at least 1 (the first warm-up step counts collectives)")
-    cfg = Config(
-        a.vocab, a.hidden, a.layers, a.heads, a.kv_heads, a.intermediate, a.seq, a.batch, d.lr, a.warmup, a.steps
-    )
+    cfg = dataclasses.replace(d, warmup=a.warmup, steps=a.steps, **{size: getattr(a, size) for size in SIZES})
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    opts = {"mesh": mesh, "profile": a.profile}
-    mp.start_processes(
-        _rank_main,
-        args=(a.world, _free_port(), asdict(cfg), opts, queue),
-        nprocs=a.world,
-        join=True,
-        start_method="spawn",
-    )
+    opts = {"mesh": mesh, "profile": a.profile, "lm_head": a.dtensor_lm_head}
+    rank_args = (a.world, _free_port(), dataclasses.asdict(cfg), opts, queue)
+    mp.start_processes(_rank_main, args=rank_args, nprocs=a.world, join=True, start_method="spawn")
     result = queue.get()
     ref = _single_device(cfg)
     return _report(cfg, (mesh[0], mesh[1]), result, ref)
