@@ -28,7 +28,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import ir
-from ir import GraphBuilder, Provenance, ScalarType, Value, tensor_type
+from ir import GraphBuilder, Provenance, Value, tensor_type
+from ir.types import type_of
 
 
 class CaptureError(RuntimeError):
@@ -340,7 +341,7 @@ class _Lifter:
         args = tuple(self._arg(a) for a in node.args)
         kwargs = tuple((k, self._arg(v)) for k, v in node.kwargs.items())
         outs = _flat_vals(node.meta.get("val"))
-        results = [(_result_hint(node.name, i, len(outs)), _type_of(o)) for i, o in enumerate(outs)]
+        results = [(_result_hint(node.name, i, len(outs)), type_of(o)) for i, o in enumerate(outs)]
         vals = self.b.add_op(node.target, args, kwargs, results, self._prov(node))
         is_multi = isinstance(node.meta.get("val"), (tuple, list))
         self.env[node] = vals if is_multi else vals[0]
@@ -401,18 +402,6 @@ def _flat_vals(val: Any) -> list[Any]:
             out.append(x)
         return out
     return [val]
-
-
-def _type_of(x: Any) -> ir.Type:
-    if isinstance(x, torch.Tensor):
-        return tensor_type(x)
-    if x is None:
-        return ScalarType("none")
-    if isinstance(x, (bool, torch.SymBool)):
-        return ScalarType("bool")
-    if isinstance(x, (float, torch.SymFloat)):
-        return ScalarType("float")
-    return ScalarType("int")
 
 
 def _result_hint(name: str, i: int, n: int) -> str:

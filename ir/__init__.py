@@ -21,7 +21,7 @@ from ir.parser import ParseError, parse
 from ir.placement import Layout, Partial, Placement, R, Replicate, Shard, parse_placement
 from ir.printer import print_graph
 from ir.rewrite import PatternTable, Rewriter, apply_patterns
-from ir.types import ScalarType, TensorType, Type, dtype_name, tensor_type
+from ir.types import ScalarType, TensorType, Type, dtype_name, tensor_type, type_of
 from ir.verifier import VerifyError, verify
 
 __all__ = [
@@ -61,5 +61,6 @@ __all__ = [
     "resolve_target",
     "target_name",
     "tensor_type",
+    "type_of",
     "verify",
 ]

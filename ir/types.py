@@ -96,3 +96,17 @@ def tensor_type(t: torch.Tensor) -> TensorType:
         else:
             shape.append(int(s))
     return TensorType(tuple(shape), t.dtype)
+
+
+def type_of(x: object) -> Type:
+    """The IR type of an op's runtime result: a tensor's type, or the kind of a (symbolic) scalar;
+    ``None`` (an optional result the op did not compute) is ``!none``."""
+    if isinstance(x, torch.Tensor):
+        return tensor_type(x)
+    if x is None:
+        return ScalarType("none")
+    if isinstance(x, (bool, torch.SymBool)):
+        return ScalarType("bool")
+    if isinstance(x, (float, torch.SymFloat)):
+        return ScalarType("float")
+    return ScalarType("int")

@@ -11,7 +11,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from ir.graph import Arg, Graph, Op, Value
 from ir.ops import OpDef
 from ir.placement import Layout, Shard
-from ir.types import ScalarType, TensorType, Type, tensor_type
+from ir.types import TensorType, type_of
 
 
 class VerifyError(ValueError):
@@ -86,23 +86,11 @@ class _FakeRunner:
         if len(got) != len(op.results):
             raise VerifyError(f"{op.describe()}: computes {len(got)} results but declares {len(op.results)}")
         for r, g in zip(op.results, got, strict=True):
-            actual = _type_of(g)
+            actual = type_of(g)
             if actual != r.type:
                 raise VerifyError(
                     f"{op.describe()}: result %{r.name} is declared {r.type} but the op computes {actual}"
                 )
-
-
-def _type_of(x: object) -> Type:
-    if isinstance(x, torch.Tensor):
-        return tensor_type(x)
-    if x is None:
-        return ScalarType("none")
-    if isinstance(x, (bool, torch.SymBool)):
-        return ScalarType("bool")
-    if isinstance(x, (float, torch.SymFloat)):
-        return ScalarType("float")
-    return ScalarType("int")
 
 
 def _materialize(a: Arg) -> object:
