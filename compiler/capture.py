@@ -283,6 +283,7 @@ class _Lifter:
         self.fqns = fqns
         self.arg_names = arg_names
         self.env: dict[fx.Node, Value | tuple[Value, ...]] = {}
+        self.backward: set[fx.Node] = set()
 
     def lift(self, graph: fx.Graph) -> ir.Graph:
         for node in graph.nodes:
@@ -318,6 +319,7 @@ class _Lifter:
         elif kind_name == "PlainAOTInput":
             v = self.b.add_input("input", self.arg_names[desc.idx], tensor_type(val))
         elif kind_name == "TangentAOTInput":
+            self.backward.add(node)
             out_idx = getattr(desc.output, "idx", len([i for i in self.b._inputs if i.kind == "tangent"]))
             v = self.b.add_input("tangent", f"tangent.{out_idx}", tensor_type(val))
         else:
@@ -327,6 +329,8 @@ class _Lifter:
     def _call(self, node: fx.Node) -> None:
         if node.target is operator.getitem:
             src, idx = node.args
+            if src in self.backward:
+                self.backward.add(node)
             vals = self.env[src]  # type: ignore[index]
             if not isinstance(vals, tuple):
                 raise CaptureError(f"getitem on a single-result op at {node.format_node()}")
@@ -360,7 +364,12 @@ class _Lifter:
         return a
 
     def _prov(self, node: fx.Node) -> Provenance:
-        is_bwd = node.meta.get("partitioner_tag") == "is_backward" or "autograd_backward" in node.meta
+        # NOTE: AOT tags most backward nodes, but not all (e.g. the selects of stack's backward);
+        # anything computed from a tangent or a backward value is backward too.
+        tagged = node.meta.get("partitioner_tag") == "is_backward" or "autograd_backward" in node.meta
+        is_bwd = tagged or any(a in self.backward for a in node.all_input_nodes)
+        if is_bwd:
+            self.backward.add(node)
         stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
         path = module_path(list(stack.values())[-1][0]) if stack else ""
         return Provenance(path, "bwd" if is_bwd else "fwd", _source_line(node.meta.get("stack_trace")))
