@@ -8,6 +8,7 @@ agree across ranks without any communication; a rank keeps its own.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import traceback
 import warnings
@@ -29,14 +30,38 @@ Coord = tuple[int, ...]
 
 
 def global_inputs(graph: ir.Graph, seed: int) -> dict[str, torch.Tensor]:
-    """Seeded standard-normal values for every non-tangent input, in input order."""
+    """Seeded standard-normal values for every input, in input order.
+
+    NOTE: a tangent is divided by the square root of its size, so gradients stay O(1) however large
+    the output is (with all-ones tangents they grow with it, and so does fp32 rounding).
+    """
     gen = torch.Generator().manual_seed(seed)
     out: dict[str, torch.Tensor] = {}
     for i in graph.inputs:
         t = i.value.type
-        if i.kind != "tangent" and isinstance(t, TensorType):
-            out[i.name] = torch.randn(tuple(int(d) for d in t.shape), generator=gen, dtype=t.dtype)
+        if isinstance(t, TensorType):
+            x = torch.randn(tuple(int(d) for d in t.shape), generator=gen, dtype=t.dtype)
+            out[i.name] = x / max(x.numel(), 1) ** 0.5 if i.kind == "tangent" else x
     return out
+
+
+def joint_inputs(graph: ir.Graph, seed: int) -> dict[str, torch.Tensor]:
+    """:func:`global_inputs` with each tangent ``tangent.i`` laid out in memory like ``out(i)``.
+
+    NOTE: AOTAutograd traces the backward with tangents strided like the forward's outputs, so a
+    captured backward may ``view`` a tangent in a way only those strides allow; the reference
+    interpreter runs views as views, so its tangents must have them.
+    """
+    values = global_inputs(graph, seed)
+    fwd_ops = tuple(op for op in graph.ops if op.prov.phase == "fwd")
+    outs = tuple(o for o in graph.outputs if o.kind == "out")
+    forward = dataclasses.replace(graph, inputs=tuple(i for i in graph.inputs if i.kind != "tangent"))
+    got = interpret(dataclasses.replace(forward, ops=fwd_ops, outputs=outs), values)
+    for i in graph.inputs:
+        if i.kind == "tangent":
+            like = got[("out", i.name.removeprefix("tangent."))]
+            values[i.name] = torch.empty_like(like).copy_(values[i.name])
+    return values
 
 
 def local_pieces(x: torch.Tensor, layout: Layout, mesh: Mesh, seed: int) -> dict[Coord, torch.Tensor]:
@@ -58,12 +83,14 @@ def local_pieces(x: torch.Tensor, layout: Layout, mesh: Mesh, seed: int) -> dict
             continue
         assert p.reduce == "sum", f"inputs are only ever P(sum), not {p}"
         split_out: dict[Coord, torch.Tensor] = {}
-        later = [j for j in range(i + 1, mesh.ndim) if isinstance(layout.placements[j], Partial)]
+        # NOTE: ranks hold the same value here unless they differ on a Shard axis or on a Partial
+        # axis split before this one; ranks holding the same value must split it alike, so only
+        # those coordinates pick the seed. Part k goes to the rank with coordinate k on axis i.
+        differs = [
+            j for j, q in enumerate(layout.placements) if isinstance(q, Shard) or (isinstance(q, Partial) and j < i)
+        ]
         for c in coords:
-            # NOTE: the ranks of one group along axis i hold the same value here (axis i is not a
-            # Shard). So do ranks differing only on later Partial axes (not split yet): they must
-            # split it alike, so the seed ignores those coordinates too. Part k goes to rank k.
-            key = tuple(0 if j == i or j in later else c[j] for j in range(mesh.ndim))
+            key = tuple(c[j] if j in differs else 0 for j in range(mesh.ndim))
             gen = torch.Generator().manual_seed(hash((seed, i, key)) % 2**63)
             split_out[c] = split(out[c], p, mesh.sizes[i], gen)[c[i]]
         out = split_out
@@ -122,7 +149,8 @@ def run_chains(examples: Sequence[tuple[str, str, int]]) -> list[str | None]:
 
 def combine(parts: Mapping[Coord, torch.Tensor], layout: Layout, mesh: Mesh) -> torch.Tensor:
     """The global value the ranks' local ``parts`` represent in ``layout`` (the inverse of
-    :func:`local_pieces`): Partial axes are summed, Shard axes concatenated, inner axis first."""
+    :func:`local_pieces`): Partial axes are summed, Shard axes concatenated, inner axis first.
+    Raises ``AssertionError`` when the ranks of a Replicate group disagree."""
     vals = dict(parts)
     for i in reversed(range(mesh.ndim)):
         p = layout.placements[i]
@@ -134,9 +162,87 @@ def combine(parts: Mapping[Coord, torch.Tensor], layout: Layout, mesh: Mesh) -> 
             if isinstance(p, Shard):
                 merged[c] = torch.cat(group, p.dim)
             elif isinstance(p, Partial):
+                assert p.reduce == "sum", f"cannot combine {p}"
                 merged[c] = torch.stack(group).sum(0)
             else:
+                for k, other in enumerate(group[1:], 1):
+                    where = f"Replicate over mesh axis {mesh.names[i]}: rank {(*c[:i], k, *c[i + 1 :])} vs {c}"
+                    torch.testing.assert_close(
+                        other, group[0], rtol=RTOL, atol=ATOL, msg=lambda m, w=where: f"{w}: {m}"
+                    )
                 merged[c] = group[0]
         vals = merged
     (value,) = vals.values()
     return value
+
+
+def _one_joint(text: str, boxed_text: str, seed: int, rank: RankContext) -> dict[str, torch.Tensor]:
+    """Run one boxed joint graph's forward and backward on this rank; its out(0) and local gradients."""
+    graph, boxed = ir.parse(text), ir.parse(boxed_text)
+    # NOTE: the lowering runs views as reshapes, so tangents need only the right values here.
+    glob = global_inputs(graph, seed)
+    lowered = lower(boxed, rank)
+    local = [
+        local_pieces(glob[name], boxed.input(name).value.layout, rank.mesh, seed + k)[rank.coordinate]
+        for k, name in enumerate(lowered.fwd_inputs)
+    ]
+    outs = lowered.forward(*local)
+    n_out = len(lowered.fwd_outputs)
+    tangents = [
+        local_pieces(glob[name], boxed.input(name).value.layout, rank.mesh, seed)[rank.coordinate]
+        for name in lowered.bwd_inputs
+    ]
+    grads = lowered.backward(*outs[n_out:], *tangents)
+    result = {"out": outs[lowered.fwd_outputs.index(("out", "0"))]}
+    result.update({f"grad({n})": g for n, g in zip(lowered.bwd_outputs, grads, strict=True)})
+    return result
+
+
+def _check_joint(text: str, boxed_text: str, seed: int, pieces: Sequence[dict[str, torch.Tensor]]) -> str | None:
+    """Combine every rank's results by the boxed graph's output layouts; compare with the interpreter."""
+    graph, boxed = ir.parse(text), ir.parse(boxed_text)
+    want = interpret(graph, joint_inputs(graph, seed))
+    mesh = Mesh(NAMES, SHAPE)
+    coords = list(itertools.product(*(range(s) for s in SHAPE)))
+    for o in boxed.outputs:
+        key = "out" if o.kind == "out" else f"grad({o.name})"
+        if o.kind == "out" and o.name != "0":
+            continue
+        try:
+            got = combine({c: p[key] for c, p in zip(coords, pieces, strict=True)}, o.value.layout, mesh)
+            torch.testing.assert_close(got, want[(o.kind, o.name)], rtol=RTOL, atol=ATOL, equal_nan=True)
+        except AssertionError as e:
+            return f"{o.kind}({o.name}) in layout {o.value.layout} differs from the interpreter: {e}"
+    return None
+
+
+def run_joints(examples: Sequence[tuple[str, str, int]]) -> list[str | None]:
+    """For each ``(joint graph text, boxed text, seed)``: None if out(0) and every gradient, combined
+    from all ranks by their layouts, equal the interpreter's on the unsharded joint graph; else why not.
+
+    Rank 0 gathers every rank's results and judges them; the other ranks return an empty list.
+    """
+    warnings.filterwarnings("ignore")
+    rank, _ = _rank_context()
+    first = dist.get_rank() == 0
+    results: list[str | None] = []
+    for text, boxed_text, seed in examples:
+        try:
+            mine: dict[str, torch.Tensor] | str = _one_joint(text, boxed_text, seed, rank)
+        except Exception:
+            mine = f"rank {rank.coordinate}: {traceback.format_exc()}"
+        pieces: list[dict[str, torch.Tensor] | str] | None = (
+            [{} for _ in range(dist.get_world_size())] if first else None
+        )
+        dist.gather_object(mine, pieces, dst=0)
+        if pieces is None:
+            continue
+        failed = [p for p in pieces if isinstance(p, str)]
+        if failed:
+            results.append(failed[0])
+            continue
+        try:
+            results.append(_check_joint(text, boxed_text, seed, pieces))  # type: ignore[arg-type]
+        except Exception:
+            results.append(traceback.format_exc())
+    return results

@@ -1,108 +1,20 @@
-"""Random op chains as IR text, for the property tests of tests/property/test_chains_on_ranks.py.
+"""Random op chains for the property tests of tests/property/test_chains_on_ranks.py.
 
 A chain starts from one ``param`` and applies 3 or more ops drawn from the rule table, each taking
 the previous op's result (the "head") and, where the op needs more operands, earlier values or
-fresh params (at most :data:`MAX_PARAMS`). Result types come from running each op on meta tensors,
-so the text is well typed by construction. Every param gets a random layout on the (2, 2)
-``("dp", "tp")`` mesh: ``R``, ``S(d)`` for a dim of size >= 4, or ``P`` (Partial sum).
+fresh params (at most :data:`~tests.property.chain_ir.MAX_PARAMS`). Every param gets a random layout
+on the (2, 2) ``("dp", "tp")`` mesh: ``R``, ``S(d)`` for a dim whose size is a multiple of 4, or
+``P`` (Partial sum). Makers are listed simplest first, so hypothesis shrinks toward plain ops.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from hypothesis import strategies as st
 
-from ir import resolve_target, tensor_type
-
-MESH_HEADER = "graph @chain mesh<dp=2, tp=2> {"
-MAX_PARAMS = 4
-SIZES = (4, 8, 16)
-# NOTE: a result whose typical magnitude may exceed this is divided by a power of two (exact in fp32),
-# so values stay O(1) and fp32 rounding (which differs between sharded and whole computation) stays
-# far below the test's tolerance however many products and sums the chain stacks.
-RESCALE_ABOVE = 4.0
-
-
-@dataclass(frozen=True)
-class Chain:
-    """One example: the unsharded graph's text, each param's ``{axis: placement}`` and a data seed."""
-
-    text: str
-    layouts: dict[str, dict[str, str]]
-    seed: int
-
-    def __str__(self) -> str:
-        plan = ", ".join(f"{n}: dp={a['dp']} tp={a['tp']}" for n, a in self.layouts.items())
-        return f"{self.text}// layouts: {plan}\n// seed: {self.seed}\n"
-
-
-@dataclass(frozen=True)
-class Ref:
-    """A value of the chain under construction: its name, a meta tensor of its type, a magnitude bound."""
-
-    name: str
-    meta: torch.Tensor
-    mag: float
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return tuple(self.meta.shape)
-
-
-@dataclass
-class Builder:
-    """Writes the chain's IR lines; every op is run on meta tensors to get its result type."""
-
-    params: list[Ref] = field(default_factory=list)
-    values: list[Ref] = field(default_factory=list)
-    lines: list[str] = field(default_factory=list)
-
-    def param(self, shape: tuple[int, ...]) -> Ref:
-        ref = Ref(f"p{len(self.params)}", torch.empty(shape, device="meta"), 1.0)
-        self.params.append(ref)
-        self.values.append(ref)
-        return ref
-
-    def room(self) -> bool:
-        return len(self.params) < MAX_PARAMS
-
-    def op(self, target: str, args: tuple[Any, ...], mag: float) -> Ref:
-        """Append ``%vN = target(args)`` and return its result."""
-        fn = resolve_target(target)
-        meta = fn(*(_meta(a) for a in args))
-        name = f"v{len(self.values) - len(self.params) + 1}"
-        ref = Ref(name, meta, mag)
-        self.values.append(ref)
-        self.lines.append(f"  %{name} = {target}({', '.join(_text(a) for a in args)}) : {tensor_type(meta)}")
-        if mag > RESCALE_ABOVE and meta.dtype.is_floating_point:
-            return self.op("aten.div.Scalar", (ref, float(2 ** math.ceil(math.log2(mag)))), 1.0)
-        return ref
-
-    def text(self, out: Ref) -> str:
-        head = [MESH_HEADER, *(f"  param %{p.name} : {tensor_type(p.meta)}" for p in self.params)]
-        return "\n".join([*head, *self.lines, f"  output out(0) = %{out.name}", "}"]) + "\n"
-
-
-def _meta(a: Any) -> Any:
-    if isinstance(a, Ref):
-        return a.meta
-    if isinstance(a, (tuple, list)):
-        return [_meta(x) for x in a]
-    return a
-
-
-def _text(a: Any) -> str:
-    if isinstance(a, Ref):
-        return "%" + a.name
-    if isinstance(a, (tuple, list)):
-        return "[" + ", ".join(_text(x) for x in a) + "]"
-    return repr(a) if isinstance(a, float) else str(a)
-
+from tests.property.chain_ir import SIZES, Builder, Chain, Ref
 
 Draw = st.DrawFn
 OpMaker = Callable[[Draw, Builder, Ref], Ref]
@@ -115,16 +27,19 @@ def _broadcasts_into(shape: tuple[int, ...], into: tuple[int, ...]) -> bool:
     return all(s in (1, t) for s, t in zip(reversed(shape), reversed(into), strict=False))
 
 
-def _partner(draw: Draw, b: Builder, head: Ref, *, fresh: bool = False) -> Ref:
-    """A second operand for an elementwise op with ``head``: an earlier value that broadcasts into the
-    head's shape (or the head into it), a fresh param of a compatible shape (always when ``fresh``),
-    or the head itself."""
+def partner(draw: Draw, b: Builder, head: Ref, *, fresh: bool = False, pos: bool = False) -> Ref:
+    """A second operand for an elementwise op with ``head``: a fresh param of a compatible shape
+    (always when ``fresh``), the head itself, or an earlier value that broadcasts with the head
+    (only known-positive ones when ``pos``)."""
     known = [
         v
         for v in b.values
-        if v is not head and (_broadcasts_into(v.shape, head.shape) or _broadcasts_into(head.shape, v.shape))
+        if v is not head
+        and (v.pos or not pos)
+        and (_broadcasts_into(v.shape, head.shape) or _broadcasts_into(head.shape, v.shape))
     ]
-    choices = [*(["fresh"] if b.room() else []), "self", *(["known"] if known else [])]
+    choices = [*(["fresh"] if b.room() and not pos else []), *(["self"] if head.pos or not pos else [])]
+    choices += ["known"] if known else []
     how = "fresh" if fresh else draw(st.sampled_from(choices))
     if how == "known":
         return draw(st.sampled_from(known))
@@ -141,44 +56,87 @@ def _partner(draw: Draw, b: Builder, head: Ref, *, fresh: bool = False) -> Ref:
     return b.param(tuple(shape))
 
 
-def _unary(draw: Draw, b: Builder, x: Ref) -> Ref:
-    name = draw(st.sampled_from(["tanh", "sigmoid", "relu", "neg", "abs", "sin", "gelu", "silu", "clone"]))
-    bounded = name in ("tanh", "sigmoid", "sin")
-    return b.op(f"aten.{name}", (x,), 1.0 if bounded else x.mag)
+def _dim(draw: Draw, x: Ref) -> int:
+    """A dim of ``x``, as often negative as not."""
+    d = draw(st.integers(0, x.rank - 1))
+    return d - x.rank if draw(st.booleans()) else d
 
 
-def _exp(draw: Draw, b: Builder, x: Ref) -> Ref:
-    return b.op("aten.exp", (x,), 2.72**x.mag)
+def _dims(draw: Draw, x: Ref) -> list[int]:
+    return sorted(draw(st.sets(st.integers(0, x.rank - 1), min_size=1, max_size=x.rank)))
 
 
-def _scalar(draw: Draw, b: Builder, x: Ref) -> Ref:
-    name = draw(st.sampled_from(["mul.Scalar", "add.Scalar", "div.Scalar", "pow.Tensor_Scalar"]))
+UNARY = ("tanh", "sigmoid", "relu", "neg", "abs", "sin", "gelu", "silu", "clone", "hardtanh", "leaky_relu")
+
+
+def unary(draw: Draw, b: Builder, x: Ref) -> Ref:
+    name = draw(st.sampled_from(UNARY))
+    bounded = name in ("tanh", "sigmoid", "sin", "hardtanh")
+    return b.op(f"aten.{name}", (x,), 1.0 if bounded else x.mag, pos=name == "sigmoid")
+
+
+def exp(draw: Draw, b: Builder, x: Ref) -> Ref:
+    return b.op("aten.exp", (x,), 2.72**x.mag, pos=True)
+
+
+def positive_only(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """Ops defined (and smooth) on positive inputs only; divisions get ``x + 1 >= 1``."""
+    name = draw(st.sampled_from(["log", "sqrt", "rsqrt", "reciprocal", "div.Tensor"]))
+    if name in ("log", "sqrt"):
+        return b.op(f"aten.{name}", (x,), x.mag + 4.0, pos=name == "sqrt")
+    y = b.op("aten.add.Scalar", (x, 1.0), x.mag + 1.0, pos=True)
+    if name == "div.Tensor":
+        z = partner(draw, b, x)
+        return b.op("aten.div.Tensor", (z, y), z.mag)
+    return b.op(f"aten.{name}", (y,), 1.0, pos=True)
+
+
+def scalar(draw: Draw, b: Builder, x: Ref) -> Ref:
+    name = draw(st.sampled_from(["mul.Scalar", "add.Scalar", "div.Scalar", "pow.Tensor_Scalar", "clamp"]))
     c = draw(st.sampled_from([0.5, -2.0, 3.0]))
     if name == "pow.Tensor_Scalar":
-        return b.op("aten.pow.Tensor_Scalar", (x, 2), x.mag**2)
+        return b.op("aten.pow.Tensor_Scalar", (x, 2), x.mag**2, pos=x.pos)
+    if name == "clamp":
+        return b.op("aten.clamp", (x, -0.5, 1.0), 1.0)
     mag = {"mul.Scalar": x.mag * abs(c), "add.Scalar": x.mag + abs(c), "div.Scalar": x.mag / abs(c)}[name]
-    return b.op(f"aten.{name}", (x, c), mag)
+    return b.op(f"aten.{name}", (x, c), mag, pos=x.pos and c > 0)
 
 
-def _binary(draw: Draw, b: Builder, x: Ref, *, fresh: bool = False) -> Ref:
-    name = draw(st.sampled_from(["add.Tensor", "mul.Tensor", "sub.Tensor", "maximum"]))
-    y = _partner(draw, b, x, fresh=fresh)
+def binary(draw: Draw, b: Builder, x: Ref, *, fresh: bool = False) -> Ref:
+    name = draw(st.sampled_from(["add.Tensor", "mul.Tensor", "sub.Tensor", "maximum", "minimum", "add-alpha"]))
+    y = partner(draw, b, x, fresh=fresh)
     args = (x, y) if draw(st.booleans()) else (y, x)
+    if name == "add-alpha":
+        return b.op("aten.add.Tensor", args, x.mag + 2 * y.mag, kwargs={"alpha": draw(st.sampled_from([2, -0.5]))})
     mag = x.mag * y.mag if name == "mul.Tensor" else x.mag + y.mag
-    return b.op(f"aten.{name}", args, mag)
+    return b.op(f"aten.{name}", args, mag, pos=x.pos and y.pos and name != "sub.Tensor")
 
 
-def _where(draw: Draw, b: Builder, x: Ref) -> Ref:
-    y = _partner(draw, b, x)
-    z = draw(st.sampled_from([x, y]))
-    cond = b.op("aten.gt.Scalar", (z, 0.0), 1.0)
+def ternary(draw: Draw, b: Builder, x: Ref) -> Ref:
+    y = partner(draw, b, x)
+    if draw(st.booleans()):
+        return b.op("aten.lerp.Scalar", (x, y, 0.25), max(x.mag, y.mag))
+    z = partner(draw, b, y if y.rank > x.rank or y.meta.numel() > x.meta.numel() else x)
+    return b.op("aten.addcmul", (x, y, z), x.mag + y.mag * z.mag, kwargs={"value": 0.5})
+
+
+def where(draw: Draw, b: Builder, x: Ref) -> Ref:
+    y = partner(draw, b, x)
+    cond = b.op("aten.gt.Scalar", (draw(st.sampled_from([x, y])), 0.0), 1.0)
+    form = draw(st.sampled_from(["self", "ScalarOther", "ScalarSelf", "masked_fill"]))
+    if form == "ScalarOther":
+        return b.op("aten.where.ScalarOther", (cond, x, 0.0), x.mag)
+    if form == "ScalarSelf":
+        return b.op("aten.where.ScalarSelf", (cond, -1.0, x), x.mag)
+    if form == "masked_fill":
+        return b.op("aten.masked_fill.Scalar", (x, cond, draw(st.sampled_from([0.0, -1.0]))), x.mag)
     args = (cond, x, y) if draw(st.booleans()) else (cond, y, x)
     return b.op("aten.where.self", args, max(x.mag, y.mag))
 
 
 def _matrix(draw: Draw, b: Builder, k: int, batch: tuple[int, ...], fallback: Ref) -> Ref:
     """A ``batch + (k, n)`` operand: an earlier value of that form, a fresh param, or ``fallback``."""
-    known = [v for v in b.values if len(v.shape) == len(batch) + 2 and v.shape[: len(batch) + 1] == (*batch, k)]
+    known = [v for v in b.values if v.rank == len(batch) + 2 and v.shape[: len(batch) + 1] == (*batch, k)]
     choices = [*(["known"] if known else []), *(["fresh"] if b.room() else [])] or ["fallback"]
     how = draw(st.sampled_from(choices))
     if how == "known":
@@ -188,7 +146,7 @@ def _matrix(draw: Draw, b: Builder, k: int, batch: tuple[int, ...], fallback: Re
     return fallback
 
 
-def _mm(draw: Draw, b: Builder, x: Ref) -> Ref:
+def mm(draw: Draw, b: Builder, x: Ref) -> Ref:
     m, k = x.shape
     form = draw(st.sampled_from(["mm", "mm-left", "addmm"]))
     if form == "mm-left":
@@ -206,33 +164,168 @@ def _mm(draw: Draw, b: Builder, x: Ref) -> Ref:
     return b.op("aten.mm", (x, w), x.mag * w.mag * k**0.5)
 
 
-def _bmm(draw: Draw, b: Builder, x: Ref) -> Ref:
-    bs, _, k = x.shape
+def bmm(draw: Draw, b: Builder, x: Ref) -> Ref:
+    bs, m, k = x.shape
     w = _matrix(draw, b, k, (bs,), x)
     if w is x:
         w = b.op("aten.transpose.int", (w, 1, 2), w.mag)
+    if draw(st.booleans()) and b.room():
+        bias = b.param((m, w.shape[2]) if draw(st.booleans()) else (bs, m, w.shape[2]))
+        return b.op("aten.baddbmm", (bias, x, w), x.mag * w.mag * k**0.5 + 1.0)
     return b.op("aten.bmm", (x, w), x.mag * w.mag * k**0.5)
 
 
-def _reduce(draw: Draw, b: Builder, x: Ref) -> Ref:
-    rank = len(x.shape)
-    name = draw(st.sampled_from(["sum.dim_IntList", "mean.dim", "amax"]))
-    dims = sorted(draw(st.sets(st.integers(0, rank - 1), min_size=1, max_size=rank)))
+def _like(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """A value of exactly ``x``'s shape: a fresh param, an earlier value, or ``x`` itself."""
+    known = [v for v in b.values if v.shape == x.shape]
+    if b.room() and draw(st.booleans()):
+        return b.param(x.shape)
+    return draw(st.sampled_from(known))
+
+
+def vector(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """``dot`` of the 1-D head with a vector of its length, or ``mv`` of a matrix with it."""
+    (k,) = x.shape
     if draw(st.booleans()):
-        dims = [d - rank for d in dims]
+        y = _like(draw, b, x)
+        return b.op("aten.dot", (x, y), x.mag * y.mag * k**0.5)
+    w = _matrix(draw, b, k, (), x)
+    w = b.op("aten.t", (w,), w.mag) if w.rank == 2 else b.op("aten.unsqueeze", (x, 0), x.mag)
+    return b.op("aten.mv", (w, x), x.mag * w.mag * k**0.5)
+
+
+def reduce(draw: Draw, b: Builder, x: Ref) -> Ref:
+    name = draw(st.sampled_from(["sum.dim_IntList", "mean.dim", "amax", "amin", "logsumexp", "var.correction"]))
+    dims = _dims(draw, x)
+    if draw(st.booleans()):
+        dims = [d - x.rank for d in dims]
     keepdim = draw(st.booleans())
     n = 1
     for d in dims:
         n *= x.shape[d]
-    mag = x.mag * n**0.5 if name == "sum.dim_IntList" else x.mag
+    if name == "var.correction":
+        kwargs = {"correction": 1 if n > 1 else 0, "keepdim": keepdim}
+        return b.op("aten.var.correction", (x, dims), x.mag**2, kwargs=kwargs)
+    mag = x.mag * n**0.5 if name == "sum.dim_IntList" else x.mag + (3.0 if name == "logsumexp" else 0.0)
     return b.op(f"aten.{name}", (x, dims, keepdim), mag)
 
 
-def _sum_all(draw: Draw, b: Builder, x: Ref) -> Ref:
-    return b.op("aten.sum", (x,), x.mag * x.meta.numel() ** 0.5)
+def reduce_all(draw: Draw, b: Builder, x: Ref) -> Ref:
+    name = draw(st.sampled_from(["sum", "mean", "max"]))
+    return b.op(f"aten.{name}", (x,), x.mag * (x.meta.numel() ** 0.5 if name == "sum" else 1.0))
 
 
-def _reshape(draw: Draw, b: Builder, x: Ref) -> Ref:
+def scan(draw: Draw, b: Builder, x: Ref) -> Ref:
+    d = _dim(draw, x)
+    if draw(st.booleans()):
+        return b.op("aten.cumsum", (x, d), x.mag * x.shape[d] ** 0.5)
+    return b.op("aten.flip", (x, [d]), x.mag, pos=x.pos)
+
+
+def index(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """Ops with computed integer indices: ``max.dim``'s values, or its indices into ``gather``; the
+    ``argmax`` over a dim into ``index_select`` along it or into an ``embedding`` table that long."""
+    d = draw(st.integers(0, x.rank - 1))
+    forms = ["max.dim", "gather", *(["index_select"] if x.rank == 2 else []), *(["embedding"] if b.room() else [])]
+    form = draw(st.sampled_from(forms))
+    if form in ("max.dim", "gather"):
+        values, idx = b.ops("aten.max.dim", (x, d, True), x.mag, n=2)
+        return values if form == "max.dim" else b.op("aten.gather", (x, d, idx), x.mag)
+    # NOTE: argmax over dim d gives positions < x.shape[d]: valid indices along d, or rows of a table.
+    idx = b.op("aten.argmax", (x, d), 1.0)
+    if form == "index_select":
+        return b.op("aten.index_select", (x, d, idx), x.mag)
+    table = b.param((x.shape[d], draw(st.sampled_from(SIZES))))
+    return b.op("aten.embedding", (table, idx), table.mag)
+
+
+def order(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """Values of ``topk`` or ``sort`` along a dim (ties give equal values in any order)."""
+    d = _dim(draw, x)
+    if draw(st.booleans()):
+        values, _ = b.ops("aten.sort", (x, d, draw(st.booleans())), x.mag, pos=x.pos, n=2)
+        return values
+    k = draw(st.integers(1, x.shape[d]))
+    values, _ = b.ops("aten.topk", (x, k, d), x.mag, pos=x.pos, n=2)
+    return values
+
+
+def scatter(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """``scatter_add`` / ``scatter.value`` at the positions of ``max.dim`` along a dim."""
+    d = draw(st.integers(0, x.rank - 1))
+    values, idx = b.ops("aten.max.dim", (x, d, True), x.mag, n=2)
+    if draw(st.booleans()):
+        return b.op("aten.scatter_add", (x, d, idx, values), 2 * x.mag)
+    return b.op("aten.scatter.value", (x, d, idx, draw(st.sampled_from([0.0, 2.0]))), max(x.mag, 2.0))
+
+
+def advanced(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """Advanced indexing ``x[i]`` / ``x[:, i]`` with ``argmax`` positions, or ``index_put`` of the
+    picked rows back with ``accumulate``."""
+    d = draw(st.integers(0, min(x.rank, 2) - 1))
+    idx = b.op("aten.argmax", (x, d), 1.0)
+    indices = [idx] if d == 0 else [None, idx]
+    picked = b.op("aten.index.Tensor", (x, indices), x.mag)
+    if d == 0 and draw(st.booleans()):
+        return b.op("aten.index_put", (x, indices, picked, True), 2 * x.mag)
+    return picked
+
+
+def like(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """The head combined with a created tensor: ``*_like``, ``new_*`` or ``arange``."""
+    form = draw(st.sampled_from(["ones_like", "zeros_like", "full_like", "new_ones", *(["arange"] if x.rank else [])]))
+    if form == "full_like":
+        c = b.op("aten.full_like", (x, 0.5), 0.5, pos=True)
+    elif form == "new_ones":
+        c = b.op("aten.new_ones", (x, list(x.shape)), 1.0, pos=True)
+    elif form == "arange":
+        n = x.shape[-1]
+        c = b.op("aten.arange.start_step", (0, n, 1), float(n), pos=False, kwargs={"dtype": torch.float32})
+    else:
+        c = b.op(f"aten.{form}", (x,), 1.0, pos=form == "ones_like")
+    if draw(st.booleans()):
+        return b.op("aten.mul.Tensor", (x, c), x.mag * c.mag)
+    return b.op("aten.add.Tensor", (c, x), x.mag + c.mag)
+
+
+def cast(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """A round trip through float64 with an op in between."""
+    wide = b.op("aten._to_copy", (x,), x.mag, pos=x.pos, kwargs={"dtype": torch.float64})
+    y = b.op("aten.tanh", (wide,), 1.0)
+    return b.op("aten._to_copy", (y,), 1.0, kwargs={"dtype": torch.float32})
+
+
+def attention(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """CPU flash or math attention with the head as the query ``[B, H, L, E]`` (a 3-D head gets a
+    heads dim of 1) and keys/values ``[B, H, S, E]``, fresh or earlier values."""
+    q = x if x.rank == 4 else b.op("aten.unsqueeze", (x, 1), x.mag, pos=x.pos)
+    bs, h, _, e = q.shape
+    known = [v for v in b.values if v.rank == 4 and v.shape[:2] == (bs, h) and v.shape[3] == e]
+    size = draw(st.sampled_from(SIZES))
+    kv = [draw(st.sampled_from(known)) if known and not (b.room() and draw(st.booleans())) else None for _ in "kv"]
+    k, v = (w if w is not None else b.param((bs, h, size, e)) if b.room() else q for w in kv)
+    if k.shape[2] != v.shape[2]:
+        v = k
+    target = draw(
+        st.sampled_from(["_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math"])
+    )
+    out, _ = b.ops(f"aten.{target}", (q, k, v), v.mag, n=2)
+    return out
+
+
+def norm(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """``native_layer_norm`` / ``_fused_rms_norm`` over the last dim, with fresh affine params."""
+    h = x.shape[-1]
+    w = b.param((h,)) if b.room() and draw(st.booleans()) else None
+    if draw(st.booleans()):
+        bias = b.param((h,)) if b.room() and draw(st.booleans()) else None
+        out = b.ops("aten.native_layer_norm", (x, [h], w, bias, 1e-5), 2.0, n=3)
+    else:
+        out = b.ops("aten._fused_rms_norm", (x, [h], w, 1e-5), 2.0, n=2)
+    return out[0]
+
+
+def reshape(draw: Draw, b: Builder, x: Ref) -> Ref:
     shape = list(x.shape)
     i = draw(st.integers(0, len(shape) - 1))
     splits = [f for f in (2, 4) if shape[i] % f == 0 and shape[i] > f]
@@ -245,89 +338,111 @@ def _reshape(draw: Draw, b: Builder, x: Ref) -> Ref:
         new = [x.meta.numel()]
     # NOTE: a view of a non-contiguous value (after a transpose) is invalid even globally.
     target = draw(st.sampled_from(["aten.view", "aten.reshape"])) if x.meta.is_contiguous() else "aten.reshape"
-    return b.op(target, (x, new), x.mag)
+    return b.op(target, (x, new), x.mag, pos=x.pos)
 
 
-def _transpose(draw: Draw, b: Builder, x: Ref) -> Ref:
-    rank = len(x.shape)
-    form = draw(st.sampled_from(["transpose", "permute", "t"] if rank == 2 else ["transpose", "permute"]))
+def transpose(draw: Draw, b: Builder, x: Ref) -> Ref:
+    form = draw(st.sampled_from(["transpose", "permute", "t"] if x.rank == 2 else ["transpose", "permute"]))
     if form == "t":
-        return b.op("aten.t", (x,), x.mag)
+        return b.op("aten.t", (x,), x.mag, pos=x.pos)
     if form == "permute":
-        perm = draw(st.permutations(list(range(rank))))
-        return b.op("aten.permute", (x, perm), x.mag)
-    d0, d1 = draw(st.integers(0, rank - 1)), draw(st.integers(-rank, rank - 1))
-    return b.op("aten.transpose.int", (x, d0, d1), x.mag)
+        return b.op("aten.permute", (x, draw(st.permutations(list(range(x.rank))))), x.mag, pos=x.pos)
+    return b.op("aten.transpose.int", (x, _dim(draw, x), _dim(draw, x)), x.mag, pos=x.pos)
 
 
-def _unsqueeze(draw: Draw, b: Builder, x: Ref) -> Ref:
-    return b.op("aten.unsqueeze", (x, draw(st.integers(0, len(x.shape)))), x.mag)
+def unsqueeze(draw: Draw, b: Builder, x: Ref) -> Ref:
+    return b.op("aten.unsqueeze", (x, draw(st.integers(0, x.rank))), x.mag, pos=x.pos)
 
 
-def _ones(draw: Draw, b: Builder, x: Ref) -> Ref:
-    """Remove or widen a size-1 dim: ``squeeze.dim`` or ``expand`` to a real size."""
-    ones = [d for d, s in enumerate(x.shape) if s == 1]
-    d = draw(st.sampled_from(ones))
+def ones(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """Remove or widen size-1 dims: ``squeeze.dim``, ``squeeze``, or ``expand`` to a real size."""
+    d = draw(st.sampled_from([d for d, s in enumerate(x.shape) if s == 1]))
+    form = draw(st.sampled_from(["squeeze.dim", "expand", "squeeze"]))
+    if form == "squeeze.dim":
+        return b.op("aten.squeeze.dim", (x, d), x.mag, pos=x.pos)
+    if form == "squeeze":
+        return b.op("aten.squeeze", (x,), x.mag, pos=x.pos)
+    sizes = [draw(st.sampled_from(SIZES)) if e == d else -1 for e in range(x.rank)]
+    return b.op("aten.expand", (x, sizes), x.mag, pos=x.pos)
+
+
+def softmax(draw: Draw, b: Builder, x: Ref) -> Ref:
     if draw(st.booleans()):
-        return b.op("aten.squeeze.dim", (x, d), x.mag)
-    sizes = [draw(st.sampled_from(SIZES)) if e == d else -1 for e in range(len(x.shape))]
-    return b.op("aten.expand", (x, sizes), x.mag)
+        return b.op("aten._softmax", (x, _dim(draw, x), False), 1.0, pos=True)
+    return b.op("aten._log_softmax", (x, _dim(draw, x), False), x.mag + 3.0)
 
 
-def _softmax(draw: Draw, b: Builder, x: Ref) -> Ref:
-    rank = len(x.shape)
-    dim = draw(st.integers(-rank, rank - 1))
-    if draw(st.booleans()):
-        return b.op("aten._softmax", (x, dim, False), 1.0)
-    return b.op("aten._log_softmax", (x, dim, False), x.mag + 3.0)
-
-
-def _cat(draw: Draw, b: Builder, x: Ref) -> Ref:
-    rank = len(x.shape)
-    dim = draw(st.integers(0, rank - 1))
-    rest = x.shape[:dim] + x.shape[dim + 1 :]
-    fits = [v for v in b.values if len(v.shape) == rank and v.shape[:dim] + v.shape[dim + 1 :] == rest]
-    choices = ["known", *(["fresh"] if b.room() else [])]
-    if draw(st.sampled_from(choices)) == "fresh":
+def join(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """``cat`` or ``stack`` of the head with a fresh or earlier value."""
+    dim = draw(st.integers(0, x.rank - 1))
+    stack = draw(st.booleans())
+    rest = x.shape if stack else x.shape[:dim] + x.shape[dim + 1 :]
+    fits = [
+        v for v in b.values if v.rank == x.rank and (v.shape if stack else v.shape[:dim] + v.shape[dim + 1 :]) == rest
+    ]
+    if b.room() and draw(st.booleans()):
         shape = list(x.shape)
-        shape[dim] = draw(st.sampled_from(SIZES))
+        if not stack:
+            shape[dim] = draw(st.sampled_from(SIZES))
         y = b.param(tuple(shape))
     else:
         y = draw(st.sampled_from(fits))
     args = [x, y] if draw(st.booleans()) else [y, x]
-    return b.op("aten.cat", (args, dim - rank if draw(st.booleans()) else dim), max(x.mag, y.mag))
+    if stack:
+        return b.op("aten.stack", (args, dim), max(x.mag, y.mag))
+    return b.op("aten.cat", (args, dim - x.rank if draw(st.booleans()) else dim), max(x.mag, y.mag))
 
 
-def _slice(draw: Draw, b: Builder, x: Ref) -> Ref:
+def take(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """Part of the head: ``slice``, ``select``, a piece of ``split``, a constant pad, or ``repeat``."""
     dims = [d for d, s in enumerate(x.shape) if s >= 4]
     d = draw(st.sampled_from(dims))
     size = x.shape[d]
-    start = draw(st.sampled_from([0, size // 4, size // 2]))
-    return b.op("aten.slice.Tensor", (x, d, start, size), x.mag)
+    form = draw(st.sampled_from(["slice", "select", "split", "pad", "repeat"]))
+    if form == "slice":
+        start = draw(st.sampled_from([0, size // 4, size // 2]))
+        return b.op("aten.slice.Tensor", (x, d, start, size), x.mag, pos=x.pos)
+    if form == "select":
+        return b.op("aten.select.int", (x, d, draw(st.sampled_from([0, size - 1]))), x.mag, pos=x.pos)
+    if form == "split":
+        pieces = b.ops("aten.split.Tensor", (x, size // 2, d), x.mag, pos=x.pos, n=-(-size // (size // 2)))
+        return pieces[draw(st.integers(0, 1))]
+    if form == "pad":
+        pad = [draw(st.sampled_from([0, 1, 4])) for _ in range(2 * min(x.rank, 2))]
+        return b.op("aten.constant_pad_nd", (x, pad, draw(st.sampled_from([0.0, 1.0]))), max(x.mag, 1.0))
+    reps = [draw(st.sampled_from([1, 2])) for _ in range(x.rank)]
+    return b.op("aten.repeat", (x, reps), x.mag, pos=x.pos)
 
 
-def applicable(x: Ref, b: Builder, *, last: bool) -> list[OpMaker]:
-    """The op families that can take ``x`` as their head, simplest first (hypothesis shrinks toward
-    the front); a family listed twice is drawn twice as often."""
-    rank = len(x.shape)
-    out: list[OpMaker] = [_unary, _binary, _scalar, _binary, _where]
-    if x.mag <= RESCALE_ABOVE:
-        out.append(_exp)
-    if rank >= 1:
-        out += [_reduce, _reduce, _transpose, _softmax, _cat, _reshape]
-    if rank >= 1 and any(s >= 4 for s in x.shape):
-        out.append(_slice)
-    if rank < 3 or (rank < 4 and last):
-        out.append(_unsqueeze)
+def applicable(x: Ref, *, last: bool) -> list[OpMaker]:
+    """The makers that can take ``x`` as their head, simplest first (hypothesis shrinks toward the
+    front); a maker listed twice is drawn more often."""
+    out: list[OpMaker] = [unary, binary, scalar, like, cast, where, ternary, exp]
+    if x.pos:
+        out.append(positive_only)
+    if x.rank >= 1:
+        out += [reduce, reduce, transpose, softmax, join, reshape, scan, index, norm, order, scatter]
+    if x.rank in (1, 2):
+        # NOTE: x[i] has rank 2 * x.rank - 1; larger heads would grow the chain's tensors too fast.
+        out.append(advanced)
+    if x.rank in (3, 4):
+        out.append(attention)
+    if any(s >= 4 for s in x.shape):
+        out.append(take)
+    if x.rank < 3 or (x.rank < 4 and last):
+        out.append(unsqueeze)
     if 1 in x.shape:
-        out += [_ones, _ones]
-    if rank == 2:
-        out += [_mm, _mm, _mm]
-    if rank == 3:
-        out += [_bmm, _bmm]
-    if rank >= 1 and last:
-        out.append(_sum_all)
-    return out
+        out += [ones, ones]
+    if x.rank == 1:
+        out.append(vector)
+    if x.rank == 2:
+        out += [mm, mm, mm]
+    if x.rank == 3:
+        out += [bmm, bmm]
+    if x.rank >= 1 and last:
+        out.append(reduce_all)
+    # NOTE: hypothesis draws the ends of a list more often than its middle; binary ops belong there.
+    return [*out, binary]
 
 
 def _layout(draw: Draw, shape: tuple[int, ...]) -> dict[str, str]:
@@ -338,16 +453,16 @@ def _layout(draw: Draw, shape: tuple[int, ...]) -> dict[str, str]:
 
 @st.composite
 def chains(draw: Draw, min_ops: int = 3, max_ops: int = 6) -> Chain:
-    """A random :class:`Chain` of ``min_ops`` to ``max_ops`` drawn ops (plus the transposes and
-    conditions some of them add) over 2 to 4 params."""
+    """A random :class:`Chain` of ``min_ops`` to ``max_ops`` drawn ops (plus the transposes, masks,
+    indices and rescales some of them add) over 2 to 4 params."""
     b = Builder()
     rank = draw(st.sampled_from([2, 3, 1]))
     head = b.param(tuple(draw(st.sampled_from(SIZES)) for _ in range(rank)))
     n = draw(st.integers(min_ops, max_ops))
     for i in range(n):
-        make = draw(st.sampled_from(applicable(head, b, last=i == n - 1)))
+        make = draw(st.sampled_from(applicable(head, last=i == n - 1)))
         head = make(draw, b, head)
     while len(b.params) < 2:
-        head = _binary(draw, b, head, fresh=True)
+        head = binary(draw, b, head, fresh=True)
     layouts = {p.name: _layout(draw, p.shape) for p in b.params}
     return Chain(b.text(head), layouts, draw(st.integers(0, 2**31 - 1)))
