@@ -9,73 +9,24 @@ on the (2, 2) ``("dp", "tp")`` mesh: ``R``, ``S(d)`` for a dim whose size is a m
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from hypothesis import strategies as st
 
-from tests.property.chain_ir import SIZES, Builder, Chain, Ref
-
-Draw = st.DrawFn
-OpMaker = Callable[[Draw, Builder, Ref], Ref]
-
-
-def _broadcasts_into(shape: tuple[int, ...], into: tuple[int, ...]) -> bool:
-    """``shape`` broadcasts to ``into`` without changing it."""
-    if len(shape) > len(into):
-        return False
-    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(into), strict=False))
-
-
-def partner(draw: Draw, b: Builder, head: Ref, *, fresh: bool = False, pos: bool = False) -> Ref:
-    """A second operand for an elementwise op with ``head``: a fresh param of a compatible shape
-    (always when ``fresh``), the head itself, or an earlier value that broadcasts with the head
-    (only known-positive ones when ``pos``)."""
-    known = [
-        v
-        for v in b.values
-        if v is not head
-        and (v.pos or not pos)
-        and (_broadcasts_into(v.shape, head.shape) or _broadcasts_into(head.shape, v.shape))
-    ]
-    choices = [*(["fresh"] if b.room() and not pos else []), *(["self"] if head.pos or not pos else [])]
-    choices += ["known"] if known else []
-    how = "fresh" if fresh else draw(st.sampled_from(choices))
-    if how == "known":
-        return draw(st.sampled_from(known))
-    if how == "self":
-        return head
-    shape = list(head.shape)
-    form = draw(st.sampled_from(["same", "suffix", "ones", "bigger"]))
-    if form == "suffix" and shape:
-        shape = shape[draw(st.integers(1, len(shape))) :]
-    elif form == "ones" and shape:
-        shape = [1 if draw(st.booleans()) else s for s in shape]
-    elif form == "bigger" and len(shape) < 3:
-        shape = [draw(st.sampled_from(SIZES)), *shape]
-    return b.param(tuple(shape))
-
-
-def _dim(draw: Draw, x: Ref) -> int:
-    """A dim of ``x``, as often negative as not."""
-    d = draw(st.integers(0, x.rank - 1))
-    return d - x.rank if draw(st.booleans()) else d
-
-
-def _dims(draw: Draw, x: Ref) -> list[int]:
-    return sorted(draw(st.sets(st.integers(0, x.rank - 1), min_size=1, max_size=x.rank)))
-
+from tests.property.chain_ir import SIZES, Builder, Chain, Draw, OpMaker, Ref, any_dim, partner, some_dims
+from tests.property.chain_ops import advanced, attention, bmm, index, mm, norm, order, scatter, vector
 
 UNARY = ("tanh", "sigmoid", "relu", "neg", "abs", "sin", "gelu", "silu", "clone", "hardtanh", "leaky_relu")
 
 
 def unary(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """A pointwise unary op (activations, ``neg``, ``abs``, ``clone``, ...)."""
     name = draw(st.sampled_from(UNARY))
     bounded = name in ("tanh", "sigmoid", "sin", "hardtanh")
     return b.op(f"aten.{name}", (x,), 1.0 if bounded else x.mag, pos=name == "sigmoid")
 
 
 def exp(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """``exp`` (drawn only while the head is O(1), see :func:`applicable`)."""
     return b.op("aten.exp", (x,), 2.72**x.mag, pos=True)
 
 
@@ -92,6 +43,7 @@ def positive_only(draw: Draw, b: Builder, x: Ref) -> Ref:
 
 
 def scalar(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """The head with a Python scalar: ``mul``/``add``/``div.Scalar``, a square, a ``clamp``."""
     name = draw(st.sampled_from(["mul.Scalar", "add.Scalar", "div.Scalar", "pow.Tensor_Scalar", "clamp"]))
     c = draw(st.sampled_from([0.5, -2.0, 3.0]))
     if name == "pow.Tensor_Scalar":
@@ -103,6 +55,8 @@ def scalar(draw: Draw, b: Builder, x: Ref) -> Ref:
 
 
 def binary(draw: Draw, b: Builder, x: Ref, *, fresh: bool = False) -> Ref:
+    """A broadcasting binary op of the head and :func:`~tests.property.chain_ir.partner` (a fresh
+    param when ``fresh``), in either order."""
     name = draw(st.sampled_from(["add.Tensor", "mul.Tensor", "sub.Tensor", "maximum", "minimum", "add-alpha"]))
     y = partner(draw, b, x, fresh=fresh)
     args = (x, y) if draw(st.booleans()) else (y, x)
@@ -113,6 +67,7 @@ def binary(draw: Draw, b: Builder, x: Ref, *, fresh: bool = False) -> Ref:
 
 
 def ternary(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """``lerp.Scalar`` or ``addcmul`` of the head and broadcast-compatible partners."""
     y = partner(draw, b, x)
     if draw(st.booleans()):
         return b.op("aten.lerp.Scalar", (x, y, 0.25), max(x.mag, y.mag))
@@ -121,82 +76,25 @@ def ternary(draw: Draw, b: Builder, x: Ref) -> Ref:
 
 
 def where(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """``where`` (two tensor branches, or one and a scalar) or ``masked_fill`` with a ``gt`` mask."""
+    form = draw(st.sampled_from(["self", "ScalarOther", "ScalarSelf", "masked_fill"]))
+    if form != "self":
+        cond = b.op("aten.gt.Scalar", (x, 0.0), 1.0)
+        if form == "ScalarOther":
+            return b.op("aten.where.ScalarOther", (cond, x, 0.0), x.mag)
+        if form == "ScalarSelf":
+            return b.op("aten.where.ScalarSelf", (cond, -1.0, x), x.mag)
+        return b.op("aten.masked_fill.Scalar", (x, cond, draw(st.sampled_from([0.0, -1.0]))), x.mag)
     y = partner(draw, b, x)
     cond = b.op("aten.gt.Scalar", (draw(st.sampled_from([x, y])), 0.0), 1.0)
-    form = draw(st.sampled_from(["self", "ScalarOther", "ScalarSelf", "masked_fill"]))
-    if form == "ScalarOther":
-        return b.op("aten.where.ScalarOther", (cond, x, 0.0), x.mag)
-    if form == "ScalarSelf":
-        return b.op("aten.where.ScalarSelf", (cond, -1.0, x), x.mag)
-    if form == "masked_fill":
-        return b.op("aten.masked_fill.Scalar", (x, cond, draw(st.sampled_from([0.0, -1.0]))), x.mag)
     args = (cond, x, y) if draw(st.booleans()) else (cond, y, x)
     return b.op("aten.where.self", args, max(x.mag, y.mag))
 
 
-def _matrix(draw: Draw, b: Builder, k: int, batch: tuple[int, ...], fallback: Ref) -> Ref:
-    """A ``batch + (k, n)`` operand: an earlier value of that form, a fresh param, or ``fallback``."""
-    known = [v for v in b.values if v.rank == len(batch) + 2 and v.shape[: len(batch) + 1] == (*batch, k)]
-    choices = [*(["known"] if known else []), *(["fresh"] if b.room() else [])] or ["fallback"]
-    how = draw(st.sampled_from(choices))
-    if how == "known":
-        return draw(st.sampled_from(known))
-    if how == "fresh":
-        return b.param((*batch, k, draw(st.sampled_from(SIZES))))
-    return fallback
-
-
-def mm(draw: Draw, b: Builder, x: Ref) -> Ref:
-    m, k = x.shape
-    form = draw(st.sampled_from(["mm", "mm-left", "addmm"]))
-    if form == "mm-left":
-        # NOTE: head on the right: (w: [n, m]) @ (x: [m, k]); w is found as a [m, n] value, transposed.
-        w = _matrix(draw, b, m, (), x)
-        wt = b.op("aten.t", (w,), w.mag)
-        return b.op("aten.mm", (wt, x), wt.mag * x.mag * m**0.5)
-    w = _matrix(draw, b, k, (), x)
-    if w is x:
-        w = b.op("aten.t", (x,), x.mag)
-    if form == "addmm" and b.room():
-        n = w.shape[1]
-        bias = b.param((n,) if draw(st.booleans()) else (m, n))
-        return b.op("aten.addmm", (bias, x, w), x.mag * w.mag * k**0.5 + 1.0)
-    return b.op("aten.mm", (x, w), x.mag * w.mag * k**0.5)
-
-
-def bmm(draw: Draw, b: Builder, x: Ref) -> Ref:
-    bs, m, k = x.shape
-    w = _matrix(draw, b, k, (bs,), x)
-    if w is x:
-        w = b.op("aten.transpose.int", (w, 1, 2), w.mag)
-    if draw(st.booleans()) and b.room():
-        bias = b.param((m, w.shape[2]) if draw(st.booleans()) else (bs, m, w.shape[2]))
-        return b.op("aten.baddbmm", (bias, x, w), x.mag * w.mag * k**0.5 + 1.0)
-    return b.op("aten.bmm", (x, w), x.mag * w.mag * k**0.5)
-
-
-def _like(draw: Draw, b: Builder, x: Ref) -> Ref:
-    """A value of exactly ``x``'s shape: a fresh param, an earlier value, or ``x`` itself."""
-    known = [v for v in b.values if v.shape == x.shape]
-    if b.room() and draw(st.booleans()):
-        return b.param(x.shape)
-    return draw(st.sampled_from(known))
-
-
-def vector(draw: Draw, b: Builder, x: Ref) -> Ref:
-    """``dot`` of the 1-D head with a vector of its length, or ``mv`` of a matrix with it."""
-    (k,) = x.shape
-    if draw(st.booleans()):
-        y = _like(draw, b, x)
-        return b.op("aten.dot", (x, y), x.mag * y.mag * k**0.5)
-    w = _matrix(draw, b, k, (), x)
-    w = b.op("aten.t", (w,), w.mag) if w.rank == 2 else b.op("aten.unsqueeze", (x, 0), x.mag)
-    return b.op("aten.mv", (w, x), x.mag * w.mag * k**0.5)
-
-
 def reduce(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """A reduction over some dims, with or without ``keepdim``: sum, mean, amax, amin, logsumexp, var."""
     name = draw(st.sampled_from(["sum.dim_IntList", "mean.dim", "amax", "amin", "logsumexp", "var.correction"]))
-    dims = _dims(draw, x)
+    dims = some_dims(draw, x)
     if draw(st.booleans()):
         dims = [d - x.rank for d in dims]
     keepdim = draw(st.booleans())
@@ -211,64 +109,17 @@ def reduce(draw: Draw, b: Builder, x: Ref) -> Ref:
 
 
 def reduce_all(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """A reduction over every dim (``sum``, ``mean``, ``max``); drawn as a chain's last op only."""
     name = draw(st.sampled_from(["sum", "mean", "max"]))
     return b.op(f"aten.{name}", (x,), x.mag * (x.meta.numel() ** 0.5 if name == "sum" else 1.0))
 
 
 def scan(draw: Draw, b: Builder, x: Ref) -> Ref:
-    d = _dim(draw, x)
+    """``cumsum`` along a dim, or ``flip`` of it."""
+    d = any_dim(draw, x)
     if draw(st.booleans()):
         return b.op("aten.cumsum", (x, d), x.mag * x.shape[d] ** 0.5)
     return b.op("aten.flip", (x, [d]), x.mag, pos=x.pos)
-
-
-def index(draw: Draw, b: Builder, x: Ref) -> Ref:
-    """Ops with computed integer indices: ``max.dim``'s values, or its indices into ``gather``; the
-    ``argmax`` over a dim into ``index_select`` along it or into an ``embedding`` table that long."""
-    d = draw(st.integers(0, x.rank - 1))
-    forms = ["max.dim", "gather", *(["index_select"] if x.rank == 2 else []), *(["embedding"] if b.room() else [])]
-    form = draw(st.sampled_from(forms))
-    if form in ("max.dim", "gather"):
-        values, idx = b.ops("aten.max.dim", (x, d, True), x.mag, n=2)
-        return values if form == "max.dim" else b.op("aten.gather", (x, d, idx), x.mag)
-    # NOTE: argmax over dim d gives positions < x.shape[d]: valid indices along d, or rows of a table.
-    idx = b.op("aten.argmax", (x, d), 1.0)
-    if form == "index_select":
-        return b.op("aten.index_select", (x, d, idx), x.mag)
-    table = b.param((x.shape[d], draw(st.sampled_from(SIZES))))
-    return b.op("aten.embedding", (table, idx), table.mag)
-
-
-def order(draw: Draw, b: Builder, x: Ref) -> Ref:
-    """Values of ``topk`` or ``sort`` along a dim (ties give equal values in any order)."""
-    d = _dim(draw, x)
-    if draw(st.booleans()):
-        values, _ = b.ops("aten.sort", (x, d, draw(st.booleans())), x.mag, pos=x.pos, n=2)
-        return values
-    k = draw(st.integers(1, x.shape[d]))
-    values, _ = b.ops("aten.topk", (x, k, d), x.mag, pos=x.pos, n=2)
-    return values
-
-
-def scatter(draw: Draw, b: Builder, x: Ref) -> Ref:
-    """``scatter_add`` / ``scatter.value`` at the positions of ``max.dim`` along a dim."""
-    d = draw(st.integers(0, x.rank - 1))
-    values, idx = b.ops("aten.max.dim", (x, d, True), x.mag, n=2)
-    if draw(st.booleans()):
-        return b.op("aten.scatter_add", (x, d, idx, values), 2 * x.mag)
-    return b.op("aten.scatter.value", (x, d, idx, draw(st.sampled_from([0.0, 2.0]))), max(x.mag, 2.0))
-
-
-def advanced(draw: Draw, b: Builder, x: Ref) -> Ref:
-    """Advanced indexing ``x[i]`` / ``x[:, i]`` with ``argmax`` positions, or ``index_put`` of the
-    picked rows back with ``accumulate``."""
-    d = draw(st.integers(0, min(x.rank, 2) - 1))
-    idx = b.op("aten.argmax", (x, d), 1.0)
-    indices = [idx] if d == 0 else [None, idx]
-    picked = b.op("aten.index.Tensor", (x, indices), x.mag)
-    if d == 0 and draw(st.booleans()):
-        return b.op("aten.index_put", (x, indices, picked, True), 2 * x.mag)
-    return picked
 
 
 def like(draw: Draw, b: Builder, x: Ref) -> Ref:
@@ -295,37 +146,8 @@ def cast(draw: Draw, b: Builder, x: Ref) -> Ref:
     return b.op("aten._to_copy", (y,), 1.0, kwargs={"dtype": torch.float32})
 
 
-def attention(draw: Draw, b: Builder, x: Ref) -> Ref:
-    """CPU flash or math attention with the head as the query ``[B, H, L, E]`` (a 3-D head gets a
-    heads dim of 1) and keys/values ``[B, H, S, E]``, fresh or earlier values."""
-    q = x if x.rank == 4 else b.op("aten.unsqueeze", (x, 1), x.mag, pos=x.pos)
-    bs, h, _, e = q.shape
-    known = [v for v in b.values if v.rank == 4 and v.shape[:2] == (bs, h) and v.shape[3] == e]
-    size = draw(st.sampled_from(SIZES))
-    kv = [draw(st.sampled_from(known)) if known and not (b.room() and draw(st.booleans())) else None for _ in "kv"]
-    k, v = (w if w is not None else b.param((bs, h, size, e)) if b.room() else q for w in kv)
-    if k.shape[2] != v.shape[2]:
-        v = k
-    target = draw(
-        st.sampled_from(["_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_attention_math"])
-    )
-    out, _ = b.ops(f"aten.{target}", (q, k, v), v.mag, n=2)
-    return out
-
-
-def norm(draw: Draw, b: Builder, x: Ref) -> Ref:
-    """``native_layer_norm`` / ``_fused_rms_norm`` over the last dim, with fresh affine params."""
-    h = x.shape[-1]
-    w = b.param((h,)) if b.room() and draw(st.booleans()) else None
-    if draw(st.booleans()):
-        bias = b.param((h,)) if b.room() and draw(st.booleans()) else None
-        out = b.ops("aten.native_layer_norm", (x, [h], w, bias, 1e-5), 2.0, n=3)
-    else:
-        out = b.ops("aten._fused_rms_norm", (x, [h], w, 1e-5), 2.0, n=2)
-    return out[0]
-
-
 def reshape(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """``view``/``reshape`` merging two adjacent dims, splitting one, or flattening."""
     shape = list(x.shape)
     i = draw(st.integers(0, len(shape) - 1))
     splits = [f for f in (2, 4) if shape[i] % f == 0 and shape[i] > f]
@@ -342,15 +164,17 @@ def reshape(draw: Draw, b: Builder, x: Ref) -> Ref:
 
 
 def transpose(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """``transpose``, ``permute`` or (2-D) ``t``."""
     form = draw(st.sampled_from(["transpose", "permute", "t"] if x.rank == 2 else ["transpose", "permute"]))
     if form == "t":
         return b.op("aten.t", (x,), x.mag, pos=x.pos)
     if form == "permute":
         return b.op("aten.permute", (x, draw(st.permutations(list(range(x.rank))))), x.mag, pos=x.pos)
-    return b.op("aten.transpose.int", (x, _dim(draw, x), _dim(draw, x)), x.mag, pos=x.pos)
+    return b.op("aten.transpose.int", (x, any_dim(draw, x), any_dim(draw, x)), x.mag, pos=x.pos)
 
 
 def unsqueeze(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """``unsqueeze`` at any position."""
     return b.op("aten.unsqueeze", (x, draw(st.integers(0, x.rank))), x.mag, pos=x.pos)
 
 
@@ -367,9 +191,10 @@ def ones(draw: Draw, b: Builder, x: Ref) -> Ref:
 
 
 def softmax(draw: Draw, b: Builder, x: Ref) -> Ref:
+    """``_softmax`` or ``_log_softmax`` along a dim."""
     if draw(st.booleans()):
-        return b.op("aten._softmax", (x, _dim(draw, x), False), 1.0, pos=True)
-    return b.op("aten._log_softmax", (x, _dim(draw, x), False), x.mag + 3.0)
+        return b.op("aten._softmax", (x, any_dim(draw, x), False), 1.0, pos=True)
+    return b.op("aten._log_softmax", (x, any_dim(draw, x), False), x.mag + 3.0)
 
 
 def join(draw: Draw, b: Builder, x: Ref) -> Ref:
@@ -446,6 +271,7 @@ def applicable(x: Ref, *, last: bool) -> list[OpMaker]:
 
 
 def _layout(draw: Draw, shape: tuple[int, ...]) -> dict[str, str]:
+    """A placement per mesh axis: R, S(d) for a dim whose size is a multiple of 4, or P."""
     dims = [d for d, s in enumerate(shape) if s % 4 == 0]
     options = ["R", *(f"S({d})" for d in dims), "P"]
     return {"dp": draw(st.sampled_from(options)), "tp": draw(st.sampled_from(options))}

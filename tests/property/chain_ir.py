@@ -6,11 +6,12 @@ types, so a chain is well typed by construction; :class:`Chain` is one picklable
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from hypothesis import strategies as st
 from torch import nn
 
 import ir
@@ -188,3 +189,51 @@ def joint_text(chain: Chain) -> str:
 
     graph = capture(ChainModule(ir.parse(chain.text)), [], name="chain")
     return str(graph)
+
+
+Draw = st.DrawFn
+OpMaker = Callable[[Draw, "Builder", Ref], Ref]
+"""Appends one op family's op(s) taking the head ``Ref`` to the builder; returns the new head."""
+
+
+def _broadcasts_into(shape: tuple[int, ...], into: tuple[int, ...]) -> bool:
+    """``shape`` broadcasts to ``into`` without changing it."""
+    if len(shape) > len(into):
+        return False
+    return all(s in (1, t) for s, t in zip(reversed(shape), reversed(into), strict=False))
+
+
+def partner(draw: Draw, b: Builder, head: Ref, *, fresh: bool = False) -> Ref:
+    """A second operand for an elementwise op with ``head``: a fresh param of a compatible shape
+    (always when ``fresh``), the head itself, or an earlier value that broadcasts with the head."""
+    known = [
+        v
+        for v in b.values
+        if v is not head and (_broadcasts_into(v.shape, head.shape) or _broadcasts_into(head.shape, v.shape))
+    ]
+    choices = [*(["fresh"] if b.room() else []), "self", *(["known"] if known else [])]
+    how = "fresh" if fresh else draw(st.sampled_from(choices))
+    if how == "known":
+        return draw(st.sampled_from(known))
+    if how == "self":
+        return head
+    shape = list(head.shape)
+    form = draw(st.sampled_from(["same", "suffix", "ones", "bigger"]))
+    if form == "suffix" and shape:
+        shape = shape[draw(st.integers(1, len(shape))) :]
+    elif form == "ones" and shape:
+        shape = [1 if draw(st.booleans()) else s for s in shape]
+    elif form == "bigger" and len(shape) < 3:
+        shape = [draw(st.sampled_from(SIZES)), *shape]
+    return b.param(tuple(shape))
+
+
+def any_dim(draw: Draw, x: Ref) -> int:
+    """A dim of ``x``, as often negative as not."""
+    d = draw(st.integers(0, x.rank - 1))
+    return d - x.rank if draw(st.booleans()) else d
+
+
+def some_dims(draw: Draw, x: Ref) -> list[int]:
+    """A non-empty sorted set of dims of ``x``."""
+    return sorted(draw(st.sets(st.integers(0, x.rank - 1), min_size=1, max_size=x.rank)))

@@ -38,7 +38,7 @@ pytestmark = pytest.mark.dist
 
 MESH = ir.Mesh.of(dp=2, tp=2)
 FORWARD_EXAMPLES = 240
-JOINT_EXAMPLES = 24
+JOINT_EXAMPLES = 32
 BATCH = 60
 SHRINK_BUDGET_S = 120.0
 # NOTE: derandomized, so CI checks the same examples every run; no example database either.
@@ -93,8 +93,10 @@ def prepare(kind: Kind, chain: Chain) -> Job:
     return text, str(boxed), chain.seed
 
 
-def _report(kind: Kind, chain: Chain, error: str) -> str:
-    return f"{kind.name} chain failed on 4 ranks:\n{chain}{error.rstrip()}\n"
+def _report(kind: Kind, chain: Chain, error: str, boxed: str | None = None) -> str:
+    """The chain, its layouts and seed, the graph the ranks ran (when it was built) and the error."""
+    ran = f"// the boxed graph the ranks lowered:\n{boxed}" if boxed else ""
+    return f"{kind.name} chain failed on 4 ranks:\n{chain}{ran}{error.rstrip()}\n"
 
 
 class ChainProperty:
@@ -103,6 +105,7 @@ class ChainProperty:
     def __init__(self, kind: Kind, pool: RankPool, n: int) -> None:
         self.kind, self.pool, self.n = kind, pool, n
         self.known: dict[Key, str | None] = {}
+        self.boxed: dict[Key, str] = {}
 
     def _explore(self, body: Callable[[Chain], None], phases: tuple[Phase, ...]) -> None:
         # NOTE: the same function (hence the same derandomized seed) for collecting and replaying, so
@@ -134,6 +137,7 @@ class ChainProperty:
         for chain in examples:
             try:
                 jobs.append((chain, prepare(self.kind, chain)))
+                self.boxed[_key(chain)] = jobs[-1][1][1]
             except Exception as e:
                 self.known[_key(chain)] = f"preparing it failed: {type(e).__name__}: {e}"
         for start in range(0, len(jobs), BATCH):
@@ -142,7 +146,8 @@ class ChainProperty:
                 self.known[_key(chain)] = error
         failed = [c for c in examples if self.known.get(_key(c))]
         if failed:
-            first = _report(self.kind, failed[0], self.known[_key(failed[0])] or "")
+            key = _key(failed[0])
+            first = _report(self.kind, failed[0], self.known[key] or "", self.boxed.get(key))
             raise ChainFailure(
                 f"{len(failed)} of {len(examples)} {self.kind.name} chains failed.\n"
                 f"Smallest reproduction hypothesis found:\n{self._shrink()}\nFirst failure as drawn:\n{first}"
@@ -160,12 +165,14 @@ class ChainProperty:
                 if time.monotonic() > deadline:
                     return
                 try:
-                    self.known[key] = self._run([prepare(self.kind, chain)])[0]
+                    job = prepare(self.kind, chain)
+                    self.boxed[key] = job[1]
+                    self.known[key] = self._run([job])[0]
                 except Exception as e:
                     self.known[key] = f"{type(e).__name__}: {e}"
             error = self.known[key]
             if error:
-                raise ChainFailure(_report(self.kind, chain, error))
+                raise ChainFailure(_report(self.kind, chain, error, self.boxed.get(key)))
 
         try:
             self._explore(replay, (Phase.generate, Phase.shrink))
@@ -218,6 +225,6 @@ STACK_MAXIMUM = """graph @chain mesh<dp=2, tp=2> {
 def test_joint_stack_then_maximum(chain_pool: RankPool) -> None:
     """Found by the joint property: the select.int ops of stack's backward carry no autograd metadata,
     and capture used to tag them forward, so lowering met a forward op using a backward value."""
-    layouts = {"p0": {"dp": "R", "tp": "R"}, "p1": {"dp": "R", "tp": "R"}, "p2": {"dp": "R", "tp": "R"}}
+    layouts = {"p0": {"dp": "S(0)", "tp": "R"}, "p1": {"dp": "R", "tp": "P"}, "p2": {"dp": "P", "tp": "R"}}
     error = run_one(JOINT, chain_pool, Chain(STACK_MAXIMUM, layouts, 0))
     assert error is None, error
