@@ -9,6 +9,7 @@ values the backward needs ("saved"); backward ops form the backward module.
 
 from __future__ import annotations
 
+import math
 import operator
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +21,17 @@ import torch.fx as fx
 import ir
 from ir import Graph, Layout, Op, OpDef, Shard, TensorType, Value
 from ir.graph import Arg
-from ir.ops import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, PARTIAL, REDISTRIBUTE, REDUCE_SCATTER, SHARD
+from ir.ops import (
+    ALL_GATHER,
+    ALL_GATHER_BUCKET,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    PARTIAL,
+    REDISTRIBUTE,
+    REDUCE_SCATTER,
+    REDUCE_SCATTER_BUCKET,
+    SHARD,
+)
 from passes.sharding.rules import rule_table
 
 c10d = torch.ops._c10d_functional
@@ -159,6 +170,8 @@ def _load(a: Arg, env: dict[Value, fx.Node]) -> Any:
 
 
 def _emit(g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext, table: Any) -> list[fx.Node]:
+    if op.target in (ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET):
+        return _bucket(g, op, [env[x] for x in op.operands], rank)
     if isinstance(op.target, OpDef):
         (x,) = op.operands
         return [_collective(g, op, env[x], x, rank)]
@@ -240,6 +253,51 @@ def _collective(g: fx.Graph, op: Op, x: fx.Node, xv: Value, rank: RankContext) -
             return g.call_function(aten.zeros_like.default, (x,))
         return x
     raise ValueError(f"{op.describe()}: no eager lowering for {op.name}")
+
+
+def _bucket(g: fx.Graph, op: Op, xs: list[fx.Node], rank: RankContext) -> list[fx.Node]:
+    """A bucketed all-gather or reduce-scatter: every operand, moved so its dim leads, is flattened
+    into one buffer (reduce-scatter: as ``[n, chunk]`` rows, so rank r's rows land on rank r), one
+    collective runs on it, and each result is cut back out and reshaped."""
+    axis = str(op.kwarg("axis"))
+    n = rank.size(axis)
+    if n == 1:
+        return list(xs)
+    group = rank.group(axis)
+    dims = [int(d) for d in op.kwarg("dims")]  # type: ignore[union-attr]
+    fronts = [_to_front(g, x, d) for x, d in zip(xs, dims, strict=True)]
+    shapes = []
+    for v, d in zip(op.operands, dims, strict=True):
+        assert isinstance(v.type, TensorType)
+        shape = list(local_shape(v.type, v.layout, rank.mesh))
+        shapes.append([shape[d], *shape[:d], *shape[d + 1 :]])  # the local shape with dim d in front
+    outs: list[fx.Node] = []
+    if op.target == ALL_GATHER_BUCKET:
+        flat = g.call_function(aten.cat.default, ([g.call_function(aten.reshape.default, (f, [-1])) for f in fronts],))
+        full = _wait(g, g.call_function(c10d.all_gather_into_tensor.default, (flat, n, group)))
+        rows = g.call_function(aten.reshape.default, (full, [n, -1]))
+        off = 0
+        for shape, d in zip(shapes, dims, strict=True):
+            size = math.prod(shape)
+            piece = g.call_function(aten.slice.Tensor, (rows, 1, off, off + size))
+            whole = g.call_function(aten.reshape.default, (piece, [n * shape[0], *shape[1:]]))
+            outs.append(_from_front(g, whole, d) if d else _contiguous(g, whole))
+            off += size
+        return outs
+    reduce = str(op.kwarg("reduce"))
+    rows_in = [g.call_function(aten.reshape.default, (f, [n, -1])) for f in fronts]
+    flat = g.call_function(aten.reshape.default, (g.call_function(aten.cat.default, (rows_in, 1)), [-1]))
+    mine = _wait(g, g.call_function(c10d.reduce_scatter_tensor.default, (flat, "sum", n, group)))
+    if reduce == "avg":
+        mine = g.call_function(aten.div.Tensor, (mine, n))
+    off = 0
+    for shape, d in zip(shapes, dims, strict=True):
+        size = math.prod(shape) // n
+        piece = g.call_function(aten.slice.Tensor, (mine, 0, off, off + size))
+        part = g.call_function(aten.reshape.default, (piece, [shape[0] // n, *shape[1:]]))
+        outs.append(_from_front(g, part, d) if d else _contiguous(g, part))
+        off += size
+    return outs
 
 
 def _contiguous(g: fx.Graph, x: fx.Node) -> fx.Node:

@@ -47,7 +47,8 @@ def run_values(graph: Graph, inputs: Mapping[str, torch.Tensor], *, global_view:
         for op in graph.ops:
             if isinstance(op.target, OpDef):
                 if global_view and op.target.namespace == "comm":
-                    env[op.result] = env[op.operands[0]]
+                    for r, x in zip(op.results, op.operands, strict=True):
+                        env[r] = env[x]
                     continue
                 raise InterpretError(f"{op.describe()}: {op.name} needs a mesh; lower the graph with a backend")
             args = [_load(a, env) for a in op.args]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch.distributed as dist
@@ -15,7 +16,8 @@ from backends.eager import RankContext, lower
 from compiler.capture import capture
 from compiler.pipeline import DEFAULT_PIPELINE
 from compiler.runtime import ParallelModule
-from passes import PassContext, PassError, PassPipeline
+from passes import PassContext, PassError, PassPipeline, parse_size
+from passes.cost.hardware import Cluster, parse_cluster
 from passes.sharding.plans import Plan, axis_roles, default_preset
 
 PlanSpec = str | Plan | Mapping[str, Any]
@@ -57,6 +59,8 @@ def parallelize(
     *,
     verify: bool = False,
     pipeline: str = DEFAULT_PIPELINE,
+    cluster: str | Cluster | None = None,
+    memory: int | str | None = None,
 ) -> Any:
     """Compile ``model`` for ``mesh`` with ``plan`` and return this rank's ``ParallelModule``.
 
@@ -68,18 +72,40 @@ def parallelize(
     Without a model, ``@parallelize(mesh=..., plan=...)`` decorates an ``nn.Module`` subclass:
     constructing it builds the model, its first call compiles it for those inputs (create the
     optimizer after that call: the parameters are the compiled module's DTensors).
+
+    ``plan="auto"``: the sharding solve chooses every parameter's and input's layout as well, for
+    the hardware ``cluster`` (``"h100:8x1"``; default: gloo ranks on this CPU) under a per-device
+    ``memory`` bound (bytes or ``"40GiB"``; default: the cluster's device memory).
     """
+    target = Target(
+        parse_cluster(cluster) if isinstance(cluster, str) else cluster,
+        parse_size(memory) if isinstance(memory, str) else memory,
+    )
     if model is None:
         if mesh is None:
             raise PassError("parallelize needs a mesh: @parallelize(mesh=init_device_mesh(...), plan='fsdp+tp')")
-        return _decorator(mesh, plan, verify, pipeline)
+        return _decorator(mesh, plan, verify, pipeline, target)
     if mesh is None or example_inputs is None:
         raise PassError("parallelize(model, mesh, example_inputs, plan=...) needs the mesh and example inputs")
-    return _compile(model, mesh, example_inputs, plan, verify, pipeline)
+    return _compile(model, mesh, example_inputs, plan, verify, pipeline, target)
+
+
+@dataclass(frozen=True)
+class Target:
+    """The hardware a plan is made for and the per-device memory bound (None: defaults)."""
+
+    cluster: Cluster | None = None
+    memory: int | None = None
 
 
 def _compile(
-    model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], plan: PlanSpec, verify: bool, pipeline: str
+    model: nn.Module,
+    mesh: DeviceMesh,
+    example_inputs: Sequence[Any],
+    plan: PlanSpec,
+    verify: bool,
+    pipeline: str,
+    target: Target = Target(),
 ) -> ParallelModule:
     if not dist.is_initialized():
         raise PassError("parallelize needs torch.distributed initialized (run under torchrun or spawn ranks)")
@@ -92,7 +118,7 @@ def _compile(
     imesh = ir_mesh(mesh)
     the_plan = to_plan(plan, imesh)
     axis_roles(the_plan, imesh)  # NOTE: a bad preset or axis fails here, before the capture
-    ctx = PassContext(mesh=imesh, plan=the_plan)
+    ctx = PassContext(mesh=imesh, plan=the_plan, cluster=target.cluster, memory=target.memory)
     graph = capture(model, example_inputs)
     compiled, _ = PassPipeline.parse(pipeline).run(ctx, graph)
     coordinate = mesh.get_coordinate()
@@ -108,13 +134,15 @@ def _compile(
 M = TypeVar("M", bound=nn.Module)
 
 
-def _decorator(mesh: DeviceMesh, plan: PlanSpec, verify: bool, pipeline: str) -> Callable[[type[M]], type[M]]:
+def _decorator(
+    mesh: DeviceMesh, plan: PlanSpec, verify: bool, pipeline: str, target: Target
+) -> Callable[[type[M]], type[M]]:
     def deco(cls: type[M]) -> type[M]:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise PassError(f"@parallelize(...) decorates nn.Module subclasses, not {cls!r}")
 
         def make(*args: Any, **kwargs: Any) -> LazyParallel:
-            return LazyParallel(cls(*args, **kwargs), mesh, plan, verify, pipeline)
+            return LazyParallel(cls(*args, **kwargs), mesh, plan, verify, pipeline, target)
 
         functools.update_wrapper(make, cls, updated=())
         return make  # type: ignore[return-value]
@@ -128,16 +156,18 @@ class LazyParallel(nn.Module):
     After compilation the compiled module's parameters appear here under the model's own FQNs.
     """
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, plan: PlanSpec, verify: bool, pipeline: str) -> None:
+    def __init__(
+        self, model: nn.Module, mesh: DeviceMesh, plan: PlanSpec, verify: bool, pipeline: str, target: Target
+    ) -> None:
         super().__init__()
         self._mf_model = [model]  # NOTE: a list, so the uncompiled model is not a submodule
-        self._mf_args = (mesh, plan, verify, pipeline)
+        self._mf_args = (mesh, plan, verify, pipeline, target)
         self._mf_compiled: list[ParallelModule] = []
 
     def forward(self, *inputs: Any) -> Any:
         if not self._mf_compiled:
-            mesh, plan, verify, pipeline = self._mf_args
-            pm = _compile(self._mf_model[0], mesh, inputs, plan, verify, pipeline)
+            mesh, plan, verify, pipeline, target = self._mf_args
+            pm = _compile(self._mf_model[0], mesh, inputs, plan, verify, pipeline, target)
             self._mf_compiled.append(pm)
             for name, child in pm._modules.items():
                 self.add_module(name, child)

@@ -15,7 +15,7 @@ from passes.pipeline import Callback
 
 # NOTE: grows with every pass that lands; `meshfold demo`, `pass-debug` and `parallelize` use it.
 # Without a mesh, sharding and boxing leave the single-device graph as it is.
-DEFAULT_PIPELINE = "cleanup,sharding,boxing,verify"
+DEFAULT_PIPELINE = "cleanup,sharding,boxing,bucket,verify"
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,18 @@ ALL_REDUCE = _declare("comm", "all_reduce", ("axis", "reduce"), "reduce partials
 ALL_TO_ALL = _declare(
     "comm", "all_to_all", ("axis", "split_dim", "concat_dim"), "re-shard from concat_dim to split_dim over axis"
 )
+ALL_GATHER_BUCKET = _declare(
+    "comm",
+    "all_gather_bucket",
+    ("axis", "dims"),
+    "all_gather of every operand (operand i along dims[i]) over axis as ONE collective on a flat buffer",
+)
+REDUCE_SCATTER_BUCKET = _declare(
+    "comm",
+    "reduce_scatter_bucket",
+    ("axis", "dims", "reduce"),
+    "reduce_scatter of every operand (operand i along dims[i]) over axis as ONE collective on a flat buffer",
+)
 PPERMUTE = _declare("comm", "ppermute", ("axis", "perm"), "send to the peer given by perm along axis")
 WAIT = _declare("comm", "wait", (), "wait for an asynchronous collective's result")
 REDISTRIBUTE = _declare(

@@ -37,6 +37,10 @@ class PassContext:
     mesh: Mesh | None = None
     plan: object | None = None
     """A ``passes.sharding.plans.Plan`` chosen by the caller (a user plan); overrides pass options."""
+    cluster: object | None = None
+    """A ``passes.cost.hardware.Cluster`` the program is planned for (None: gloo ranks on this CPU)."""
+    memory: float | None = None
+    """Per-device memory bound in bytes for the sharding solve (None: the cluster's HBM, or none)."""
     diagnostics: list[str] = field(default_factory=list)
 
     def warn(self, message: str) -> None:

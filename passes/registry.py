@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from passes.base import Pass
 from passes.cleanup import Cleanup
+from passes.schedule.bucket import Bucket
 from passes.sharding.boxing import Boxing
 from passes.sharding.propagate import Sharding
 from passes.verify import Verify
 
-_PASSES: tuple[type[Pass], ...] = (Cleanup, Sharding, Boxing, Verify)
+_PASSES: tuple[type[Pass], ...] = (Cleanup, Sharding, Boxing, Bucket, Verify)
 
 
 def default_registry() -> dict[str, type[Pass]]:

@@ -49,6 +49,7 @@ def transition_cost(src: Placement, dst: Placement, size: float, n: int) -> floa
 def comm_volume(op_name: str, local_bytes: float, n: int) -> float:
     """Bytes one rank sends for a lowered collective whose operand is ``local_bytes`` on that rank."""
     frac = (n - 1) / n
+    op_name = op_name.removesuffix("_bucket")
     if op_name == "comm.all_gather":
         return local_bytes * (n - 1)
     if op_name == "comm.all_reduce":

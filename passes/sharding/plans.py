@@ -17,6 +17,8 @@ from passes.base import PassError
 from passes.sharding.tp import megatron_roles
 
 PRESETS = ("ddp", "fsdp", "tp")
+AUTO = "auto"
+"""The plan that lets the sharding solve choose every parameter's and input's layout too."""
 DATA_AXES = ("dp", "fsdp")
 
 
@@ -33,10 +35,15 @@ class Plan:
         return Plan(preset, items)
 
     def parts(self) -> list[str]:
+        if self.preset == AUTO:
+            if self.overrides:
+                raise PassError("plan='auto' chooses every layout itself; it takes no per-parameter overrides")
+            return [AUTO]
         parts = [p.strip() for p in self.preset.split("+") if p.strip()]
         for p in parts:
             if p not in PRESETS:
-                raise PassError(f"unknown plan preset {p!r} in {self.preset!r}; presets: {', '.join(PRESETS)}")
+                known = ", ".join(PRESETS)
+                raise PassError(f"unknown plan preset {p!r} in {self.preset!r}; presets: {known}, or 'auto'")
         if not parts:
             raise PassError("empty plan; use e.g. plan='fsdp+tp'")
         return parts
@@ -68,6 +75,8 @@ def axis_roles(plan: Plan, mesh: Mesh) -> dict[str, str]:
     else ``dp``; ``tp`` takes ``tp``. Every mesh axis must be used."""
     roles: dict[str, str] = {}
     parts = plan.parts()
+    if parts == [AUTO]:
+        return {a: AUTO for a in mesh.names}
     for p in parts:
         if p == "tp":
             axis = "tp"

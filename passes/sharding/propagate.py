@@ -19,9 +19,11 @@ from ir import Graph, GraphBuilder, Layout, Mesh, Op, Partial, Placement, Proven
 from ir.graph import Arg
 from ir.ops import REDISTRIBUTE
 from passes.base import JOINT, Pass, PassContext, PassError
+from passes.cost.hardware import Cluster
 from passes.sharding.cost import IMPOSSIBLE, nbytes, transition_cost
-from passes.sharding.plans import Plan, Seeds, default_preset, resolve
+from passes.sharding.plans import AUTO, Plan, Seeds, default_preset, resolve
 from passes.sharding.rules import RuleTable, rule_table, strategies_for
+from passes.sharding.solve import Problem, machines_for, solve
 from passes.sharding.strategy import Strategy
 
 SHARDED = "sharded"
@@ -50,14 +52,59 @@ class Sharding(Pass):
     requires: ClassVar[frozenset[str]] = frozenset({JOINT})
     ensures: ClassVar[frozenset[str]] = frozenset({SHARDED})
     plan: str = ""
+    mode: str = "solve"
+    """``solve``: one integer program per mesh axis over the whole graph (``solve.py``); ``greedy``:
+    the cheapest strategy per op in program order, seeing only its operands."""
 
     def apply(self, ctx: PassContext, graph: Graph) -> Graph:
         mesh = ctx.mesh
         if mesh is None:
             return graph
+        if self.mode not in ("solve", "greedy"):
+            raise PassError(f"sharding{{mode={self.mode}}}: mode must be 'solve' or 'greedy'")
         plan = ctx.plan if isinstance(ctx.plan, Plan) else Plan.of(self.plan or default_preset(mesh))
-        seeds = resolve(plan, graph, mesh)
-        return _Propagator(graph, mesh, seeds, rule_table(), ctx).run()
+        auto = plan.preset == AUTO
+        if auto and self.mode != "solve":
+            raise PassError("plan='auto' needs sharding{mode=solve}: the greedy choice cannot pick layouts")
+        seeds = Seeds() if auto else resolve(plan, graph, mesh)
+        prop = _Propagator(graph, mesh, seeds, rule_table(), ctx)
+        if self.mode == "solve":
+            prop.seeds = _solved(graph, mesh, seeds, prop, ctx, auto)
+        return prop.run()
+
+
+def _solved(graph: Graph, mesh: Mesh, seeds: Seeds, prop: _Propagator, ctx: PassContext, auto: bool) -> Seeds:
+    """Every op's strategy per axis from the integer program (and, with ``auto``, every parameter's
+    and input's layout); returns the seeds to build with."""
+    candidates = [prop.candidates(op) for op in graph.ops]
+    free = frozenset(i.value for i in graph.inputs if auto and i.kind in ("param", "input"))
+    by_name = {i.name: i.value for i in graph.inputs}
+    start = {
+        i.value: seeds.compute.get(i.name, seeds.storage.get(i.name, Layout.replicated(mesh))) for i in graph.inputs
+    }
+    wants: dict[int, Layout | Value] = {}
+    for k, o in enumerate(graph.outputs):
+        if o.kind == "grad" and by_name.get(o.name) in free:
+            wants[k] = by_name[o.name]
+            continue
+        want = seeds.storage.get(o.name) if o.kind in ("grad", "update") else None
+        wants[k] = want if want is not None else Layout.replicated(mesh)
+
+    def valid(op: Op, s: Strategy, earlier: list[Strategy]) -> bool:
+        return _valid(s, list(op.operands), op.results, mesh, earlier)
+
+    cluster = ctx.cluster if isinstance(ctx.cluster, Cluster) else None
+    memory = ctx.memory if ctx.memory is not None else (cluster.device.hbm_bytes if cluster is not None else None)
+    problem = Problem(graph, mesh, candidates, start, free, wants, machines_for(mesh, cluster), valid, memory)
+    solution = solve(problem)
+    prop.decided = solution.strategies
+    if not auto:
+        return seeds
+    out = Seeds(roles=dict(seeds.roles))
+    for i in graph.inputs:
+        lay = solution.inputs.get(i.value, seeds.storage.get(i.name, Layout.replicated(mesh)))
+        out.storage[i.name] = out.compute[i.name] = lay
+    return out
 
 
 @dataclass
@@ -73,6 +120,8 @@ class _Propagator:
     compute: dict[Value, Layout] = field(default_factory=dict)
     param_like: set[Value] = field(default_factory=set)
     warned: set[str] = field(default_factory=set)
+    decided: list[list[Strategy]] | None = None
+    """Per op (program order), one strategy per mesh axis chosen up front; None: choose greedily."""
 
     def run(self) -> Graph:
         self.b = GraphBuilder(self.graph.name, self.mesh)
@@ -84,8 +133,8 @@ class _Propagator:
             compute[new] = self.seeds.compute.get(i.name, lay)
         self.compute = compute
         self.param_like = {self.vmap[i.value] for i in self.graph.inputs if i.kind == "param"}
-        for op in self.graph.ops:
-            self._op(op)
+        for k, op in enumerate(self.graph.ops):
+            self._op(op, None if self.decided is None else self.decided[k])
             derived = any(self.vmap.get(u, u) in self.param_like for u in op.operands)
             if op.prov.phase == "fwd" and len(op.results) == 1 and op.target in _VIEW_LIKE and derived:
                 self.param_like.add(self.vmap[op.result])
@@ -102,15 +151,23 @@ class _Propagator:
         """The layout a value is used in: parameters' compute layout, else its own."""
         return self.compute.get(v, v.layout)
 
-    def _op(self, op: Op) -> None:
-        operands = [self.vmap.get(v, v) for v in op.operands]
+    def candidates(self, op: Op) -> list[Strategy]:
+        """The op's single-axis strategies (warning once per op name when only Replicate exists)."""
         strategies, source = strategies_for(op, self.table)
         if source == "replicate" and op.name not in self.warned:
             self.warned.add(op.name)
             self.ctx.warn(f"no sharding rule for {op.name} (first at {op.prov.describe()}); it runs replicated")
-        chosen: list[Strategy] = []
-        for axis in self.mesh.names:
-            chosen.append(self._choose(op, operands, strategies, axis, chosen))
+        return strategies
+
+    def _op(self, op: Op, decided: list[Strategy] | None) -> None:
+        operands = [self.vmap.get(v, v) for v in op.operands]
+        if decided is not None:
+            chosen = list(decided)
+        else:
+            strategies = self.candidates(op)
+            chosen = []
+            for axis in self.mesh.names:
+                chosen.append(self._choose(op, operands, strategies, axis, chosen))
         for k, v in enumerate(operands):
             if isinstance(v.type, TensorType):
                 operands[k] = self._move(v, Layout(self.mesh.names, tuple(s.inputs[k] for s in chosen)), op.prov)

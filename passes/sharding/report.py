@@ -27,15 +27,18 @@ def comm_summary(graph: Graph) -> list[CommLine]:
     for op in graph.ops:
         if not isinstance(op.target, OpDef) or op.target.namespace != "comm":
             continue
-        (x,) = op.operands
-        if not isinstance(x.type, TensorType):
-            continue
-        local = nbytes(x.type)
-        for axis, p in zip(x.layout.axes, x.layout.placements, strict=True):
-            if isinstance(p, Shard):
-                local /= mesh.size(axis)
         axis = str(op.kwarg("axis"))
-        sent = comm_volume(op.name, local, mesh.size(axis))
+        sent = 0.0
+        for x in op.operands:  # NOTE: a bucket is one collective over all its operands
+            if not isinstance(x.type, TensorType):
+                continue
+            local = nbytes(x.type)
+            for ax, p in zip(x.layout.axes, x.layout.placements, strict=True):
+                if isinstance(p, Shard):
+                    local /= mesh.size(ax)
+            sent += comm_volume(op.name, local, mesh.size(axis))
+        if not any(isinstance(x.type, TensorType) for x in op.operands):
+            continue
         slot = acc.setdefault((op.name, axis, op.prov.phase), [0, 0.0])
         slot[0] += 1
         slot[1] += sent

@@ -20,14 +20,21 @@ PARAM_ATOL = 0.05 * LR
 
 
 def equivalence(
-    model: str, shape: tuple[int, ...], names: tuple[str, ...], plan: Any, steps: int = 2
-) -> dict[str, float]:
-    """Train ``steps`` AdamW steps compiled and single-device side by side; raise on any difference."""
+    model: str,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    plan: Any,
+    steps: int = 2,
+    cluster: str | None = None,
+    memory: int | None = None,
+) -> dict[str, Any]:
+    """Train ``steps`` AdamW steps compiled and single-device side by side; raise on any difference.
+    Also returns the parameters' layouts (``plan="auto"`` chooses them)."""
     warnings.filterwarnings("ignore")
     mesh = device_mesh(tuple(shape), tuple(names))
     net, inputs = build(model)
     ref, _ = build(model)
-    pm = parallelize(net, mesh, inputs, plan=plan)
+    pm = parallelize(net, mesh, inputs, plan=plan, cluster=cluster, memory=memory)
     names_pm = [n for n, _ in pm.named_parameters()]
     assert names_pm == [n for n, _ in ref.named_parameters()], "parameter FQNs differ from the model's"
     opt = torch.optim.AdamW(pm.parameters(), lr=LR)
@@ -63,7 +70,8 @@ def equivalence(
             atol=PARAM_ATOL,
             msg=lambda m, n=name: f"param {n} after {steps} steps: {m}",
         )
-    return {"worst_grad_abs_diff": worst, "loss": float(loss)}
+    layouts = {i.name: str(i.value.layout) for i in pm.graph().inputs if i.kind == "param"}
+    return {"worst_grad_abs_diff": worst, "loss": float(loss), "layouts": layouts}
 
 
 def verify_mode(model: str, shape: tuple[int, ...], names: tuple[str, ...], plan: Any, corrupt: str = "") -> str:

@@ -19,8 +19,11 @@ def _captured(name: str) -> ir.Graph:
     return capture(*build(name))
 
 
-def _compile(name: str, mesh: ir.Mesh, plan: str) -> ir.Graph:
-    g, _ = PassPipeline.parse(DEFAULT_PIPELINE).run(PassContext(mesh=mesh, plan=Plan.of(plan)), _captured(name))
+def _compile(name: str, mesh: ir.Mesh, plan: str, mode: str = "greedy") -> ir.Graph:
+    """The default pipeline; ``mode=greedy`` shows what a preset means, layer by layer (the solve
+    may trade any of it for fewer collectives where its cost model says so)."""
+    pipeline = DEFAULT_PIPELINE.replace("sharding", f"sharding{{mode={mode}}}")
+    g, _ = PassPipeline.parse(pipeline).run(PassContext(mesh=mesh, plan=Plan.of(plan)), _captured(name))
     return g
 
 
@@ -81,7 +84,8 @@ def test_fsdp_params_are_stored_sharded_and_gathered_before_use() -> None:
     g = _compile("mlp", ir.Mesh.of(dp=2), "fsdp")
     params = {i.name: i.value for i in g.inputs if i.kind == "param"}
     assert all(v.layout.placement("dp") == ir.Shard(0) for v in params.values())
-    gathered = {op.operands[0] for op in g.ops if op.name == "comm.all_gather" and op.operands[0] in params.values()}
+    gathers = [op for op in g.ops if op.name in ("comm.all_gather", "comm.all_gather_bucket")]
+    gathered = {v for op in gathers for v in op.operands if v in params.values()}
     assert gathered == set(params.values())
     grads = {o.name: o.value for o in g.outputs if o.kind == "grad"}
     assert all(grads[n].layout == params[n].layout for n in params)

@@ -1,0 +1,64 @@
+"""Analytic cost model and cluster simulator for transformer training (no torch, no graphs).
+
+``hardware`` (devices, links, clusters), ``model`` (ModelSpec, parameter and FLOP counts),
+``opcost`` (roofline kernel times), ``comm`` (collective times on two-level topologies),
+``simulate`` (one training step under a ParallelConfig), ``search`` (outer search over
+configurations). Everything is frozen data and pure functions; results are deterministic.
+"""
+
+from passes.cost.comm import Group, all_gather, all_reduce, all_to_all, p2p, place_axes, place_axis, reduce_scatter
+from passes.cost.footprint import layer_activation_bytes, peak_memory
+from passes.cost.hardware import DEVICES, LINKS, Cluster, Device, Efficiency, Link, device, make_cluster, parse_cluster
+from passes.cost.model import PRESETS, Matmul, ModelSpec, from_hf_config, gpt, preset
+from passes.cost.opcost import attention_time, gemm_time, memory_time, roofline
+from passes.cost.parallel import RECOMPUTE, ConfigError, ParallelConfig, TrainSpec
+from passes.cost.result import MemoryBreakdown, MemoryPoint, SimResult, TimelineEvent
+from passes.cost.search import Ranked, candidates, search_configs
+from passes.cost.simulate import simulate
+from passes.cost.trace import plot_memory, to_chrome_trace
+
+__all__ = [
+    "DEVICES",
+    "LINKS",
+    "PRESETS",
+    "RECOMPUTE",
+    "Cluster",
+    "ConfigError",
+    "Device",
+    "Efficiency",
+    "Group",
+    "Link",
+    "Matmul",
+    "MemoryBreakdown",
+    "MemoryPoint",
+    "ModelSpec",
+    "ParallelConfig",
+    "Ranked",
+    "SimResult",
+    "TimelineEvent",
+    "TrainSpec",
+    "all_gather",
+    "all_reduce",
+    "all_to_all",
+    "attention_time",
+    "candidates",
+    "device",
+    "from_hf_config",
+    "gemm_time",
+    "gpt",
+    "layer_activation_bytes",
+    "make_cluster",
+    "memory_time",
+    "p2p",
+    "parse_cluster",
+    "peak_memory",
+    "place_axes",
+    "place_axis",
+    "plot_memory",
+    "preset",
+    "reduce_scatter",
+    "roofline",
+    "search_configs",
+    "simulate",
+    "to_chrome_trace",
+]

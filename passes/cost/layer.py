@@ -1,0 +1,346 @@
+"""Time of one transformer layer for one micro-batch on one device (embedding and LM head: ``edges``).
+
+A layer is laid out op by op on two streams, compute and comm. Tensor-parallel collectives are
+*blocking* in the forward (the next GEMM needs their result) unless ``tp_comm_overlap`` pipelines
+them with their GEMM in ``tp`` chunks (time ``max(G, C) + min(G, C) / tp``); in the backward the
+input re-gather runs beside the data-gradient GEMM and the gradient reduce-scatter beside the
+weight-gradient GEMM (Megatron's async TP). Ring attention (context parallel) sends each K/V block
+while the previous block's attention runs. Expert all-to-alls block. Whatever runs beside compute
+slows it by the device's ``contention``. Layers are costed once per kind and cached.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+from passes.cost import comm, opcost
+from passes.cost.comm import Group
+from passes.cost.hardware import DTYPE_BYTES, Cluster
+from passes.cost.model import Matmul, ModelSpec
+from passes.cost.streams import LayerCost, Streams
+
+
+@dataclass(frozen=True, slots=True)
+class LayerPlan:
+    """The parts of a parallel configuration that shape one layer's work on one device."""
+
+    tp: int
+    cp: int
+    sp: bool
+    mbs: int
+    recompute: str
+    tp_overlap: bool
+    ep: int
+    etp: int
+    tp_group: Group
+    cp_group: Group
+    ep_group: Group
+    etp_group: Group
+
+
+class LayerBuilder:
+    """Builds the forward and backward op sequences of one layer kind."""
+
+    def __init__(
+        self,
+        model: ModelSpec,
+        cluster: Cluster,
+        dtype: str,
+        grad_dtype: str,
+        causal: bool,
+        flash: bool,
+        seq: int,
+        plan: LayerPlan,
+    ) -> None:
+        self.m, self.c, self.p = model, cluster, plan
+        self.dev = cluster.device
+        self.dtype = dtype
+        # NOTE: fp8 recipes (Transformer Engine) run GEMMs in fp8 but attention in bf16.
+        self.attn_dtype = "bf16" if dtype == "fp8" else dtype
+        self.a = 2 if DTYPE_BYTES[dtype] <= 2 else 4  # activation bytes (fp8 GEMMs keep bf16 activations)
+        self.g = DTYPE_BYTES[grad_dtype]
+        self.causal, self.flash, self.seq = causal, flash, seq
+        self.T = plan.mbs * seq / plan.cp  # tokens per device after context parallelism
+        self.Tsp = self.T / plan.tp if plan.sp else self.T
+
+    # --- primitives ----------------------------------------------------------------------------
+    def gemm(self, mm: Matmul, tp: int, tokens: float) -> tuple[float, float, float]:
+        """(forward, data-gradient, weight-gradient) seconds of ``mm`` split over ``tp``."""
+        k = mm.k / tp if mm.split == "row" else mm.k
+        n = mm.n / tp if mm.split == "col" else mm.n
+        d = self.dtype
+        fwd = opcost.gemm_time(self.dev, tokens, n, k, d)
+        dgrad = opcost.gemm_time(self.dev, tokens, k, n, d)
+        wgrad = opcost.gemm_time(self.dev, k, n, tokens, d, extra_bytes=2 * k * n * self.g)
+        return fwd, dgrad, wgrad
+
+    def eltwise(self, elems: float) -> float:
+        """Seconds for one memory-bound kernel touching ``elems`` activation elements."""
+        return opcost.memory_time(self.dev, elems * self.a)
+
+    def tp_coll(self, kind: str) -> float:
+        """Seconds for one ``kind`` collective of the full activation over the tp group."""
+        return comm.collective_time(kind, self.c, self.p.tp_group, self.T * self.m.hidden * self.a)
+
+    # --- attention block ------------------------------------------------------------------------
+    def _attn_core(self, s: Streams, backward: bool) -> None:
+        m, p = self.m, self.p
+        heads = m.heads / p.tp
+        kv_heads = heads if m.is_mla else m.n_kv_heads / p.tp
+        if not self.flash:
+            t = opcost.unfused_attention_time(
+                self.dev, self.T, self.T * p.cp, heads, m.qk_head_dim, m.v_dim, backward=backward, dtype=self.attn_dtype
+            )
+            s.compute("attention", t)
+            return
+        # NOTE: with context parallelism each of the cp ring steps is one T x T block; the
+        # load-balanced (zigzag) split makes every causal block half-masked, like the diagonal.
+        block = opcost.attention_time(
+            self.dev,
+            self.T,
+            self.T,
+            heads,
+            m.qk_head_dim,
+            m.v_dim,
+            causal=self.causal,
+            backward=backward,
+            dtype=self.attn_dtype,
+        )
+        if p.cp == 1:
+            s.compute("flash attention", block)
+            return
+        kv_bytes = self.T * kv_heads * (m.qk_head_dim + m.v_dim) * self.a * (2 if backward else 1)
+        send = comm.p2p(self.c, kv_bytes, cross_node=p.cp_group.spans_nodes)
+        s.compute("ring attention block 0", block)
+        for i in range(1, p.cp):
+            s.beside(f"cp kv send {i}", send, f"ring attention block {i}", block, "cp")
+
+    def attention_fwd(self, s: Streams) -> None:
+        """Norm, (gathered) projections, rope, attention core, output projection, residual."""
+        m, p = self.m, self.p
+        h = m.hidden
+        s.compute("norm1", self.eltwise(2 * self.Tsp * h))
+        mms = m.attention_matmuls()
+        first = True
+        for mm in mms:
+            if mm.split == "row":
+                continue
+            fwd = self.gemm(mm, p.tp, self.T)[0]
+            if first and p.sp:
+                if p.tp_overlap:
+                    s.pipelined("tp all-gather", self.tp_coll("all_gather"), mm.name, fwd, p.tp, True, "tp")
+                else:
+                    s.blocking("tp all-gather", self.tp_coll("all_gather"), "tp")
+                    s.compute(mm.name, fwd)
+            else:
+                s.compute(mm.name, fwd)
+            first = False
+        q_k = self.T * (m.heads + (0 if m.is_mla else m.n_kv_heads)) * m.qk_head_dim / p.tp
+        s.compute("rope", self.eltwise(2 * q_k))
+        self._attn_core(s, backward=False)
+        self._row_out(s, next(mm for mm in mms if mm.split == "row"), p.tp)
+        s.compute("residual add", self.eltwise(3 * self.Tsp * h))
+
+    def _row_out(self, s: Streams, mm: Matmul, tp: int) -> None:
+        fwd = self.gemm(mm, tp, self.T)[0]
+        if tp == 1:
+            s.compute(mm.name, fwd)
+        elif self.p.sp:
+            if self.p.tp_overlap:
+                s.pipelined("tp reduce-scatter", self.tp_coll("reduce_scatter"), mm.name, fwd, tp, False, "tp")
+            else:
+                s.compute(mm.name, fwd)
+                s.blocking("tp reduce-scatter", self.tp_coll("reduce_scatter"), "tp")
+        else:
+            s.compute(mm.name, fwd)
+            s.blocking("tp all-reduce", self.tp_coll("all_reduce"), "tp")
+
+    def col_bwd(self, s: Streams, mms: list[Matmul], tp: int, tokens: float, last: bool) -> None:
+        """Backward of column/replicated matmuls fed by one gathered input; ``last`` ones carry the
+        input re-gather (beside dgrad) and the input-gradient reduction (beside wgrad)."""
+        for mm in reversed(mms):
+            _, dgrad, wgrad = self.gemm(mm, tp, tokens)
+            if last and mm is mms[0] and tp > 1:
+                if self.p.sp:
+                    s.beside("tp all-gather (input)", self.tp_coll("all_gather"), mm.name + " dgrad", dgrad, "tp")
+                    s.beside(
+                        "tp reduce-scatter (grad)", self.tp_coll("reduce_scatter"), mm.name + " wgrad", wgrad, "tp"
+                    )
+                else:
+                    s.compute(mm.name + " dgrad", dgrad)
+                    s.beside("tp all-reduce (grad)", self.tp_coll("all_reduce"), mm.name + " wgrad", wgrad, "tp")
+            else:
+                s.compute(mm.name + " dgrad", dgrad)
+                s.compute(mm.name + " wgrad", wgrad)
+
+    def _row_bwd(self, s: Streams, mm: Matmul, tp: int) -> None:
+        _, dgrad, wgrad = self.gemm(mm, tp, self.T)
+        if tp > 1 and self.p.sp:
+            if self.p.tp_overlap:
+                s.pipelined(
+                    "tp all-gather (grad)", self.tp_coll("all_gather"), mm.name + " dgrad", dgrad, tp, True, "tp"
+                )
+            else:
+                s.blocking("tp all-gather (grad)", self.tp_coll("all_gather"), "tp")
+                s.compute(mm.name + " dgrad", dgrad)
+        else:
+            s.compute(mm.name + " dgrad", dgrad)
+        s.compute(mm.name + " wgrad", wgrad)
+
+    def attention_bwd(self, s: Streams) -> None:
+        """The attention block backward, in reverse op order."""
+        m, p = self.m, self.p
+        h = m.hidden
+        mms = m.attention_matmuls()
+        s.compute("residual add bwd", self.eltwise(2 * self.Tsp * h))
+        self._row_bwd(s, next(mm for mm in mms if mm.split == "row"), p.tp)
+        self._attn_core(s, backward=True)
+        q_k = self.T * (m.heads + (0 if m.is_mla else m.n_kv_heads)) * m.qk_head_dim / p.tp
+        s.compute("rope bwd", self.eltwise(2 * q_k))
+        self.col_bwd(s, [mm for mm in mms if mm.split != "row"], p.tp, self.T, True)
+        s.compute("norm1 bwd", self.eltwise(3 * self.Tsp * h))
+
+    # --- MLP / MoE -----------------------------------------------------------------------------
+    def _act_elems(self, width: float, tokens: float, backward: bool) -> float:
+        if self.m.gated_mlp:
+            return tokens * width * (5 if backward else 3)
+        return tokens * width * (3 if backward else 2)
+
+    def mlp_fwd(self, s: Streams, width: int, tag: str = "") -> None:
+        """Column-parallel up projection, activation, row-parallel down projection."""
+        p = self.p
+        fc1, fc2 = self.m.mlp_matmuls(width)
+        fwd1 = self.gemm(fc1, p.tp, self.T)[0]
+        if p.sp and p.tp_overlap:
+            s.pipelined("tp all-gather", self.tp_coll("all_gather"), tag + "fc1", fwd1, p.tp, True, "tp")
+        else:
+            if p.sp:
+                s.blocking("tp all-gather", self.tp_coll("all_gather"), "tp")
+            s.compute(tag + "fc1", fwd1)
+        s.compute(tag + "activation", self.eltwise(self._act_elems(width / p.tp, self.T, False)))
+        self._row_out(s, fc2, p.tp)
+
+    def mlp_bwd(self, s: Streams, width: int, tag: str = "") -> None:
+        """The MLP backward, in reverse op order."""
+        p = self.p
+        fc1, fc2 = self.m.mlp_matmuls(width)
+        self._row_bwd(s, fc2, p.tp)
+        s.compute(tag + "activation bwd", self.eltwise(self._act_elems(width / p.tp, self.T, True)))
+        self.col_bwd(s, [fc1], p.tp, self.T, True)
+
+    def _routed_tokens(self) -> float:
+        """Token copies the busiest expert rank computes (after the expert-TP all-gather)."""
+        m = self.m
+        return self.Tsp * m.top_k * m.routing_imbalance * self.p.etp
+
+    def moe(self, s: Streams, backward: bool) -> None:
+        """Router, dispatch all-to-all over ep (+ all-gather over etp), grouped expert GEMMs,
+        and the mirror-image combine; the backward runs the same steps in reverse order."""
+        m, p = self.m, self.p
+        h, rows = m.hidden, self._routed_tokens()
+        local = m.num_experts // p.ep
+        fc1, fc2 = m.mlp_matmuls(m.moe_ffn_hidden)
+        mult = 2 if backward else 1  # data- and weight-gradient GEMMs
+        g1 = mult * opcost.grouped_gemm_time(self.dev, local, rows / local, fc1.n / p.etp, h, self.dtype)
+        g2 = mult * opcost.grouped_gemm_time(self.dev, local, rows / local, h, fc2.k / p.etp, self.dtype)
+        a2a = comm.all_to_all(self.c, p.ep_group, self.Tsp * m.top_k * m.routing_imbalance * h * self.a)
+        etp_bytes = rows * h * self.a
+        ag = comm.all_gather(self.c, p.etp_group, etp_bytes) if p.etp > 1 else 0.0
+        rs = comm.reduce_scatter(self.c, p.etp_group, etp_bytes) if p.etp > 1 else 0.0
+        router = opcost.gemm_time(self.dev, self.Tsp, m.num_experts, h, self.dtype) + self.eltwise(
+            3 * self.Tsp * m.num_experts
+        )
+        act = self.eltwise(self._act_elems(fc2.k / p.etp, rows, backward))
+        permute = self.eltwise(2 * self.Tsp * m.top_k * h)
+        if not backward:
+            s.compute("router", router)
+            s.compute("permute", permute)
+            s.blocking("ep all-to-all (dispatch)", a2a, "ep")
+            s.blocking("etp all-gather", ag, "ep")
+            s.compute("experts fc1", g1)
+            s.compute("experts activation", act)
+            s.compute("experts fc2", g2)
+            s.blocking("etp reduce-scatter", rs, "ep")
+            s.blocking("ep all-to-all (combine)", a2a, "ep")
+            s.compute("unpermute", permute)
+            return
+        s.compute("unpermute bwd", permute)
+        s.blocking("ep all-to-all (combine bwd)", a2a, "ep")
+        s.blocking("etp all-gather (grad)", rs, "ep")
+        s.compute("experts fc2 bwd", g2)
+        s.compute("experts activation bwd", act)
+        s.compute("experts fc1 bwd", g1)
+        s.blocking("etp reduce-scatter (grad)", ag, "ep")
+        s.blocking("ep all-to-all (dispatch bwd)", a2a, "ep")
+        s.compute("permute bwd", permute)
+        s.compute("router bwd", 2 * router)
+
+    # --- whole layer ---------------------------------------------------------------------------
+    def forward(self, s: Streams, kind: str) -> None:
+        """Lay out one whole layer of ``kind`` ("dense" / "moe") forward on ``s``."""
+        m = self.m
+        self.attention_fwd(s)
+        s.compute("norm2", self.eltwise(2 * self.Tsp * m.hidden))
+        if kind == "moe":
+            if m.shared_experts:
+                self.mlp_fwd(s, m.moe_ffn_hidden * m.shared_experts, "shared ")
+            self.moe(s, backward=False)
+        else:
+            self.mlp_fwd(s, m.ffn_hidden)
+        s.compute("residual add", self.eltwise(3 * self.Tsp * m.hidden))
+
+    def backward(self, s: Streams, kind: str) -> None:
+        """Lay out one whole layer of ``kind`` backward on ``s``."""
+        m = self.m
+        s.compute("residual add bwd", self.eltwise(2 * self.Tsp * m.hidden))
+        if kind == "moe":
+            self.moe(s, backward=True)
+            if m.shared_experts:
+                self.mlp_bwd(s, m.moe_ffn_hidden * m.shared_experts, "shared ")
+        else:
+            self.mlp_bwd(s, m.ffn_hidden)
+        s.compute("norm2 bwd", self.eltwise(3 * self.Tsp * m.hidden))
+        self.attention_bwd(s)
+
+    def selective_recompute(self, s: Streams, kind: str) -> None:
+        """Re-run the norms and the MLP activation (and unfused attention) before the backward."""
+        m, p = self.m, self.p
+        width = m.ffn_hidden if kind == "dense" else m.moe_ffn_hidden * m.shared_experts
+        s.compute("recompute norms", 2 * self.eltwise(2 * self.Tsp * m.hidden))
+        s.compute("recompute activation", self.eltwise(self._act_elems(width / p.tp, self.T, False)))
+        if not self.flash:
+            self._attn_core(s, backward=False)
+
+
+@functools.lru_cache(maxsize=4096)
+def layer_cost(
+    model: ModelSpec,
+    cluster: Cluster,
+    dtype: str,
+    grad_dtype: str,
+    causal: bool,
+    flash: bool,
+    seq: int,
+    plan: LayerPlan,
+    kind: str,
+) -> LayerCost:
+    """Forward and backward seconds of one ``kind`` ("dense" or "moe") layer for one micro-batch."""
+    lay = LayerBuilder(model, cluster, dtype, grad_dtype, causal, flash, seq, plan)
+    contention = cluster.device.eff.contention
+    f = Streams(contention, "fwd")
+    lay.forward(f, kind)
+    b = Streams(contention, "bwd")
+    if plan.recompute == "full":
+        b.category = "recompute"
+        lay.forward(b, kind)
+        b.category = "bwd"
+    elif plan.recompute == "selective":
+        b.category = "recompute"
+        lay.selective_recompute(b, kind)
+        b.category = "bwd"
+    recompute = b.now
+    lay.backward(b, kind)
+    return LayerCost(
+        f.now, b.now, f.exposed, b.exposed, f.comm_busy + b.comm_busy, recompute, tuple(f.events), tuple(b.events)
+    )

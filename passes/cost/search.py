@@ -1,0 +1,171 @@
+"""Outer search over parallel configurations: enumerate, prune, filter by memory, rank by step time.
+
+Every factorisation ``tp x cp x pp x dp`` of the world is tried with tp tiling a node and dividing
+the (kv) heads and the MLP width, pp dividing the layers, cp keeping >= ``MIN_CP_TOKENS`` tokens
+per rank, then virtual stages, micro-batch sizes, recomputation and dp flavour (distributed
+optimizer or FSDP); expert models also try every ep dividing the experts with etp in {1, tp}.
+Pruning happens on integers before anything is simulated; the memory model (cheap) runs before
+the time model. Ties break on memory, then on the configuration text, so results are
+deterministic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from passes.cost.footprint import peak_memory
+from passes.cost.hardware import Cluster
+from passes.cost.model import ModelSpec
+from passes.cost.parallel import RECOMPUTE, ConfigError, ParallelConfig, TrainSpec, divisors
+from passes.cost.result import SimResult
+from passes.cost.simulate import simulate
+
+MIN_CP_TOKENS = 256
+MICRO_BATCHES = (1, 2, 4, 8)
+MAX_VPP = 16
+MESH_AXES = ("dp", "tp", "cp", "pp", "ep", "etp")
+
+
+class MeshLike(Protocol):
+    """Anything with parallel axis ``names`` and ``sizes`` (e.g. ``ir.Mesh``)."""
+
+    @property
+    def names(self) -> tuple[str, ...]: ...
+
+    @property
+    def sizes(self) -> tuple[int, ...]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Ranked:
+    """One search result: its 1-based ``rank`` and the simulation of ``config``."""
+
+    rank: int
+    config: ParallelConfig
+    result: SimResult
+
+
+def _pins(fixed: Mapping[str, Any] | None, mesh: Mapping[str, int] | MeshLike | None) -> dict[str, Any]:
+    fields = {f.name for f in dataclasses.fields(ParallelConfig)}
+    pins: dict[str, Any] = dict(fixed or {})
+    bad = sorted(set(pins) - fields)
+    if bad:
+        raise ValueError(f"fixed names unknown ParallelConfig fields {bad}; fields are {sorted(fields)}")
+    if mesh is not None:
+        axes = dict(mesh) if isinstance(mesh, Mapping) else dict(zip(mesh.names, mesh.sizes, strict=True))
+        unknown = sorted(set(axes) - set(MESH_AXES))
+        if unknown:
+            raise ValueError(f"mesh axes {unknown} are not parallel axes; use {', '.join(MESH_AXES)}")
+        for name, size in axes.items():
+            if name in pins and pins[name] != size:
+                raise ValueError(f"mesh says {name}={size} but fixed says {name}={pins[name]}")
+            pins[name] = int(size)
+    return pins
+
+
+def candidates(
+    model: ModelSpec,
+    cluster: Cluster,
+    train: TrainSpec,
+    *,
+    fixed: Mapping[str, Any] | None = None,
+    mesh: Mapping[str, int] | MeshLike | None = None,
+) -> Iterator[ParallelConfig]:
+    """Every configuration the search considers (valid by construction up to memory), in a
+    deterministic order. ``fixed`` pins ParallelConfig fields; ``mesh`` pins axis sizes."""
+    pins = _pins(fixed, mesh)
+    world, dpn = cluster.world_size, cluster.devices_per_node
+
+    def choose(name: str, options: list[Any]) -> list[Any]:
+        return [pins[name]] if name in pins else options
+
+    kv = model.heads if model.is_mla else model.n_kv_heads
+    tps = choose(
+        "tp",
+        [
+            t
+            for t in divisors(world)
+            if dpn % t == 0 and kv % t == 0 and model.heads % t == 0 and model.ffn_hidden % t == 0
+        ],
+    )
+    for tp in tps:
+        cps = choose(
+            "cp",
+            [
+                c
+                for c in divisors(world // tp)
+                if c == 1 or (train.seq_len % (2 * c) == 0 and train.seq_len // c >= MIN_CP_TOKENS)
+            ],
+        )
+        for cp in cps:
+            pps = choose("pp", [p for p in divisors(world // (tp * cp)) if model.layers % p == 0])
+            for pp in pps:
+                if world % (tp * cp * pp):
+                    continue
+                dp = world // (tp * cp * pp)
+                if "dp" in pins and pins["dp"] != dp:
+                    continue
+                yield from _inner(model, train, pins, dp, tp, cp, pp)
+
+
+def _inner(
+    model: ModelSpec, train: TrainSpec, pins: dict[str, Any], dp: int, tp: int, cp: int, pp: int
+) -> Iterator[ParallelConfig]:
+    mbss = [b for b in MICRO_BATCHES if train.global_batch % (dp * b) == 0]
+    mbss = [pins["micro_batch_size"]] if "micro_batch_size" in pins else mbss
+    per_stage = model.layers // pp
+    vpps = [v for v in divisors(per_stage) if v <= MAX_VPP] if pp > 1 else [1]
+    vpps = [pins["vpp"]] if "vpp" in pins else vpps
+    zeros = [pins["zero"]] if "zero" in pins else [1, 3]
+    recomputes = [pins["recompute"]] if "recompute" in pins else list(RECOMPUTE)
+    experts: list[tuple[int, int | None]] = [(1, None)]
+    if model.num_experts:
+        eps = [pins["ep"]] if "ep" in pins else divisors(model.num_experts)
+        etps = [pins["etp"]] if "etp" in pins else sorted({1, tp})
+        experts = [(e, t) for e in eps for t in etps if (dp * tp * cp * pp) % (e * t * pp) == 0]
+    rest = {
+        k: v
+        for k, v in pins.items()
+        if k not in ("dp", "tp", "cp", "pp", "ep", "etp", "vpp", "micro_batch_size", "zero", "recompute")
+    }
+    for mbs, vpp, zero, rc, (ep, etp) in itertools.product(mbss, vpps, zeros, recomputes, experts):
+        m = train.global_batch // (dp * mbs) if train.global_batch % (dp * mbs) == 0 else 0
+        if m == 0 or (vpp > 1 and m % pp):
+            continue
+        yield ParallelConfig(
+            dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vpp=vpp, micro_batch_size=mbs, zero=zero, recompute=rc, **rest
+        )
+
+
+def search_configs(
+    model: ModelSpec,
+    cluster: Cluster,
+    train: TrainSpec,
+    *,
+    fixed: Mapping[str, Any] | None = None,
+    mesh: Mapping[str, int] | MeshLike | None = None,
+    top: int = 10,
+) -> list[Ranked]:
+    """The ``top`` fastest configurations whose peak memory fits the device, best first.
+
+    ``fixed`` pins ParallelConfig fields (e.g. ``{"tp_comm_overlap": True, "zero": 1}``),
+    ``mesh`` pins axis sizes (a mapping such as ``{"tp": 8, "pp": 4}`` or an ``ir.Mesh``).
+    Returns an empty list when nothing fits; raises ValueError on unknown pins. Ranking is by
+    simulated step time, ties by peak memory then configuration text (deterministic)."""
+    hbm = cluster.device.hbm_bytes
+    scored: list[tuple[float, float, str, SimResult]] = []
+    for cfg in candidates(model, cluster, train, fixed=fixed, mesh=mesh):
+        try:
+            cfg.validate(model, cluster, train)
+        except ConfigError:
+            continue
+        if peak_memory(model, cluster, cfg, train).total > hbm:
+            continue
+        res = simulate(model, cluster, cfg, train, timeline=False)
+        scored.append((res.step_time_s, res.peak_memory_bytes, repr(cfg), res))
+    scored.sort(key=lambda s: (s[0], s[1], s[2]))
+    return [Ranked(i + 1, s[3].config, s[3]) for i, s in enumerate(scored[: max(0, top)])]

@@ -1,0 +1,265 @@
+"""Cluster simulator: one optimizer step of a transformer under a ParallelConfig, analytically.
+
+The step of the slowest pipeline stage is ``m`` micro-batches of forward + backward (repeated
+layers costed once, see ``layer``), plus the pipeline bubble ``(pp - 1) / vpp`` stage-passes (so
+its share of the ideal time is ``(pp - 1) / (vpp m)``), plus whatever data-parallel traffic the
+buckets cannot hide, plus the optimizer. Data-parallel reduce-scatter (or all-reduce) of
+gradients starts bucket by bucket during the last micro-batch's backward, the parameter
+all-gather of the distributed optimizer during the first micro-batch's forward; FSDP gathers
+(twice) and reduces every micro-batch, layer by layer. The busiest expert rank and the slowest
+stage set the pace. Everything is deterministic.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+from passes.cost import comm, opcost
+from passes.cost.comm import Group
+from passes.cost.edges import embedding_cost, head_cost
+from passes.cost.footprint import BUCKET_MIN, layer_activation_bytes, memory_breakdown, peak_memory, stage_params
+from passes.cost.hardware import DTYPE_BYTES, Cluster
+from passes.cost.layer import LayerPlan, layer_cost
+from passes.cost.model import ModelSpec
+from passes.cost.parallel import ConfigError, ParallelConfig, TrainSpec
+from passes.cost.result import SimResult
+from passes.cost.streams import LayerCost
+from passes.cost.timeline import StageSchedule, build_timeline
+from passes.cost.trace import plot_memory, to_chrome_trace
+
+__all__ = ["ConfigError", "ParallelConfig", "SimResult", "TrainSpec", "plot_memory", "simulate", "to_chrome_trace"]
+
+
+@dataclass(frozen=True, slots=True)
+class _Stage:
+    fwd: float
+    bwd: float
+    exposed: float
+
+    @property
+    def total(self) -> float:
+        """Forward plus backward of one micro-batch on the stage."""
+        return self.fwd + self.bwd
+
+
+def layer_plan(cluster: Cluster, cfg: ParallelConfig) -> LayerPlan:
+    """The per-layer view of ``cfg``: sizes and where its tp / cp / ep / etp groups sit."""
+    attn, expert = cfg.attention_axes(), cfg.expert_axes()
+    return LayerPlan(
+        cfg.tp,
+        cfg.cp,
+        cfg.sp,
+        cfg.micro_batch_size,
+        cfg.recompute,
+        cfg.tp_comm_overlap and cfg.tp > 1,
+        cfg.ep,
+        cfg.etp_size,
+        comm.place_axes(cluster, attn, ("tp",)),
+        comm.place_axes(cluster, attn, ("cp",)),
+        comm.place_axes(cluster, expert, ("ep",)),
+        comm.place_axes(cluster, expert, ("etp",)),
+    )
+
+
+def _hide(c: float, window: float, buckets: float, overlap: bool) -> float:
+    """Exposed part of ``c`` seconds of bucketed traffic overlapped with ``window`` of compute:
+    bucket i is ready at i/n of the window, the stream drains them in order."""
+    if c <= 0:
+        return 0.0
+    if not overlap:
+        return c
+    n = max(1.0, buckets)
+    return max(c / n, c + window / n - window)
+
+
+def reduce_tail(red: float, bwd_chunk: float, pp: int, vpp: int, buckets: float, overlap: bool) -> float:
+    """Exposed gradient reduction after stage 0's last backward. Model chunk ``c`` finishes its
+    last backward ``c * pp`` chunk-passes before the end (interleaved cool-down order), so its
+    buckets reduce while the remaining chunks compute; chunk 0's last buckets are always exposed."""
+    if red <= 0:
+        return 0.0
+    if not overlap:
+        return red
+    per, n = red / vpp, max(1.0, buckets)
+    finish = -math.inf
+    for c in range(vpp - 1, -1, -1):
+        end = -c * pp * bwd_chunk
+        finish = max(finish + per, end - bwd_chunk + bwd_chunk / n + per, end + per / n)
+    return max(0.0, finish)
+
+
+def gather_head(gat: float, fwd_chunk: float, pp: int, vpp: int, buckets: float, overlap: bool) -> float:
+    """Delay of stage 0's first forward waiting for parameter all-gathers: chunk ``c`` is first
+    needed ``c * pp`` chunk-passes into the warm-up, bucket by bucket during that forward."""
+    if gat <= 0:
+        return 0.0
+    if not overlap:
+        return gat
+    per, n = gat / vpp, max(1.0, buckets)
+    delay, done = 0.0, 0.0
+    for c in range(vpp):
+        need = c * pp * fwd_chunk
+        delay = max(delay, done + per / n - need, done + per - need - (n - 1) / n * fwd_chunk)
+        done += per
+    return delay
+
+
+def _dp_comm(
+    cluster: Cluster, cfg: ParallelConfig, train: TrainSpec, dense: float, expert: float
+) -> tuple[float, float]:
+    """(gradient reduction, parameter gather) seconds for one stage's parameters."""
+    attn, exp_axes = cfg.attention_axes(), cfg.expert_axes()
+    g, w = DTYPE_BYTES[train.grad_dtype], DTYPE_BYTES[train.dtype] if train.dtype != "fp8" else 2
+    dgroup: Group = comm.place_axes(cluster, attn, ("cp", "dp"))
+    egroup: Group = comm.place_axes(cluster, exp_axes, ("edp",))
+    if cfg.zero == 0:
+        red = comm.all_reduce(cluster, dgroup, dense * g) + comm.all_reduce(cluster, egroup, expert * g)
+        return red, 0.0
+    red = comm.reduce_scatter(cluster, dgroup, dense * g) + comm.reduce_scatter(cluster, egroup, expert * g)
+    gat = comm.all_gather(cluster, dgroup, dense * w) + comm.all_gather(cluster, egroup, expert * w)
+    return red, gat
+
+
+def simulate(
+    model: ModelSpec, cluster: Cluster, config: ParallelConfig, train: TrainSpec, *, timeline: bool = True
+) -> SimResult:
+    """Simulate one optimizer step of ``model`` on ``cluster`` under ``config``.
+
+    Raises ConfigError naming the violated constraint when ``config`` cannot run. ``timeline``
+    False skips the per-event timeline and memory timeline (the search uses that; every figure
+    is identical either way)."""
+    config.validate(model, cluster, train)
+    dev, cfg = cluster.device, config
+    m = cfg.num_microbatches(train)
+    plan = layer_plan(cluster, cfg)
+    args = (model, cluster, train.dtype, train.grad_dtype, train.causal, train.flash_attention, train.seq_len, plan)
+    dense = layer_cost(*args, "dense") if model.dense_layers else None
+    moe = layer_cost(*args, "moe") if model.moe_layers else None
+    emb = embedding_cost(model, cluster, train.dtype, train.grad_dtype, train.seq_len, plan)
+    head = head_cost(model, cluster, train.dtype, train.grad_dtype, train.seq_len, plan)
+
+    def body(attr: str) -> float:
+        total = 0.0
+        for cost, n in ((dense, model.dense_layers), (moe, model.moe_layers)):
+            if cost is not None:
+                total += n / cfg.pp * getattr(cost, attr)
+        return total
+
+    bf, bb, bx = body("fwd_s"), body("bwd_s"), body("fwd_exposed_s") + body("bwd_exposed_s")
+
+    def stage(edges: tuple[LayerCost, ...]) -> _Stage:
+        return _Stage(
+            bf + sum(e.fwd_s for e in edges),
+            bb + sum(e.bwd_s for e in edges),
+            bx + sum(e.fwd_exposed_s + e.bwd_exposed_s for e in edges),
+        )
+
+    if cfg.pp == 1:
+        first = last = stage((emb, head))
+        stages = [first]
+    else:
+        first, last = stage((emb,)), stage((head,))
+        stages = [first, last] + ([stage(())] if cfg.pp > 2 else [])
+    slow = max(stages, key=lambda s: s.total)
+
+    # --- pipeline ---------------------------------------------------------------------------------
+    a = 2 if DTYPE_BYTES[train.dtype] <= 2 else 4
+    tsp = cfg.micro_batch_size * train.seq_len / cfg.cp / (cfg.tp if cfg.sp else 1)
+    pp_group = comm.place_axes(cluster, cfg.attention_axes(), ("pp",))
+    p2p = comm.p2p(cluster, tsp * model.hidden * a, cross_node=pp_group.spans_nodes) if cfg.pp > 1 else 0.0
+    p2p_per_mb = 2 * p2p if cfg.vpp == 1 else 0.0  # NOTE: the interleaved schedule overlaps its sends
+    p2p_fill = 2 * (cfg.pp - 1) * p2p
+    bubble = (cfg.pp - 1) / cfg.vpp * slow.total
+    pipeline = m * (slow.total + p2p_per_mb) + bubble + p2p_fill
+
+    # --- data parallel ----------------------------------------------------------------------------
+    sp0 = stage_params(model, cfg, "first")
+    red, gat = _dp_comm(cluster, cfg, train, sp0.dense, sp0.expert)
+    buckets = math.ceil(sp0.total / max(BUCKET_MIN, 1e6 * cfg.dp))
+    layers_per_stage = model.layers / cfg.pp
+    ov = cfg.dp_overlap
+    if cfg.zero <= 1:
+        per_chunk = buckets / cfg.vpp
+        dp_f = gather_head(gat, first.fwd / cfg.vpp, cfg.pp, cfg.vpp, per_chunk, ov)
+        dp_b = reduce_tail(red, first.bwd / cfg.vpp, cfg.pp, cfg.vpp, per_chunk, ov)
+        dp_total = red + gat
+    elif cfg.zero == 2:
+        dp_f, dp_b = _hide(gat, first.fwd, buckets, ov), m * _hide(red, first.bwd, buckets, ov)
+        dp_total = m * red + gat
+    else:
+        dp_f = m * _hide(gat, first.fwd, layers_per_stage, ov)
+        dp_b = m * _hide(gat + red, first.bwd, layers_per_stage, ov)
+        dp_total = m * (2 * gat + red)
+    dp_exposed = dp_f + dp_b
+    dp_contention = dev.eff.contention * (dp_total - dp_exposed)
+    tied = 0.0
+    if model.tied_embeddings and cfg.pp > 1:
+        tied = comm.all_reduce(
+            cluster, comm.Group(2, 1, 2), model.vocab * model.hidden / cfg.tp * DTYPE_BYTES[train.grad_dtype]
+        )
+
+    # --- optimizer ------------------------------------------------------------------------------------
+    g, w = DTYPE_BYTES[train.grad_dtype], (DTYPE_BYTES[train.dtype] if train.dtype != "fp8" else 2)
+    shard = (sp0.dense / (cfg.dp * cfg.cp) + sp0.expert / cfg.edp) if cfg.zero >= 1 else sp0.total
+    state = (16 if train.optimizer == "adam" else 8) + (8 if w < 4 else 0)
+    opt_bytes = shard * (2 * g + state + w) + (sp0.total if cfg.zero < 2 else shard) * g
+    optimizer = opcost.memory_time(dev, opt_bytes, kernels=4)
+
+    step = pipeline + dp_exposed + dp_contention + tied + optimizer
+    flops = model.flops_per_token(train.seq_len, causal=train.mfu_causal) * train.tokens
+    world = cluster.world_size
+    layer_exposed = m * slow.exposed
+    compute = m * slow.total - layer_exposed
+    p2p_exposed = m * p2p_per_mb + p2p_fill
+    exposed = layer_exposed + p2p_exposed + dp_exposed + tied
+    mem = peak_memory(model, cluster, cfg, train)
+    breakdown = (
+        ("compute", compute),
+        ("tp/cp/ep exposed", layer_exposed),
+        ("pp p2p exposed", p2p_exposed),
+        ("pipeline bubble", bubble),
+        ("dp exposed", dp_exposed),
+        ("dp contention", dp_contention),
+        ("tied embedding sync", tied),
+        ("optimizer", optimizer),
+    )
+    result = SimResult(
+        config=cfg,
+        step_time_s=step,
+        mfu=flops / (step * world * dev.peak_flops(train.dtype)),
+        tflops_per_device=flops / step / world / 1e12,
+        tokens_per_s=train.tokens / step,
+        peak_memory_bytes=mem.total,
+        memory=mem,
+        fits=mem.total <= dev.hbm_bytes,
+        exposed_comm_s=exposed,
+        bubble_s=bubble,
+        compute_s=compute,
+        optimizer_s=optimizer,
+        num_microbatches=m,
+        breakdown=breakdown,
+    )
+    if not timeline:
+        return result
+    sched = StageSchedule(
+        model=model,
+        cfg=cfg,
+        train=train,
+        m=m,
+        dense=dense,
+        moe=moe,
+        emb=emb,
+        head=head if cfg.pp == 1 else None,
+        dense_act=layer_activation_bytes(model, cfg, train, "dense"),
+        moe_act=layer_activation_bytes(model, cfg, train, "moe") if model.moe_layers else 0.0,
+        pipeline_s=pipeline,
+        gather_s=gat,
+        gather_exposed_s=dp_f,
+        reduce_s=red,
+        reduce_exposed_s=dp_b + dp_contention + tied,
+        optimizer_s=optimizer,
+        static_bytes=memory_breakdown(model, cluster, cfg, train, "first").static,
+    )
+    events, points = build_timeline(sched)
+    return replace(result, events=events, memory_timeline=points)

@@ -1,0 +1,1 @@
+"""Passes that order and group communication: bucketing (``bucket``)."""

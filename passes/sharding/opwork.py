@@ -1,0 +1,60 @@
+"""How much work an op is on one device: FLOPs (torch's flop formulas) and bytes read plus written.
+
+The solver turns these into time with a roofline; only the ratio between strategies of one op
+and between compute and communication matters there.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch.utils.flop_counter import flop_registry
+
+from ir import Op, TensorType, Value
+from ir.graph import Arg
+
+
+def _numel(t: TensorType) -> int:
+    n = 1
+    for d in t.shape:
+        n *= int(d)
+    return n
+
+
+def op_bytes(op: Op) -> float:
+    """Bytes of every tensor operand and result (global shapes)."""
+    total = 0
+    for v in (*op.operands, *op.results):
+        if isinstance(v.type, TensorType):
+            total += _numel(v.type) * v.type.dtype.itemsize
+    return float(total)
+
+
+def _shaped(a: Arg) -> Any:
+    if isinstance(a, Value):
+        return tuple(int(d) for d in a.type.shape) if isinstance(a.type, TensorType) else None
+    if isinstance(a, tuple):
+        return [_shaped(x) for x in a]
+    return a
+
+
+def op_flops(op: Op) -> float:
+    """FLOPs of ``op`` on the whole (unsharded) tensors: torch's formula where it has one, an
+    attention estimate for the CPU attention kernels it lacks, else 0 (the op is memory-bound)."""
+    packet = getattr(op.target, "overloadpacket", None)
+    fn = flop_registry.get(packet) if packet is not None else None
+    results = [r for r in op.results if isinstance(r.type, TensorType)]
+    if fn is not None:
+        out = _shaped(results[0]) if len(results) == 1 else [_shaped(r) for r in results]
+        try:
+            return float(fn(*[_shaped(a) for a in op.args], out_val=out, **{k: _shaped(v) for k, v in op.kwargs}))
+        except (TypeError, ValueError, IndexError):
+            return 0.0
+    name = str(packet or "")
+    if "attention" in name:
+        q, k = (v.type for v in op.operands[:2])
+        assert isinstance(q, TensorType) and isinstance(k, TensorType)
+        b, h, s, d = (int(x) for x in q.shape[-4:]) if q.rank >= 4 else (1, 1, int(q.shape[-2]), int(q.shape[-1]))
+        fwd = 4.0 * b * h * s * int(k.shape[-2]) * d
+        return fwd * 2.5 if "backward" in name else fwd
+    return 0.0
