@@ -232,7 +232,8 @@ class _Axis:
         assert self.budget is not None
         row: dict[int, float] = defaultdict(float)
         const = 0.0
-        saved = {v for op in self.graph.ops if op.prov.phase == "bwd" for v in op.operands}
+        fwd = {r for op in self.graph.ops if op.prov.phase == "fwd" for r in op.results}
+        saved = {v for op in self.graph.ops if op.prov.phase == "bwd" for v in op.operands if v in fwd}
         params = {i.value for i in self.graph.inputs if i.kind in ("param", "buffer")}
         for v in saved | params:
             if not isinstance(v.type, TensorType):

