@@ -5,20 +5,25 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import Any
 
 from rich.console import Console
 
-import ir
-from compiler import DEFAULT_PIPELINE, CaptureError, capture
-from compiler.zoo import build, zoo_names
-from passes import PassContext, PassError, PassPipeline
-from passes.sharding.plans import Plan, default_preset
-from tools.demo import run_demo
-from tools.dumps import DumpWriter
+from tools import plan_cli
+
+# NOTE: `meshfold plan` runs the pure-Python simulator; torch and the compiler load only for the
+# commands that need them (see _compiler()).
+ZOO = ("gpt2-tiny", "hf-llama", "hf-mixtral", "llama-tiny", "mixtral-tiny", "mlp")
 
 
-def write_dumps(model_name: str, mesh: ir.Mesh, plan: str, dump_dir: Path) -> Path:
+def write_dumps(model_name: str, mesh: Any, plan: str, dump_dir: Path) -> Path:
     """Compile ``model_name`` for ``mesh`` in this process and dump every pass (text, dot, html)."""
+    from compiler import DEFAULT_PIPELINE, capture
+    from compiler.zoo import build
+    from passes import PassContext, PassPipeline
+    from passes.sharding.plans import Plan
+    from tools.dumps import DumpWriter
+
     pipeline = PassPipeline.parse(DEFAULT_PIPELINE)
     model, inputs = build(model_name)
     graph = capture(model, inputs)
@@ -36,13 +41,26 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="meshfold", description="Compile single-device PyTorch models for meshes.")
     sub = ap.add_subparsers(dest="command", required=True)
     d = sub.add_parser("demo", help="train a built-in model on local CPU ranks beside the single-device model")
-    d.add_argument("--model", default="llama-tiny", choices=zoo_names())
+    d.add_argument("--model", default="llama-tiny", choices=ZOO)
     d.add_argument("--mesh", default="dp=2,tp=2", help="named mesh, e.g. dp=2,tp=2 (its size = number of ranks)")
     d.add_argument("--plan", default=None, help="preset such as fsdp+tp (default: from the mesh's axis names)")
     d.add_argument("--steps", type=int, default=20)
     d.add_argument("--dump-dir", type=Path, default=Path("dumps"))
+    plan_cli.add_arguments(sub.add_parser("plan", help="rank parallel plans for a model on a cluster (simulated)"))
     args = ap.parse_args(argv)
     console = Console()
+    if args.command == "plan":
+        try:
+            return plan_cli.run(args, console)
+        except ValueError as e:
+            print(f"meshfold plan: {e}", file=sys.stderr)
+            return 2
+    import ir
+    from compiler import CaptureError
+    from passes import PassError
+    from passes.sharding.plans import default_preset
+    from tools.demo import run_demo
+
     try:
         mesh = ir.Mesh.parse(args.mesh)
         plan = args.plan or default_preset(mesh)

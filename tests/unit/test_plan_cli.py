@@ -1,0 +1,69 @@
+"""``meshfold plan``: the simulator and search behind the command line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tools.cli import main
+
+LLAMA_8B_CONFIG = {
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+}
+
+
+def _json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, object]:
+    assert main(["plan", *args, "--json"]) == 0
+    return dict(json.loads(capsys.readouterr().out))
+
+
+def test_json_from_an_hf_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(LLAMA_8B_CONFIG))
+    best = _json(capsys, "--model", str(cfg), "--cluster", "h100:8x8", "--seq", "2048", "--global-batch", "512")
+    for key in ("plan", "step_time_s", "mfu", "tflops_per_device", "peak_memory_bytes", "solve_time_s"):
+        assert key in best
+    assert 0.0 < float(best["mfu"]) < 1.0  # type: ignore[arg-type]
+    assert float(best["peak_memory_bytes"]) <= 80 * 2**30  # type: ignore[arg-type]
+
+
+def test_fixed_evaluates_that_configuration(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--model", "llama3-8b", "--cluster", "h100:8x8", "--seq", "2048", "--global-batch", "512"]
+    fixed = _json(capsys, *args, "--fixed", "tp=8,dp=8")
+    assert str(fixed["plan"]).startswith("dp8 tp8")
+    searched = _json(capsys, *args)
+    assert float(searched["step_time_s"]) <= float(fixed["step_time_s"])  # type: ignore[arg-type]
+
+
+def test_mesh_pins_the_mesh(capsys: pytest.CaptureFixture[str]) -> None:
+    best = _json(capsys, "--model", "llama3-8b", "--cluster", "h100:8x8", "--seq", "2048", "--mesh", "dp=8,tp=8")
+    assert str(best["plan"]).startswith("dp8 tp8")
+
+
+def test_trace_is_a_chrome_trace(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "step.json"
+    _json(capsys, "--model", "llama3-8b", "--cluster", "h100:8x1", "--seq", "2048", "--global-batch", "16",
+          "--fixed", "tp=8", "--trace", str(trace))  # fmt: skip
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any(e.get("ph") == "X" and e.get("dur", 0) > 0 for e in events)
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["--model", "llama3-8b", "--cluster", "tpu:8x1"], "tpu"),
+        (["--model", "no-such-model", "--cluster", "h100:8x1"], "no-such-model"),
+        (["--model", "llama3-8b", "--cluster", "h100:8x1", "--fixed", "tp=3"], "tp"),
+    ],
+)
+def test_bad_input_is_a_clear_error(args: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", *args]) == 2
+    err = capsys.readouterr().err
+    assert "meshfold plan:" in err and says in err

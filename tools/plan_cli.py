@@ -1,0 +1,192 @@
+"""``meshfold plan``: rank parallel plans for a model on a cluster with the simulator.
+
+    meshfold plan --model config.json --cluster h100:8x64 --seq 4096 --global-batch 1024 --dtype bf16
+
+``--model`` takes an HF config JSON file, a zoo name, a published architecture (``llama3-8b``), or
+``module:factory`` (returning a ModelSpec, an HF config dict or object, or a model with
+``.config``). ``--fixed "tp=8,pp=16,dp=64"`` evaluates that one configuration; ``--mesh dp=8,tp=8``
+pins the mesh and searches the rest (micro-batch, recompute, ZeRO stage, overlap).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from passes.cost import (
+    ModelSpec,
+    ParallelConfig,
+    TrainSpec,
+    from_hf_config,
+    parse_cluster,
+    plot_memory,
+    search_configs,
+    simulate,
+    to_chrome_trace,
+)
+from passes.cost.model import PRESETS
+from passes.cost.parallel import ConfigError
+from passes.cost.result import SimResult
+
+GIB = 2**30
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The ``plan`` subcommand's options."""
+    p.add_argument("--model", required=True, help="HF config .json, zoo name, llama3-8b..., or module:factory")
+    p.add_argument("--cluster", required=True, help="DEVICE:GPUS_PER_NODExNODES, e.g. h100:8x64")
+    p.add_argument("--seq", type=int, default=4096)
+    p.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step")
+    p.add_argument("--dtype", default="bf16")
+    p.add_argument("--fixed", default=None, help='evaluate one configuration, e.g. "tp=8,pp=16,dp=64"')
+    p.add_argument("--mesh", default=None, help="pin the mesh, e.g. dp=8,tp=8, and search the rest")
+    p.add_argument("--top", type=int, default=10)
+    p.add_argument("--json", action="store_true", help="print the best plan as one JSON object")
+    p.add_argument("--trace", type=Path, default=None, help="write the best plan's simulated step (Chrome trace)")
+    p.add_argument("--memory-plot", type=Path, default=None, help="write the best plan's memory over the step (PNG)")
+
+
+def load_model(text: str) -> ModelSpec:
+    """A ModelSpec from what ``--model`` accepts; ValueError names what was tried."""
+    path = Path(text)
+    if text.endswith(".json") or path.is_file():
+        if not path.is_file():
+            raise ValueError(f"--model {text}: no such file")
+        return from_hf_config(json.loads(path.read_text()), name=path.stem)
+    if text in PRESETS:
+        return PRESETS[text]
+    if ":" in text:
+        mod, _, attr = text.partition(":")
+        try:
+            made = getattr(importlib.import_module(mod), attr)()
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"--model {text}: cannot call {attr} from module {mod}: {e}") from e
+        return _spec_of(made, text)
+    from compiler.zoo import build, zoo_names
+
+    if text in zoo_names():
+        model, _ = build(text)
+        return _spec_of(model, text)
+    known = ", ".join([*sorted(PRESETS), *zoo_names()])
+    raise ValueError(f"--model {text}: not a .json file, module:factory, or known model ({known})")
+
+
+def _spec_of(made: Any, name: str) -> ModelSpec:
+    if isinstance(made, ModelSpec):
+        return made
+    config = getattr(made, "config", made)
+    if hasattr(config, "to_dict"):
+        config = config.to_dict()
+    if isinstance(config, Mapping):
+        return from_hf_config(config, name=name)
+    raise ValueError(
+        f"--model {name}: got {type(made).__name__}, which has no HF-style config; return a ModelSpec, an HF "
+        "config, or a model with .config"
+    )
+
+
+def _pairs(text: str, flag: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for part in text.split(","):
+        key, eq, val = part.strip().partition("=")
+        if not eq or not key:
+            raise ValueError(f"{flag} {text!r}: write key=value pairs separated by commas, e.g. tp=8,pp=2,dp=4")
+        out[key.strip()] = int(val) if val.strip().lstrip("-").isdigit() else val.strip()
+    return out
+
+
+def run(args: argparse.Namespace, console: Console) -> int:
+    """Search (or evaluate ``--fixed``) and print the table or the JSON object."""
+    console = Console(width=max(console.width, 150))
+    spec = load_model(args.model)
+    cluster = parse_cluster(args.cluster)
+    train = TrainSpec(seq_len=args.seq, global_batch=args.global_batch, dtype=args.dtype)
+    start = time.perf_counter()
+    if args.fixed:
+        pins = _pairs(args.fixed, "--fixed")
+        try:
+            cfg = ParallelConfig(**pins)
+        except TypeError as e:
+            raise ValueError(f"--fixed {args.fixed!r}: {e}") from e
+        try:
+            cfg.validate(spec, cluster, train)
+        except ConfigError as e:
+            raise ValueError(f"--fixed {args.fixed!r}: {e}") from e
+        ranked = [(cfg, simulate(spec, cluster, cfg, train))]
+    else:
+        mesh = _pairs(args.mesh, "--mesh") if args.mesh else None
+        found = search_configs(spec, cluster, train, mesh=mesh, top=args.top)
+        if not found:
+            raise ValueError(
+                f"no plan for {spec.name} fits {cluster.device.name}'s {cluster.device.hbm_bytes / GIB:.0f} GiB on "
+                f"{cluster}; use more devices, a smaller global batch or sequence, or another mesh"
+            )
+        ranked = [(r.config, r.result) for r in found]
+    solve_s = time.perf_counter() - start
+    best_cfg, best = ranked[0]
+    if args.trace or args.memory_plot:
+        best = simulate(spec, cluster, best_cfg, train)
+    if args.trace:
+        args.trace.write_text(json.dumps(to_chrome_trace(best)))
+    if args.memory_plot:
+        plot_memory(best, args.memory_plot)
+    if args.json:
+        print(json.dumps(_row(best_cfg, best, solve_s), sort_keys=True))
+        return 0
+    _table(console, spec, cluster, train, ranked, solve_s)
+    return 0
+
+
+def _row(cfg: ParallelConfig, res: SimResult, solve_s: float) -> dict[str, Any]:
+    return {
+        "plan": cfg.describe(),
+        "step_time_s": res.step_time_s,
+        "mfu": res.mfu,
+        "tflops_per_device": res.tflops_per_device,
+        "tokens_per_s": res.tokens_per_s,
+        "peak_memory_bytes": res.peak_memory_bytes,
+        "exposed_comm_s": res.exposed_comm_s,
+        "solve_time_s": solve_s,
+        "fits": res.fits,
+    }
+
+
+def _table(
+    console: Console,
+    spec: ModelSpec,
+    cluster: Any,
+    train: TrainSpec,
+    ranked: list[tuple[ParallelConfig, SimResult]],
+    solve_s: float,
+) -> None:
+    title = (
+        f"{spec.name} ({spec.param_count() / 1e9:.2f} B params) on {cluster}, seq {train.seq_len}, "
+        f"global batch {train.global_batch}, {train.dtype}"
+    )
+    t = Table(title=title)
+    for col in ("#", "plan", "step (s)", "MFU", "TFLOP/s/dev", "tokens/s", "peak mem (GiB)", "exposed comm (s)"):
+        t.add_column(col, justify="left" if col == "plan" else "right")
+    for i, (cfg, r) in enumerate(ranked, 1):
+        t.add_row(
+            str(i),
+            cfg.describe(),
+            f"{r.step_time_s:.3f}",
+            f"{100 * r.mfu:.1f}%",
+            f"{r.tflops_per_device:.1f}",
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.peak_memory_bytes / GIB:.1f}",
+            f"{r.exposed_comm_s:.3f}",
+        )
+    console.print(t)
+    for i, (_, r) in enumerate(ranked, 1):
+        if not r.fits:
+            console.print(f"[red]plan {i} does not fit: {r.peak_memory_bytes / GIB:.1f} GiB per device[/red]")
+    console.print(f"solve time: {solve_s:.2f} s")
