@@ -119,8 +119,7 @@ def _compile(
     the_plan = to_plan(plan, imesh)
     axis_roles(the_plan, imesh)  # NOTE: a bad preset or axis fails here, before the capture
     ctx = PassContext(mesh=imesh, plan=the_plan, cluster=target.cluster, memory=target.memory)
-    graph = capture(model, example_inputs)
-    compiled, _ = PassPipeline.parse(pipeline).run(ctx, graph)
+    compiled = _compile_once(model, example_inputs, pipeline, ctx)
     coordinate = mesh.get_coordinate()
     assert coordinate is not None, "this rank is not in the mesh"
     groups = tuple(mesh.get_group(i).group_name for i in range(mesh.ndim))
@@ -129,6 +128,29 @@ def _compile(
     checked = (lower(compiled, rank, record=True), rank) if verify else None
     n_out = sum(1 for o in compiled.outputs if o.kind == "out")
     return ParallelModule(model, mesh, compiled, lowered, output_is_tuple=n_out > 1, verify_with=checked)
+
+
+def _compile_once(model: nn.Module, example_inputs: Sequence[Any], pipeline: str, ctx: PassContext) -> ir.Graph:
+    """Capture and run the pipeline on rank 0 only; every rank gets the graph as IR text.
+
+    NOTE: one plan for all ranks by construction (the sharding solve may stop at a time limit,
+    where results depend on machine speed), and the other ranks do not repeat the work. A failure
+    on rank 0 is sent as its message and raised on every rank."""
+    payload: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            graph = capture(model, example_inputs)
+            compiled, _ = PassPipeline.parse(pipeline).run(ctx, graph)
+            payload[0] = ("ok", str(compiled))
+        except Exception as e:
+            payload[0] = ("error", f"{type(e).__name__}: {e}")
+            dist.broadcast_object_list(payload, src=0)
+            raise
+    dist.broadcast_object_list(payload, src=0)
+    kind, text = payload[0]
+    if kind != "ok":
+        raise PassError(f"compilation failed on rank 0: {text}")
+    return ir.parse(text)
 
 
 M = TypeVar("M", bound=nn.Module)

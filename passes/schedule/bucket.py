@@ -27,6 +27,7 @@ from ir.graph import Provenance
 from ir.ops import ALL_GATHER, ALL_GATHER_BUCKET, REDUCE_SCATTER, REDUCE_SCATTER_BUCKET
 from passes.base import Pass, PassContext, PassError
 from passes.sharding.boxing import BOXED
+from passes.sharding.cost import nbytes
 
 BUCKETED = "bucketed"
 
@@ -98,21 +99,13 @@ def _groups(graph: Graph, cap: float) -> list[tuple[str, list[int]]]:
         for k in members:
             t = graph.ops[k].operands[0].type
             assert isinstance(t, TensorType)
-            nbytes = float(t.dtype.itemsize) * _numel(t)
-            if cur and size + nbytes > cap:
+            if cur and size + nbytes(t) > cap:
                 out.append((str(key[0]), cur))
                 cur, size = [], 0.0
             cur.append(k)
-            size += nbytes
+            size += nbytes(t)
         out.append((str(key[0]), cur))
     return out
-
-
-def _numel(t: TensorType) -> int:
-    n = 1
-    for d in t.shape:
-        n *= int(d)
-    return n
 
 
 def _merged(members: list[Op]) -> Op:

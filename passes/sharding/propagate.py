@@ -55,6 +55,9 @@ class Sharding(Pass):
     mode: str = "solve"
     """``solve``: one integer program per mesh axis over the whole graph (``solve.py``); ``greedy``:
     the cheapest strategy per op in program order, seeing only its operands."""
+    time_limit: float = 30.0
+    """Seconds the solve may spend per mesh axis before it settles for the best plan found; with
+    none found by then, a preset plan falls back to the greedy choice (with a warning)."""
 
     def apply(self, ctx: PassContext, graph: Graph) -> Graph:
         mesh = ctx.mesh
@@ -69,11 +72,19 @@ class Sharding(Pass):
         seeds = Seeds() if auto else resolve(plan, graph, mesh)
         prop = _Propagator(graph, mesh, seeds, rule_table(), ctx)
         if self.mode == "solve":
-            prop.seeds = _solved(graph, mesh, seeds, prop, ctx, auto)
+            try:
+                prop.seeds = _solved(graph, mesh, seeds, prop, ctx, auto, self.time_limit)
+            except PassError as e:
+                if auto:
+                    raise
+                ctx.warn(f"{e}; layouts fall back to the greedy choice")
+                prop.decided = None
         return prop.run()
 
 
-def _solved(graph: Graph, mesh: Mesh, seeds: Seeds, prop: _Propagator, ctx: PassContext, auto: bool) -> Seeds:
+def _solved(
+    graph: Graph, mesh: Mesh, seeds: Seeds, prop: _Propagator, ctx: PassContext, auto: bool, time_limit: float
+) -> Seeds:
     """Every op's strategy per axis from the integer program (and, with ``auto``, every parameter's
     and input's layout); returns the seeds to build with."""
     candidates = [prop.candidates(op) for op in graph.ops]
@@ -95,7 +106,8 @@ def _solved(graph: Graph, mesh: Mesh, seeds: Seeds, prop: _Propagator, ctx: Pass
 
     cluster = ctx.cluster if isinstance(ctx.cluster, Cluster) else None
     memory = ctx.memory if ctx.memory is not None else (cluster.device.hbm_bytes if cluster is not None else None)
-    problem = Problem(graph, mesh, candidates, start, free, wants, machines_for(mesh, cluster), valid, memory)
+    machines = machines_for(mesh, cluster)
+    problem = Problem(graph, mesh, candidates, start, free, wants, machines, valid, memory, time_limit)
     solution = solve(problem)
     prop.decided = solution.strategies
     if not auto:

@@ -32,6 +32,7 @@ from scipy.sparse import coo_array
 from ir import Graph, Layout, Mesh, Op, Placement, Replicate, Shard, TensorType, Value
 from passes.base import PassError
 from passes.cost.hardware import Cluster
+from passes.sharding.cost import nbytes
 from passes.sharding.opwork import op_bytes, op_flops
 from passes.sharding.strategy import Strategy
 
@@ -107,6 +108,9 @@ class Problem:
     machines: tuple[Machine, ...]
     valid: Callable[[Op, Strategy, list[Strategy]], bool]
     memory: float | None = None
+    time_limit: float = 30.0
+    """Seconds HiGHS may spend per axis; past it the best solution found so far is used. The
+    result may then depend on machine speed: compile on one rank and share the graph."""
 
 
 @dataclass(frozen=True)
@@ -238,7 +242,7 @@ class _Axis:
         for v in saved | params:
             if not isinstance(v.type, TensorType):
                 continue
-            size = _nbytes(v.type) / self.shrink.get(v, 1) * (STATE_COPIES if v in params else 1.0)
+            size = nbytes(v.type) / self.shrink.get(v, 1) * (STATE_COPIES if v in params else 1.0)
             if v in params and v in self.fixed:
                 const += size / (self.n if isinstance(self.fixed[v], Shard) else 1)
                 continue
@@ -250,7 +254,7 @@ class _Axis:
         for v, opts in self.choice.items():
             if v in params:
                 assert isinstance(v.type, TensorType)
-                size = _nbytes(v.type) / self.shrink.get(v, 1) * STATE_COPIES
+                size = nbytes(v.type) / self.shrink.get(v, 1) * STATE_COPIES
                 for p, var in opts.items():
                     row[var] += size / (self.n if isinstance(p, Shard) else 1)
         self.rows.append((dict(row), -math.inf, self.budget - const))
@@ -269,7 +273,7 @@ class _Axis:
 
     def _moves(self, v: Value, uses: list[_Use], x: list[list[int]]) -> None:
         assert isinstance(v.type, TensorType)
-        size = _nbytes(v.type) / self.shrink.get(v, 1)
+        size = nbytes(v.type) / self.shrink.get(v, 1)
         have = self._placement_terms(v, x)
         need: dict[tuple[Placement, str], list[dict[int, float]]] = defaultdict(list)
         for u in uses:
@@ -349,7 +353,7 @@ class _Axis:
             constraints=LinearConstraint(a, np.asarray(lo), np.asarray(hi)),
             integrality=np.asarray(self.integer),
             bounds=Bounds(np.asarray(self.lo), np.asarray(self.hi)),
-            options={"disp": False, "mip_rel_gap": 1e-4},
+            options={"disp": False, "mip_rel_gap": 1e-4, "time_limit": self.problem.time_limit},
         )
         if res.x is None:
             raise PassError(
@@ -383,10 +387,3 @@ def _ways(mesh: Mesh, placements: Sequence[Placement]) -> int:
         if isinstance(p, Shard):
             ways *= mesh.sizes[a]
     return ways
-
-
-def _nbytes(t: TensorType) -> float:
-    n = 1
-    for d in t.shape:
-        n *= int(d)
-    return float(n * t.dtype.itemsize)

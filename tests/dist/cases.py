@@ -17,6 +17,11 @@ LR = 1e-3
 # NOTE: Adam's update is about lr * g/|g|, so on gradients near zero it turns 1e-9 of float noise
 # into a visible step; parameters must agree to 5% of one step, which any wrong update exceeds.
 PARAM_ATOL = 0.05 * LR
+# NOTE: Adam divides by sqrt(v) + eps, so with torch's eps=1e-8 a gradient of ~1e-9 moves its
+# parameter by a sizeable fraction of lr in a direction set by rounding noise; summation order
+# (any sharding) then changes the next step's gradients by far more than fp32 rounding. eps=1e-6
+# keeps updates of near-zero gradients proportional to the gradient, on both sides alike.
+EPS = 1e-6
 
 
 def equivalence(
@@ -37,8 +42,8 @@ def equivalence(
     pm = parallelize(net, mesh, inputs, plan=plan, cluster=cluster, memory=memory)
     names_pm = [n for n, _ in pm.named_parameters()]
     assert names_pm == [n for n, _ in ref.named_parameters()], "parameter FQNs differ from the model's"
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR)
+    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
     ref_params = dict(ref.named_parameters())
     worst = 0.0
     for step in range(steps):
