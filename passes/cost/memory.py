@@ -1,0 +1,190 @@
+"""Peak memory of one rank, from liveness over its scheduled SPMD graph.
+
+The graph after ``boxing`` (and ``bucket``) is what every rank runs: forward ops in graph order,
+then backward ops. This analysis walks that schedule with each value's *local* size (its global
+type divided over the mesh axes that shard it) and mirrors how the program is executed:
+
+* parameters and buffers are resident, and so is the optimizer state (``optimizer_states`` copies of
+  every trainable parameter: 2 for Adam);
+* an op's results are allocated when it runs; a view (an op whose schema says its result aliases
+  its input, plus ``_unsafe_view``) allocates nothing and keeps its base alive;
+* a value is freed after its last use in its own phase; a forward value the backward reads is
+  saved: it lives until the backward finishes (the autograd context holds it); gradients live from
+  the op that produces them to the end of the step (they become ``.grad``);
+* collectives also hold their staging buffers while they run (the contiguous copy of a non-leading
+  dim, the gathered or flat bucket buffer), as the eager lowering lays them out.
+
+Kernel-internal workspaces are not modelled. The peak is over forward and backward; the optimizer
+step's own temporaries come after it. Imports ``ir`` (and hence torch), so ``passes.cost`` does not
+re-export it: the planner stays torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from ir import Graph, Mesh, Op, OpDef, Shard, TensorType, Value
+from ir.ops import (
+    ALL_GATHER,
+    ALL_GATHER_BUCKET,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    REDUCE_SCATTER,
+    REDUCE_SCATTER_BUCKET,
+)
+
+_ALWAYS_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryEstimate:
+    """One rank's memory over a training step's forward and backward (bytes)."""
+
+    params: int
+    buffers: int
+    optimizer: int
+    peak_transient: int
+    """Activations, saved values, gradients so far and comm buffers at the peak."""
+    peak_at: str
+    """The op running at the peak."""
+    timeline: tuple[tuple[str, int], ...]
+    """(op, transient bytes live while it runs), in schedule order."""
+
+    @property
+    def resident(self) -> int:
+        return self.params + self.buffers + self.optimizer
+
+    @property
+    def peak(self) -> int:
+        return self.resident + self.peak_transient
+
+
+def local_nbytes(v: Value, mesh: Mesh) -> int:
+    """Bytes of ``v``'s shard on one rank (even splits, as the layout verifier requires)."""
+    t = v.type
+    if not isinstance(t, TensorType):
+        return 0
+    try:
+        numel = math.prod(int(d) for d in t.shape)
+    except TypeError as e:
+        raise ValueError(f"%{v.name} has a symbolic shape {t}; memory liveness needs concrete sizes") from e
+    for axis, p in zip(v.layout.axes, v.layout.placements, strict=True):
+        if isinstance(p, Shard):
+            numel //= mesh.size(axis)
+    return numel * t.dtype.itemsize
+
+
+def rank_memory(graph: Graph, optimizer_states: int = 2) -> MemoryEstimate:
+    """Liveness of ``graph`` (an SPMD graph after boxing) on one rank; see the module docstring."""
+    if graph.mesh is None:
+        raise ValueError("memory liveness needs a graph with a mesh (run the sharding pass first)")
+    mesh = graph.mesh
+    size = {v: local_nbytes(v, mesh) for v in _values(graph)}
+    params = sum(size[i.value] for i in graph.inputs if i.kind == "param")
+    buffers = sum(size[i.value] for i in graph.inputs if i.kind == "buffer")
+    trainable = {o.name for o in graph.outputs if o.kind == "grad"}
+    optimizer = optimizer_states * sum(size[i.value] for i in graph.inputs if i.kind == "param" and i.name in trainable)
+
+    schedule = [op for op in graph.ops if op.prov.phase == "fwd"] + [op for op in graph.ops if op.prov.phase != "fwd"]
+    root = _alias_roots(graph, schedule)
+    resident = {root[i.value] for i in graph.inputs if i.kind in ("param", "buffer")}
+    end = _last_uses(graph, schedule, root)
+
+    live = sum(size[i.value] for i in graph.inputs if i.kind not in ("param", "buffer") and i.kind != "tangent")
+    tangents_at = next((k for k, op in enumerate(schedule) if op.prov.phase != "fwd"), len(schedule))
+    timeline: list[tuple[str, int]] = []
+    peak, peak_at = live, "start"
+    for k, op in enumerate(schedule):
+        if k == tangents_at:
+            live += sum(size[i.value] for i in graph.inputs if i.kind == "tangent")
+        new = {root[r] for r in op.results if root[r] is r and r not in resident}
+        dying = {root[u] for u in op.operands} - resident - new
+        dying = {r for r in dying if end.get(r) == k}
+        made, freed = sum(size[r] for r in new), sum(size[r] for r in dying)
+        stages = _stages(op, size, mesh) or ((made, True),)
+        during = max(live + extra - (0 if inputs_alive else freed) for extra, inputs_alive in stages)
+        timeline.append((op.describe(), during))
+        if during > peak:
+            peak, peak_at = during, op.describe()
+        live += made - freed - sum(size[r] for r in new if end.get(r) == k)
+    return MemoryEstimate(params, buffers, optimizer, peak, peak_at, tuple(timeline))
+
+
+def _values(graph: Graph) -> list[Value]:
+    return [i.value for i in graph.inputs] + [r for op in graph.ops for r in op.results]
+
+
+def _is_view(op: Op) -> bool:
+    target = op.target
+    if isinstance(target, OpDef) or not op.operands:
+        return False
+    if target in _ALWAYS_VIEWS:
+        return True
+    returns = target._schema.returns
+    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
+
+
+def _alias_roots(graph: Graph, schedule: list[Op]) -> dict[Value, Value]:
+    """Each value's storage owner: itself, or (through views) the value whose buffer it shares."""
+    root = {i.value: i.value for i in graph.inputs}
+    for op in schedule:
+        base = root[op.operands[0]] if _is_view(op) else None
+        for r in op.results:
+            root[r] = base if base is not None else r
+    return root
+
+
+def _last_uses(graph: Graph, schedule: list[Op], root: dict[Value, Value]) -> dict[Value, int]:
+    """Schedule index after which each storage can be freed (fx frees a value after its last use;
+    saved forward values, gradients and outputs live to the end of the step)."""
+    last_index = len(schedule) - 1
+    end: dict[Value, int] = {}
+    produced_in = {r: op.prov.phase == "fwd" for op in schedule for r in op.results}
+    produced_in |= {i.value: i.kind != "tangent" for i in graph.inputs}
+    for k, op in enumerate(schedule):
+        for r in op.results:
+            end.setdefault(root[r], k)  # NOTE: an unused result is freed right after its op
+        for u in op.operands:
+            saved = op.prov.phase != "fwd" and produced_in[u]
+            end[root[u]] = last_index if saved else max(end.get(root[u], k), k)
+    for o in graph.outputs:
+        end[root[o.value]] = last_index
+    return end
+
+
+def _stages(op: Op, size: dict[Value, int], mesh: Mesh) -> tuple[tuple[int, bool], ...]:
+    """How a collective's eager lowering allocates, as steps of (bytes it holds beyond what was live
+    before it, whether its operands are still alive then): the contiguous copy of a non-leading dim,
+    the gathered or flat buffers, then the results. Empty for ops that just make their results."""
+    if not isinstance(op.target, OpDef) or not op.operands:
+        return ()
+    axis = op.kwarg("axis")
+    if axis is None or mesh.size(str(axis)) == 1:
+        return ()
+    n = mesh.size(str(axis))
+    src, out = sum(size[u] for u in op.operands), sum(size[r] for r in op.results)
+    avg = op.kwarg("reduce") == "avg"
+    if op.target in (ALL_GATHER, REDUCE_SCATTER):
+        if op.kwarg("reduce") == "max":  # NOTE: an all-reduce of the whole value, then this rank's chunk
+            return ((src, True), (src + out, False))
+        if int(op.kwarg("dim")):  # type: ignore[arg-type]
+            return ((src, True), (src + out, False), (2 * out, False))
+        return ((out, True), (2 * out, False)) if avg else ((out, True),)
+    if op.target == ALL_REDUCE:
+        return ((out, True), (2 * out, False)) if avg else ((out, True),)
+    if op.target == ALL_TO_ALL:
+        full = src * n
+        if int(op.kwarg("concat_dim")):  # type: ignore[arg-type]
+            return ((src, True), (src + full, False), (2 * full, False), (full + out, False))
+        return ((full, True), (full + out, False))
+    if op.target not in (ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET):
+        return ()  # NOTE: comm.shard / comm.partial make their result directly
+    dims = [int(d) for d in op.kwarg("dims")]  # type: ignore[union-attr]
+    moved = sum(size[u] for u, d in zip(op.operands, dims, strict=True) if d)
+    if op.target == ALL_GATHER_BUCKET:
+        return ((moved + src, True), (src + n * src, False), (n * src + out, False))
+    mine = src // n
+    return ((moved + src, True), (src + mine, False), (2 * mine * avg, False), (mine + out, False))

@@ -1,0 +1,87 @@
+"""Tasks that measure a compiled model's peak tensor memory on each rank and set it beside the
+liveness estimate of ``passes.cost.memory`` for the same compiled graph."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+from compiler.api import parallelize
+from compiler.zoo import LlamaTiny
+from passes.cost.memory import rank_memory
+from tests.dist.pool import device_mesh
+
+
+def _walk(nodes: list[Any]) -> Iterator[Any]:
+    for n in nodes:
+        yield n
+        yield from _walk(n.children)
+
+
+def peak_new_bytes(fn: Callable[[], object]) -> int:
+    """Peak of the bytes the CPU allocator handed out while ``fn`` ran, above what was live before
+    (the profiler's allocation events, in time order; frees of older blocks do not count)."""
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [
+        (n.start_time_ns, n.extra_fields.alloc_size)
+        for n in _walk(prof.profiler.kineto_results.experimental_event_tree())
+        if n.tag == _EventType.Allocation and str(n.extra_fields.device) == "cpu"
+    ]
+    live = peak = 0
+    for _, nbytes in sorted(events):
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
+def _storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the distinct local storages behind ``tensors`` (DTensors count their shard)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        s = local.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
+
+
+def step_memory(
+    shape: tuple[int, ...], names: tuple[str, ...], plan: str, hidden: int, batch: int, seq: int
+) -> dict[str, Any]:
+    """Compile a Llama-style model, take one AdamW step (so the optimizer state exists), then measure
+    the next step's forward + backward: resident bytes (parameters, buffers, optimizer state) plus
+    the allocator's peak on top of them. Returns measured and estimated figures on this rank."""
+    warnings.filterwarnings("ignore")
+    torch.manual_seed(0)
+    mesh = device_mesh(tuple(shape), tuple(names))
+    net = LlamaTiny(vocab=256, hidden=hidden, intermediate=2 * hidden)
+    ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(1))
+    pm = parallelize(net, mesh, (ids, ids), plan=plan)
+    opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
+    pm(ids, ids).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    params = [p for p in pm.parameters()]
+    states = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
+    resident = _storage_bytes(params + list(pm.buffers()) + states)
+    kept: list[torch.Tensor] = []
+
+    def step() -> None:
+        loss = pm(ids, ids)
+        loss.backward()
+        kept.append(loss)
+
+    measured = resident + peak_new_bytes(step)
+    est = rank_memory(pm.graph())
+    return {
+        "measured": measured,
+        "estimated": est.peak,
+        "resident_measured": resident,
+        "resident_estimated": est.resident,
+        "peak_at": est.peak_at,
+    }
