@@ -42,6 +42,8 @@ class PassContext:
     memory: float | None = None
     """Per-device memory bound in bytes for the sharding solve (None: the cluster's HBM, or none)."""
     diagnostics: list[str] = field(default_factory=list)
+    stats: dict[str, object] = field(default_factory=dict)
+    """Figures passes report about their own work (e.g. ``sharding.solve``: per-axis program size)."""
 
     def warn(self, message: str) -> None:
         """Record a diagnostic and surface it as a Python warning."""

@@ -182,7 +182,9 @@ def _stages(op: Op, size: dict[Value, int], mesh: Mesh) -> tuple[tuple[int, bool
         return ((full, True), (full + out, False))
     if op.target not in (ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET):
         return ()  # NOTE: comm.shard / comm.partial make their result directly
-    dims = [int(d) for d in op.kwarg("dims")]  # type: ignore[union-attr]
+    given = op.kwarg("dims")
+    assert isinstance(given, tuple | list)
+    dims = [int(d) for d in given]
     moved = sum(size[u] for u, d in zip(op.operands, dims, strict=True) if d)
     if op.target == ALL_GATHER_BUCKET:
         return ((moved + src, True), (src + n * src, False), (n * src + out, False))

@@ -26,6 +26,7 @@ from ir import Graph, GraphBuilder, Op, TensorType, Value
 from ir.graph import Provenance
 from ir.ops import ALL_GATHER, ALL_GATHER_BUCKET, REDUCE_SCATTER, REDUCE_SCATTER_BUCKET
 from passes.base import Pass, PassContext, PassError
+from passes.blocks import block_of
 from passes.sharding.boxing import BOXED
 from passes.sharding.cost import nbytes
 
@@ -66,15 +67,6 @@ class Bucket(Pass):
         return b.build()
 
 
-def _block(module: str) -> str:
-    """``layers.3.mlp.up_proj`` → ``layers.3``; a path without an index → ``""`` (the root)."""
-    parts = module.split(".")
-    for i, p in enumerate(parts):
-        if p.isdigit():
-            return ".".join(parts[: i + 1])
-    return ""
-
-
 def _groups(graph: Graph, cap: float) -> list[tuple[str, list[int]]]:
     """(kind, op indices in program order) of every bucket, before the size split."""
     inputs = {i.value for i in graph.inputs}
@@ -87,7 +79,7 @@ def _groups(graph: Graph, cap: float) -> list[tuple[str, list[int]]]:
         (x,) = op.operands if op.target in (ALL_GATHER, REDUCE_SCATTER) else (None,)
         if x is None or not isinstance(x.type, TensorType):
             continue
-        axis, block = op.kwarg("axis"), _block(op.prov.module)
+        axis, block = op.kwarg("axis"), block_of(op.prov.module)
         if op.target == ALL_GATHER and x in inputs:
             keyed[("gather", axis, op.prov.phase, x.type.dtype, block)].append(k)
         elif op.target == REDUCE_SCATTER and users[op.result] == 0 and op.kwarg("reduce") in ("sum", "avg"):
@@ -115,7 +107,7 @@ def _merged(members: list[Op]) -> Op:
     kwargs.append(("dims", tuple(int(m.kwarg("dim")) for m in members)))  # type: ignore[arg-type]
     if target == REDUCE_SCATTER_BUCKET:
         kwargs.append(("reduce", first.kwarg("reduce")))
-    prov = Provenance(_block(first.prov.module), first.prov.phase, first.prov.source)
+    prov = Provenance(block_of(first.prov.module), first.prov.phase, first.prov.source)
     operands = tuple(m.operands[0] for m in members)
     results = tuple(m.result for m in members)
     return Op(target, operands, tuple(kwargs), results, prov)  # type: ignore[arg-type]

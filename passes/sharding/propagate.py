@@ -58,6 +58,8 @@ class Sharding(Pass):
     time_limit: float = 30.0
     """Seconds the solve may spend per mesh axis before it settles for the best plan found; with
     none found by then, a preset plan falls back to the greedy choice (with a warning)."""
+    share_blocks: bool = True
+    """Repeated blocks (``layers.1``... mirroring ``layers.0``) share the solve's variables."""
 
     def apply(self, ctx: PassContext, graph: Graph) -> Graph:
         mesh = ctx.mesh
@@ -73,7 +75,7 @@ class Sharding(Pass):
         prop = _Propagator(graph, mesh, seeds, rule_table(), ctx)
         if self.mode == "solve":
             try:
-                prop.seeds = _solved(graph, mesh, seeds, prop, ctx, auto, self.time_limit)
+                prop.seeds = _solved(graph, mesh, seeds, prop, ctx, auto, self)
             except PassError as e:
                 if auto:
                     raise
@@ -83,7 +85,7 @@ class Sharding(Pass):
 
 
 def _solved(
-    graph: Graph, mesh: Mesh, seeds: Seeds, prop: _Propagator, ctx: PassContext, auto: bool, time_limit: float
+    graph: Graph, mesh: Mesh, seeds: Seeds, prop: _Propagator, ctx: PassContext, auto: bool, opts: Sharding
 ) -> Seeds:
     """Every op's strategy per axis from the integer program (and, with ``auto``, every parameter's
     and input's layout); returns the seeds to build with."""
@@ -107,8 +109,11 @@ def _solved(
     cluster = ctx.cluster if isinstance(ctx.cluster, Cluster) else None
     memory = ctx.memory if ctx.memory is not None else (cluster.device.hbm_bytes if cluster is not None else None)
     machines = machines_for(mesh, cluster)
-    problem = Problem(graph, mesh, candidates, start, free, wants, machines, valid, memory, time_limit)
+    problem = Problem(
+        graph, mesh, candidates, start, free, wants, machines, valid, memory, opts.time_limit, opts.share_blocks
+    )
     solution = solve(problem)
+    ctx.stats["sharding.solve"] = solution.stats
     prop.decided = solution.strategies
     if not auto:
         return seeds

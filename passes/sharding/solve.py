@@ -31,6 +31,7 @@ from scipy.sparse import coo_array
 
 from ir import Graph, Layout, Mesh, Op, Placement, Replicate, Shard, TensorType, Value
 from passes.base import PassError
+from passes.blocks import mirrored_blocks, mirrored_inputs, mirrored_ops
 from passes.cost.hardware import Cluster
 from passes.sharding.cost import nbytes
 from passes.sharding.opwork import op_bytes, op_flops
@@ -111,6 +112,21 @@ class Problem:
     time_limit: float = 30.0
     """Seconds HiGHS may spend per axis; past it the best solution found so far is used. The
     result may then depend on machine speed: compile on one rank and share the graph."""
+    share_blocks: bool = True
+    """Ops and parameters of repeated blocks (``layers.1`` ... mirroring ``layers.0``) share one set
+    of strategy and layout variables: every layer of a stack gets the same plan, and the integer
+    program has one layer's binaries instead of all of them."""
+
+
+@dataclass(frozen=True)
+class AxisStats:
+    """What one axis's integer program was: its binaries, how many ops shared another op's, and the
+    optimum it reached (seconds of modelled step time)."""
+
+    axis: str
+    binaries: int
+    shared_ops: int
+    objective: float
 
 
 @dataclass(frozen=True)
@@ -119,6 +135,7 @@ class Solution:
 
     strategies: list[list[Strategy]]
     inputs: dict[Value, Layout]
+    stats: tuple[AxisStats, ...] = ()
 
 
 # NOTE: fp32 Adam keeps the parameter, its gradient and two moments: four copies of its bytes.
@@ -130,6 +147,8 @@ def solve(problem: Problem) -> Solution:
     graph, mesh = problem.graph, problem.mesh
     chosen: list[list[Strategy]] = [[] for _ in graph.ops]
     placed: dict[Value, list[Placement]] = {v: [] for v in problem.free}
+    ties = _Ties.of(problem)
+    stats: list[AxisStats] = []
     for k, axis in enumerate(mesh.names):
         per_op = []
         for i, op in enumerate(graph.ops):
@@ -139,13 +158,52 @@ def solve(problem: Problem) -> Solution:
             per_op.append(ok)
         later = math.prod(mesh.sizes[k + 1 :])
         budget = None if problem.memory is None else problem.memory * later
-        picks, inputs = _Axis(problem, axis, per_op, chosen, placed, budget).solve()
+        program = _Axis(problem, axis, per_op, chosen, placed, budget, ties)
+        picks, inputs = program.solve()
+        stats.append(program.stats)
         for i, s in enumerate(picks):
             chosen[i].append(s)
         for v, p in inputs.items():
             placed[v].append(p)
     layouts = {v: Layout(mesh.names, tuple(ps)) for v, ps in placed.items()}
-    return Solution(chosen, layouts)
+    return Solution(chosen, layouts, tuple(stats))
+
+
+@dataclass(frozen=True)
+class _Ties:
+    """Which ops and free inputs mirror an earlier block's (see ``passes.blocks``)."""
+
+    ops: dict[int, int]
+    inputs: dict[Value, Value]
+
+    @staticmethod
+    def of(problem: Problem) -> _Ties:
+        if not problem.share_blocks:
+            return _Ties({}, {})
+        graph = problem.graph
+        ops = {i: r for i, r in mirrored_ops(graph, _same_op).items() if problem.candidates[i] == problem.candidates[r]}
+        blocks = mirrored_blocks(graph, _same_op)
+        by_name = {i.name: i.value for i in graph.inputs}
+        inputs = {
+            by_name[n]: by_name[t]
+            for n, t in mirrored_inputs(graph, blocks).items()
+            if by_name[n] in problem.free and by_name[t] in problem.free and by_name[n].type == by_name[t].type
+        }
+        return _Ties(ops, inputs)
+
+
+def _same_op(a: Op, b: Op) -> bool:
+    """Same target, same operand and result types, same non-tensor arguments."""
+    return (
+        a.target == b.target
+        and [v.type for v in a.operands] == [v.type for v in b.operands]
+        and [v.type for v in a.results] == [v.type for v in b.results]
+        and _consts(a) == _consts(b)
+    )
+
+
+def _consts(op: Op) -> tuple[object, ...]:
+    return tuple(a for a in (*op.args, *(v for _, v in op.kwargs)) if not isinstance(a, Value))
 
 
 class _Axis:
@@ -159,6 +217,7 @@ class _Axis:
         earlier: list[list[Strategy]],
         placed: dict[Value, list[Placement]],
         budget: float | None,
+        ties: _Ties,
     ) -> None:
         graph, mesh = problem.graph, problem.mesh
         self.problem, self.graph, self.mesh, self.axis, self.per_op = problem, graph, mesh, axis, per_op
@@ -166,6 +225,8 @@ class _Axis:
         self.n = mesh.size(axis)
         self.machine = problem.machines[self.k]
         self.budget = budget
+        self.ties = ties
+        self.stats = AxisStats(axis, 0, 0, 0.0)
         self.cost: list[float] = []
         self.lo: list[float] = []
         self.hi: list[float] = []
@@ -184,6 +245,10 @@ class _Axis:
             v = gi.value
             if v in problem.free:
                 self.shrink[v] = _ways(mesh, placed[v])
+                twin = ties.inputs.get(v)
+                if twin in self.choice and list(self.choice[twin]) == _input_options(v, self.n, placed[v], mesh):
+                    self.choice[v] = self.choice[twin]  # NOTE: a repeated block's parameter shares its layout
+                    continue
                 self.choice[v] = {}
                 for p in _input_options(v, self.n, placed[v], mesh):
                     self.choice[v][p] = self._var(0.0, integer=True)
@@ -202,12 +267,20 @@ class _Axis:
         return len(self.cost) - 1
 
     def solve(self) -> tuple[list[Strategy], dict[Value, Placement]]:
-        x: list[list[int]] = []
-        for op_i, (op, ss) in enumerate(zip(self.graph.ops, self.per_op, strict=True)):
-            work = self._work(op, op_i)
-            vars_ = [self._var(work / self.n if _splits(s) else work, integer=True) for s in ss]
-            self.rows.append(({v: 1.0 for v in vars_}, 1.0, 1.0))
-            x.append(vars_)
+        tied = {i: t for i, t in self.ties.ops.items() if self.per_op[t] == self.per_op[i]}
+        x: list[list[int]] = [[] for _ in self.graph.ops]
+        for op_i in sorted(range(len(x)), key=lambda i: i in tied):  # NOTE: columns first, then their users
+            ss = self.per_op[op_i]
+            work = self._work(self.graph.ops[op_i], op_i)
+            costs = [work / self.n if _splits(s) else work for s in ss]
+            if op_i in tied:
+                x[op_i] = x[tied[op_i]]
+                for var, c in zip(x[op_i], costs, strict=True):
+                    self.cost[var] += c  # NOTE: one column stands for the op in every repeated block
+                continue
+            x[op_i] = [self._var(c, integer=True) for c in costs]
+            self.rows.append(({v: 1.0 for v in x[op_i]}, 1.0, 1.0))
+        shared = len(tied)
         uses: dict[Value, list[_Use]] = defaultdict(list)
         for op_i, op in enumerate(self.graph.ops):
             for k, v in enumerate(op.operands):
@@ -224,6 +297,7 @@ class _Axis:
         if self.budget is not None:
             self._memory(x)
         res = self._run()
+        self.stats = AxisStats(self.axis, sum(self.integer), shared, float(np.dot(self.cost, res)))
         picks = []
         for ss, vars_ in zip(self.per_op, x, strict=True):
             best = max(range(len(vars_)), key=lambda i: (res[vars_[i]], -i))

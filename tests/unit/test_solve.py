@@ -60,3 +60,62 @@ def test_small_mlp_replicates_until_memory_forces_sharding() -> None:
 def test_an_impossible_memory_bound_says_so() -> None:
     with pytest.raises(PassError, match="memory bound"):
         _auto(64, 8, "dp=4", None, 1024)
+
+
+class _Stack(nn.Module):
+    def __init__(self, d: int, n: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(_Block(d) for _ in range(n))
+
+    def forward(self, x: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return nn.functional.mse_loss(x, t)
+
+
+class _Block(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d, bias=False)
+        self.fc2 = nn.Linear(4 * d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.norm(x))))
+
+
+def _stack_solve(share: bool, layers: int) -> tuple[dict[str, ir.Layout], tuple[object, ...]]:
+    with torch.device("meta"):
+        model = _Stack(1024, layers)
+    g = capture(model, (torch.empty(4096, 1024), torch.empty(4096, 1024)))
+    ctx = PassContext(mesh=ir.Mesh.parse("a=2,b=4"), plan=Plan.of("auto"), cluster=parse_cluster("h100:8x1"))
+    pipe = f"cleanup,sharding{{share-blocks={'true' if share else 'false'}}},boxing,verify"
+    out, _ = parse_pipeline(pipe).run(ctx, g)
+    stats = ctx.stats["sharding.solve"]
+    assert isinstance(stats, tuple)
+    return {i.name: i.value.layout for i in out.inputs}, stats
+
+
+def test_repeated_blocks_share_variables_and_keep_the_optimum() -> None:
+    shared, s_stats = _stack_solve(True, 4)
+    alone, a_stats = _stack_solve(False, 4)
+    assert shared == alone
+    for s, a in zip(s_stats, a_stats, strict=True):
+        # NOTE: blocks 2 and 3 reuse block 1's columns (block 0 differs: its input needs no gradient)
+        assert s.shared_ops > 0 and a.shared_ops == 0, (s, a)
+        assert s.binaries < 0.6 * a.binaries, (s, a)
+        # NOTE: one plan for every layer may cost a little over per-layer freedom, never less
+        assert a.objective * (1 - 1e-4) <= s.objective <= a.objective * 1.01, (s, a)
+    for name, lay in shared.items():
+        if name.startswith(("layers.2.", "layers.3.")):
+            assert lay == shared["layers.1." + name.split(".", 2)[2]], name
+
+
+def test_program_size_barely_grows_with_depth() -> None:
+    _, four = _stack_solve(True, 4)
+    _, eight = _stack_solve(True, 8)
+    for a, b in zip(four, eight, strict=True):
+        # NOTE: only the backward's residual-gradient sums, which capture attributes to no module,
+        # add binaries per layer (one op each); a layer's own ops add none
+        assert b.shared_ops == a.shared_ops + 4 * (a.shared_ops // 2), (a, b)
+        assert b.binaries < 1.15 * a.binaries, (a, b)
