@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch.distributed as dist
+from rich.console import Console
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -139,6 +141,8 @@ def _compile_once(model: nn.Module, example_inputs: Sequence[Any], pipeline: str
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
+            if sys.stderr.isatty():
+                ctx.status = Console(stderr=True).status
             graph = capture(model, example_inputs)
             compiled, _ = PassPipeline.parse(pipeline).run(ctx, graph)
             payload[0] = ("ok", str(compiled))

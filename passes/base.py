@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -12,6 +14,11 @@ from ir import Graph, Mesh
 JOINT = "joint"
 CLEAN = "clean"
 VERIFIED = "verified"
+
+
+def quiet(message: str) -> AbstractContextManager[object]:
+    """A ``PassContext.status`` that shows nothing."""
+    return nullcontext()
 
 
 class PassError(ValueError):
@@ -43,6 +50,8 @@ class PassContext:
     """Per-device memory bound in bytes for the sharding solve (None: the cluster's HBM, or none)."""
     diagnostics: list[str] = field(default_factory=list)
     stats: dict[str, object] = field(default_factory=dict)
+    status: Callable[[str], AbstractContextManager[object]] = quiet
+    """Shows what a long step is doing while it runs (``rich``'s ``Console.status`` on a terminal)."""
     """Figures passes report about their own work (e.g. ``sharding.solve``: per-axis program size)."""
 
     def warn(self, message: str) -> None:

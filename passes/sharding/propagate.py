@@ -10,7 +10,7 @@ layout its parameter is stored in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -109,9 +109,8 @@ def _solved(
     cluster = ctx.cluster if isinstance(ctx.cluster, Cluster) else None
     memory = ctx.memory if ctx.memory is not None else (cluster.device.hbm_bytes if cluster is not None else None)
     machines = machines_for(mesh, cluster)
-    problem = Problem(
-        graph, mesh, candidates, start, free, wants, machines, valid, memory, opts.time_limit, opts.share_blocks
-    )
+    problem = Problem(graph, mesh, candidates, start, free, wants, machines, valid, memory)
+    problem = replace(problem, time_limit=opts.time_limit, status=ctx.status, share_blocks=opts.share_blocks)
     solution = solve(problem)
     ctx.stats["sharding.solve"] = solution.stats
     prop.decided = solution.strategies

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +31,7 @@ from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
 from ir import Graph, Layout, Mesh, Op, Placement, Replicate, Shard, TensorType, Value
-from passes.base import PassError
+from passes.base import PassError, quiet
 from passes.blocks import mirrored_blocks, mirrored_inputs, mirrored_ops
 from passes.cost.hardware import Cluster
 from passes.sharding.cost import nbytes
@@ -112,6 +113,8 @@ class Problem:
     time_limit: float = 30.0
     """Seconds HiGHS may spend per axis; past it the best solution found so far is used. The
     result may then depend on machine speed: compile on one rank and share the graph."""
+    status: Callable[[str], AbstractContextManager[object]] = quiet
+    """Shown while each axis is solved (see ``PassContext.status``)."""
     share_blocks: bool = True
     """Ops and parameters of repeated blocks (``layers.1`` ... mirroring ``layers.0``) share one set
     of strategy and layout variables: every layer of a stack gets the same plan, and the integer
@@ -159,7 +162,8 @@ def solve(problem: Problem) -> Solution:
         later = math.prod(mesh.sizes[k + 1 :])
         budget = None if problem.memory is None else problem.memory * later
         program = _Axis(problem, axis, per_op, chosen, placed, budget, ties)
-        picks, inputs = program.solve()
+        with problem.status(f"sharding solve: mesh axis {axis!r}, {len(graph.ops)} ops (≤ {problem.time_limit:g} s)"):
+            picks, inputs = program.solve()
         stats.append(program.stats)
         for i, s in enumerate(picks):
             chosen[i].append(s)

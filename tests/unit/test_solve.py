@@ -3,6 +3,9 @@ for auto plans on ranks in tests/dist)."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from torch import nn
@@ -119,3 +122,19 @@ def test_program_size_barely_grows_with_depth() -> None:
         # add binaries per layer (one op each); a layer's own ops add none
         assert b.shared_ops == a.shared_ops + 4 * (a.shared_ops // 2), (a, b)
         assert b.binaries < 1.15 * a.binaries, (a, b)
+
+
+def test_each_axis_solve_is_announced_while_it_runs() -> None:
+    shown: list[str] = []
+
+    @contextlib.contextmanager
+    def status(message: str) -> Iterator[None]:
+        shown.append(message)
+        yield
+
+    with torch.device("meta"):
+        model = _MLP(64)
+    g = capture(model, (torch.empty(8, 64), torch.empty(8, 64)))
+    ctx = PassContext(mesh=ir.Mesh.parse("a=2,b=2"), plan=Plan.of("auto"), status=status)
+    parse_pipeline("cleanup,sharding").run(ctx, g)
+    assert [m.split(",")[0] for m in shown] == ["sharding solve: mesh axis 'a'", "sharding solve: mesh axis 'b'"]
