@@ -5,7 +5,10 @@
 ``--model`` takes an HF config JSON file, a zoo name, a published architecture (``llama3-8b``), or
 ``module:factory`` (returning a ModelSpec, an HF config dict or object, or a model with
 ``.config``). ``--fixed "tp=8,pp=16,dp=64"`` evaluates that one configuration; ``--mesh dp=8,tp=8``
-pins the mesh and searches the rest (micro-batch, recompute, ZeRO stage, overlap).
+pins the mesh and searches the rest (micro-batch, recompute, ZeRO stage, overlap; for MoE models
+also ep, etp and the folded / unfolded expert mapping, e.g. ``--fixed "tp=2,dp=32,ep=8,etp=1"`` or
+``--fixed "tp=2,dp=32,ep=8,moe_mapping=unfolded"``). ``--routing-imbalance`` sets the busiest
+expert rank's load over the mean (default: the model's, 1.0 for presets).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import importlib
 import json
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +52,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bf16")
     p.add_argument("--fixed", default=None, help='evaluate one configuration, e.g. "tp=8,pp=16,dp=64"')
     p.add_argument("--mesh", default=None, help="pin the mesh, e.g. dp=8,tp=8, and search the rest")
+    p.add_argument(
+        "--routing-imbalance",
+        type=float,
+        default=None,
+        metavar="FLOAT",
+        help="MoE: busiest expert rank's tokens over the mean (>= 1.0)",
+    )
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--json", action="store_true", help="print the best plan as one JSON object")
     p.add_argument("--trace", type=Path, default=None, help="write the best plan's simulated step (Chrome trace)")
@@ -105,8 +116,10 @@ def _pairs(text: str, flag: str) -> dict[str, Any]:
 
 def run(args: argparse.Namespace, console: Console) -> int:
     """Search (or evaluate ``--fixed``) and print the table or the JSON object."""
-    console = Console(width=max(console.width, 150))
     spec = load_model(args.model)
+    if args.routing_imbalance is not None:
+        spec = replace(spec, routing_imbalance=args.routing_imbalance)
+    console = Console(width=max(console.width, 180 if spec.num_experts else 150))
     cluster = parse_cluster(args.cluster)
     train = TrainSpec(seq_len=args.seq, global_batch=args.global_batch, dtype=args.dtype)
     start = time.perf_counter()
@@ -154,6 +167,8 @@ def _row(cfg: ParallelConfig, res: SimResult, solve_s: float) -> dict[str, Any]:
         "tokens_per_s": res.tokens_per_s,
         "peak_memory_bytes": res.peak_memory_bytes,
         "exposed_comm_s": res.exposed_comm_s,
+        "a2a_bytes": res.a2a_bytes,
+        "a2a_exposed_s": res.a2a_exposed_s,
         "solve_time_s": solve_s,
         "fits": res.fits,
     }
@@ -172,10 +187,13 @@ def _table(
         f"global batch {train.global_batch}, {train.dtype}"
     )
     t = Table(title=title)
-    for col in ("#", "plan", "step (s)", "MFU", "TFLOP/s/dev", "tokens/s", "peak mem (GiB)", "exposed comm (s)"):
+    moe = bool(spec.num_experts)
+    cols = ["#", "plan", "step (s)", "MFU", "TFLOP/s/dev", "tokens/s", "peak mem (GiB)", "exposed comm (s)"]
+    cols += ["a2a/dev (GiB)", "a2a exposed (s)"] if moe else []
+    for col in cols:
         t.add_column(col, justify="left" if col == "plan" else "right")
     for i, (cfg, r) in enumerate(ranked, 1):
-        t.add_row(
+        cells = [
             str(i),
             cfg.describe(),
             f"{r.step_time_s:.3f}",
@@ -184,7 +202,9 @@ def _table(
             f"{r.tokens_per_s:,.0f}",
             f"{r.peak_memory_bytes / GIB:.1f}",
             f"{r.exposed_comm_s:.3f}",
-        )
+        ]
+        cells += [f"{r.a2a_bytes / GIB:.2f}", f"{r.a2a_exposed_s:.3f}"] if moe else []
+        t.add_row(*cells)
     console.print(t)
     for i, (_, r) in enumerate(ranked, 1):
         if not r.fits:

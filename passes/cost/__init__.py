@@ -1,9 +1,12 @@
-"""Analytic cost model and cluster simulator for transformer training (no torch, no graphs).
+"""Analytic cost model and cluster simulator for transformer training.
 
 ``hardware`` (devices, links, clusters), ``model`` (ModelSpec, parameter and FLOP counts),
 ``opcost`` (roofline kernel times), ``comm`` (collective times on two-level topologies),
 ``simulate`` (one training step under a ParallelConfig), ``search`` (outer search over
 configurations). Everything is frozen data and pure functions; results are deterministic.
+What this package exports needs no torch, so ``meshfold plan`` starts fast. The one analysis
+over compiled graphs, ``passes.cost.memory`` (liveness of a rank's SPMD graph), reads ``ir``
+values and is imported by name only.
 """
 
 from passes.cost.comm import Group, all_gather, all_reduce, all_to_all, p2p, place_axes, place_axis, reduce_scatter
@@ -11,7 +14,7 @@ from passes.cost.footprint import layer_activation_bytes, peak_memory
 from passes.cost.hardware import DEVICES, LINKS, Cluster, Device, Efficiency, Link, device, make_cluster, parse_cluster
 from passes.cost.model import PRESETS, Matmul, ModelSpec, from_hf_config, gpt, preset
 from passes.cost.opcost import attention_time, gemm_time, memory_time, roofline
-from passes.cost.parallel import RECOMPUTE, ConfigError, ParallelConfig, TrainSpec
+from passes.cost.parallel import MOE_MAPPINGS, RECOMPUTE, ConfigError, ParallelConfig, TrainSpec
 from passes.cost.result import MemoryBreakdown, MemoryPoint, SimResult, TimelineEvent
 from passes.cost.search import Ranked, candidates, search_configs
 from passes.cost.simulate import simulate
@@ -20,6 +23,7 @@ from passes.cost.trace import plot_memory, to_chrome_trace
 __all__ = [
     "DEVICES",
     "LINKS",
+    "MOE_MAPPINGS",
     "PRESETS",
     "RECOMPUTE",
     "Cluster",

@@ -15,6 +15,7 @@ everything one rank sends in an all-to-all, the message of a send/recv.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -42,6 +43,12 @@ def place_axes(cluster: Cluster, axes: Sequence[tuple[str, int]], names: Sequenc
     """Group spanned by the mesh axes ``names`` (jointly) when ``axes`` (name, size) are ordered
     innermost first and ranks fill nodes contiguously: it counts the members that share rank 0's
     node. Raises KeyError naming the mesh axes when a name is missing."""
+    return _place(cluster, tuple((n, s) for n, s in axes), tuple(names))
+
+
+@functools.lru_cache(maxsize=8192)
+def _place(cluster: Cluster, axes: tuple[tuple[str, int], ...], names: tuple[str, ...]) -> Group:
+    """``place_axes`` on hashable arguments (the search places the same groups many times)."""
     strides: dict[str, int] = {}
     sizes: dict[str, int] = {}
     stride = 1

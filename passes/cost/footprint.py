@@ -13,9 +13,10 @@ each layer's input.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
-from passes.cost.hardware import DTYPE_BYTES, GIB, Cluster
+from passes.cost.hardware import GIB, Cluster
 from passes.cost.model import Matmul, ModelSpec
 from passes.cost.parallel import ParallelConfig, TrainSpec
 from passes.cost.result import MemoryBreakdown
@@ -54,28 +55,33 @@ def _split_params(model: ModelSpec, tp: int, matmuls: tuple[Matmul, ...]) -> flo
 def stage_params(model: ModelSpec, cfg: ParallelConfig, stage: str) -> StageParams:
     """Per-device parameters of pipeline ``stage`` in {"first", "middle", "last"} (layers spread
     evenly; the embedding sits on the first stage, the final norm and LM head on the last)."""
-    tp = cfg.tp
+    return _stage_params(model, cfg.tp, cfg.pp, cfg.ep * cfg.etp_size, stage)
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_params(model: ModelSpec, tp: int, pp: int, expert_split: int, stage: str) -> StageParams:
+    """``stage_params`` from the sizes it depends on; experts are split over ``ep x etp``."""
     attn = _split_params(model, tp, model.attention_matmuls()) + 2 * model.norm_params()
     dense = attn + _split_params(model, tp, model.mlp_matmuls())
     moe_dense = attn + model.hidden * model.num_experts
     if model.shared_experts:
         moe_dense += _split_params(model, tp, model.mlp_matmuls(model.moe_ffn_hidden * model.shared_experts))
-    experts = model.expert_params() / (cfg.ep * cfg.etp_size) if model.num_experts else 0.0
-    d = (model.dense_layers * dense + model.moe_layers * moe_dense) / cfg.pp
-    e = model.moe_layers * experts / cfg.pp
+    experts = model.expert_params() / expert_split if model.num_experts else 0.0
+    d = (model.dense_layers * dense + model.moe_layers * moe_dense) / pp
+    e = model.moe_layers * experts / pp
     emb = model.vocab * model.hidden / tp
-    if stage == "first" or cfg.pp == 1:
+    if stage == "first" or pp == 1:
         d += emb + model.learned_positions * model.hidden
-    if stage == "last" or cfg.pp == 1:
+    if stage == "last" or pp == 1:
         d += model.norm_params()
-        if not model.tied_embeddings or cfg.pp > 1:
+        if not model.tied_embeddings or pp > 1:
             d += emb
     return StageParams(d, e)
 
 
 def layer_activation_bytes(model: ModelSpec, cfg: ParallelConfig, train: TrainSpec, kind: str) -> float:
     """Bytes one layer of ``kind`` ("dense" / "moe") keeps per micro-batch for its backward."""
-    a = 2 if DTYPE_BYTES[train.dtype] <= 2 else 4
+    a = train.act_bytes
     tp, h = cfg.tp, model.hidden
     T = cfg.micro_batch_size * train.seq_len / cfg.cp
     Tsp = T / tp if cfg.sp else T
@@ -121,9 +127,7 @@ def memory_breakdown(
     model: ModelSpec, cluster: Cluster, cfg: ParallelConfig, train: TrainSpec, stage: str
 ) -> MemoryBreakdown:
     """Peak bytes on one device of pipeline ``stage`` ("first" or "last")."""
-    a = 2 if DTYPE_BYTES[train.dtype] <= 2 else 4
-    w = DTYPE_BYTES[train.dtype] if train.dtype != "fp8" else 2
-    g = DTYPE_BYTES[train.grad_dtype]
+    a, w, g = train.act_bytes, train.weight_bytes, train.grad_bytes
     master = 4 if w < 4 else 0
     opt = (8 if train.optimizer == "adam" else 4) + master
     p = stage_params(model, cfg, stage)
@@ -166,6 +170,7 @@ def memory_breakdown(
     return MemoryBreakdown(params, grads, opt_bytes, acts, buffers, RUNTIME_RESERVE)
 
 
+@functools.lru_cache(maxsize=4096)
 def peak_memory(model: ModelSpec, cluster: Cluster, cfg: ParallelConfig, train: TrainSpec) -> MemoryBreakdown:
     """The larger of the first and last pipeline stage's peaks (they bound every stage)."""
     first = memory_breakdown(model, cluster, cfg, train, "first")

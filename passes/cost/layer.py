@@ -5,20 +5,25 @@ A layer is laid out op by op on two streams, compute and comm. Tensor-parallel c
 them with their GEMM in ``tp`` chunks (time ``max(G, C) + min(G, C) / tp``); in the backward the
 input re-gather runs beside the data-gradient GEMM and the gradient reduce-scatter beside the
 weight-gradient GEMM (Megatron's async TP). Ring attention (context parallel) sends each K/V block
-while the previous block's attention runs. Expert all-to-alls block. Whatever runs beside compute
-slows it by the device's ``contention``. Layers are costed once per kind and cached.
+while the previous block's attention runs. Expert all-to-alls (over the ep group) and the expert
+tensor-parallel all-gather / reduce-scatter (over etp) block; where the ep group sits -- inside a
+node or strided over nodes -- follows from the expert mesh (``ParallelConfig.expert_axes``). Whatever
+runs beside compute slows it by the device's ``contention``. Layers are costed once per kind and
+cached.
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from passes.cost import comm, opcost
 from passes.cost.comm import Group
 from passes.cost.hardware import DTYPE_BYTES, Cluster
 from passes.cost.model import Matmul, ModelSpec
 from passes.cost.streams import LayerCost, Streams
+
+SOLO = comm.local_group(1)  # the group of a size-1 axis
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +42,11 @@ class LayerPlan:
     cp_group: Group
     ep_group: Group
     etp_group: Group
+
+    def dense_view(self) -> LayerPlan:
+        """This plan with the expert fields reset: what a layer without experts (or a pipeline
+        edge) depends on, so such layers are costed once per attention layout."""
+        return replace(self, ep=1, etp=1, ep_group=SOLO, etp_group=SOLO)
 
 
 class LayerBuilder:
@@ -63,6 +73,7 @@ class LayerBuilder:
         self.causal, self.flash, self.seq = causal, flash, seq
         self.T = plan.mbs * seq / plan.cp  # tokens per device after context parallelism
         self.Tsp = self.T / plan.tp if plan.sp else self.T
+        self.a2a_sent = 0.0  # bytes sent to other ranks in expert all-to-alls so far
 
     # --- primitives ----------------------------------------------------------------------------
     def gemm(self, mm: Matmul, tp: int, tokens: float) -> tuple[float, float, float]:
@@ -88,25 +99,24 @@ class LayerBuilder:
         m, p = self.m, self.p
         heads = m.heads / p.tp
         kv_heads = heads if m.is_mla else m.n_kv_heads / p.tp
-        if not self.flash:
-            t = opcost.unfused_attention_time(
-                self.dev, self.T, self.T * p.cp, heads, m.qk_head_dim, m.v_dim, backward=backward, dtype=self.attn_dtype
-            )
-            s.compute("attention", t)
-            return
         # NOTE: with context parallelism each of the cp ring steps is one T x T block; the
         # load-balanced (zigzag) split makes every causal block half-masked, like the diagonal.
+        # Unfused attention materialises the scores over the whole (gathered) context instead.
         block = opcost.attention_time(
             self.dev,
             self.T,
-            self.T,
+            self.T if self.flash else self.T * p.cp,
             heads,
             m.qk_head_dim,
             m.v_dim,
             causal=self.causal,
             backward=backward,
             dtype=self.attn_dtype,
+            fused=self.flash,
         )
+        if not self.flash:
+            s.compute("attention", block)
+            return
         if p.cp == 1:
             s.compute("flash attention", block)
             return
@@ -234,9 +244,16 @@ class LayerBuilder:
         m = self.m
         return self.Tsp * m.top_k * m.routing_imbalance * self.p.etp
 
+    def a2a_buffer(self) -> float:
+        """Bytes one expert all-to-all moves per rank (its own share included): the busiest rank's
+        ``tokens x top_k x routing_imbalance`` token copies of ``hidden`` activations."""
+        m = self.m
+        return self.Tsp * m.top_k * m.routing_imbalance * m.hidden * self.a
+
     def moe(self, s: Streams, backward: bool) -> None:
         """Router, dispatch all-to-all over ep (+ all-gather over etp), grouped expert GEMMs,
-        and the mirror-image combine; the backward runs the same steps in reverse order."""
+        and the mirror-image combine; the backward runs the same steps in reverse order. Adds the
+        bytes the all-to-alls send to other ranks to ``a2a_sent``."""
         m, p = self.m, self.p
         h, rows = m.hidden, self._routed_tokens()
         local = m.num_experts // p.ep
@@ -244,7 +261,9 @@ class LayerBuilder:
         mult = 2 if backward else 1  # data- and weight-gradient GEMMs
         g1 = mult * opcost.grouped_gemm_time(self.dev, local, rows / local, fc1.n / p.etp, h, self.dtype)
         g2 = mult * opcost.grouped_gemm_time(self.dev, local, rows / local, h, fc2.k / p.etp, self.dtype)
-        a2a = comm.all_to_all(self.c, p.ep_group, self.Tsp * m.top_k * m.routing_imbalance * h * self.a)
+        buffer = self.a2a_buffer()
+        a2a = comm.all_to_all(self.c, p.ep_group, buffer)
+        sent = buffer * (p.ep - 1) / p.ep if a2a > 0 else 0.0
         etp_bytes = rows * h * self.a
         ag = comm.all_gather(self.c, p.etp_group, etp_bytes) if p.etp > 1 else 0.0
         rs = comm.reduce_scatter(self.c, p.etp_group, etp_bytes) if p.etp > 1 else 0.0
@@ -253,28 +272,27 @@ class LayerBuilder:
         )
         act = self.eltwise(self._act_elems(fc2.k / p.etp, rows, backward))
         permute = self.eltwise(2 * self.Tsp * m.top_k * h)
-        if not backward:
-            s.compute("router", router)
-            s.compute("permute", permute)
-            s.blocking("ep all-to-all (dispatch)", a2a, "ep")
-            s.blocking("etp all-gather", ag, "ep")
-            s.compute("experts fc1", g1)
-            s.compute("experts activation", act)
-            s.compute("experts fc2", g2)
-            s.blocking("etp reduce-scatter", rs, "ep")
-            s.blocking("ep all-to-all (combine)", a2a, "ep")
-            s.compute("unpermute", permute)
-            return
-        s.compute("unpermute bwd", permute)
-        s.blocking("ep all-to-all (combine bwd)", a2a, "ep")
-        s.blocking("etp all-gather (grad)", rs, "ep")
-        s.compute("experts fc2 bwd", g2)
-        s.compute("experts activation bwd", act)
-        s.compute("experts fc1 bwd", g1)
-        s.blocking("etp reduce-scatter (grad)", ag, "ep")
-        s.blocking("ep all-to-all (dispatch bwd)", a2a, "ep")
-        s.compute("permute bwd", permute)
-        s.compute("router bwd", 2 * router)
+        # NOTE: (stream or collective category, forward name, backward name, seconds, bytes sent in
+        # an all-to-all); the backward walks the table in reverse.
+        steps = (
+            ("compute", "router", "router bwd", 2 * router if backward else router, 0.0),
+            ("compute", "permute", "permute bwd", permute, 0.0),
+            ("ep", "ep all-to-all (dispatch)", "ep all-to-all (dispatch bwd)", a2a, sent),
+            ("etp", "etp all-gather", "etp reduce-scatter (grad)", ag, 0.0),
+            ("compute", "experts fc1", "experts fc1 bwd", g1, 0.0),
+            ("compute", "experts activation", "experts activation bwd", act, 0.0),
+            ("compute", "experts fc2", "experts fc2 bwd", g2, 0.0),
+            ("etp", "etp reduce-scatter", "etp all-gather (grad)", rs, 0.0),
+            ("ep", "ep all-to-all (combine)", "ep all-to-all (combine bwd)", a2a, sent),
+            ("compute", "unpermute", "unpermute bwd", permute, 0.0),
+        )
+        for stream, fwd_name, bwd_name, dur, nbytes in reversed(steps) if backward else steps:
+            name = bwd_name if backward else fwd_name
+            if stream == "compute":
+                s.compute(name, dur)
+            else:
+                s.blocking(name, dur, stream)
+            self.a2a_sent += nbytes
 
     # --- whole layer ---------------------------------------------------------------------------
     def forward(self, s: Streams, kind: str) -> None:
@@ -313,7 +331,6 @@ class LayerBuilder:
             self._attn_core(s, backward=False)
 
 
-@functools.lru_cache(maxsize=4096)
 def layer_cost(
     model: ModelSpec,
     cluster: Cluster,
@@ -326,6 +343,24 @@ def layer_cost(
     kind: str,
 ) -> LayerCost:
     """Forward and backward seconds of one ``kind`` ("dense" or "moe") layer for one micro-batch."""
+    if kind == "dense":
+        plan = plan.dense_view()
+    return _layer_cost(model, cluster, dtype, grad_dtype, causal, flash, seq, plan, kind)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_cost(
+    model: ModelSpec,
+    cluster: Cluster,
+    dtype: str,
+    grad_dtype: str,
+    causal: bool,
+    flash: bool,
+    seq: int,
+    plan: LayerPlan,
+    kind: str,
+) -> LayerCost:
+    """``layer_cost`` on a plan that holds only what ``kind`` depends on (cached)."""
     lay = LayerBuilder(model, cluster, dtype, grad_dtype, causal, flash, seq, plan)
     contention = cluster.device.eff.contention
     f = Streams(contention, "fwd")
@@ -341,6 +376,16 @@ def layer_cost(
         b.category = "bwd"
     recompute = b.now
     lay.backward(b, kind)
+    a2a_exposed = f.exposed_by.get("ep", 0.0) + b.exposed_by.get("ep", 0.0)
     return LayerCost(
-        f.now, b.now, f.exposed, b.exposed, f.comm_busy + b.comm_busy, recompute, tuple(f.events), tuple(b.events)
+        f.now,
+        b.now,
+        f.exposed,
+        b.exposed,
+        f.comm_busy + b.comm_busy,
+        recompute,
+        tuple(f.events),
+        tuple(b.events),
+        a2a_exposed,
+        lay.a2a_sent,
     )

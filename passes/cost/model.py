@@ -292,14 +292,17 @@ def gpt(name: str, layers: int, hidden: int, heads: int, vocab: int = 131072) ->
     )
 
 
-# Published architectures (Meta Llama 3 model card / config.json; Mistral AI Mixtral-8x7B
-# config.json; DeepSeek-V3 config.json).
+# Published architectures (Meta Llama 3 model card / config.json; Mistral AI Mixtral-8x7B and
+# Mixtral-8x22B-v0.1 config.json; DeepSeek-V3 config.json).
 PRESETS: dict[str, ModelSpec] = {
     "llama3-8b": ModelSpec("llama3-8b", 32, 4096, 32, 14336, 128256, kv_heads=8),
     "llama3-70b": ModelSpec("llama3-70b", 80, 8192, 64, 28672, 128256, kv_heads=8),
     "llama3-405b": ModelSpec("llama3-405b", 126, 16384, 128, 53248, 128256, kv_heads=8),
     "mixtral-8x7b": ModelSpec(
         "mixtral-8x7b", 32, 4096, 32, 14336, 32000, kv_heads=8, num_experts=8, top_k=2, moe_ffn_hidden=14336
+    ),
+    "mixtral-8x22b": ModelSpec(
+        "mixtral-8x22b", 56, 6144, 48, 16384, 32000, kv_heads=8, num_experts=8, top_k=2, moe_ffn_hidden=16384
     ),
     "deepseek-v3": ModelSpec(
         "deepseek-v3",

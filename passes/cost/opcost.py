@@ -18,6 +18,8 @@ nothing here knows about parallelism.
 
 from __future__ import annotations
 
+import functools
+
 from passes.cost.hardware import DTYPE_BYTES, Device
 
 
@@ -61,6 +63,7 @@ def roofline(
     return max(t_math, t_mem) + dev.eff.launch_s
 
 
+@functools.lru_cache(maxsize=65536)
 def gemm_time(dev: Device, m: float, n: float, k: float, dtype: str = "bf16", *, extra_bytes: float = 0.0) -> float:
     """Seconds for ``(m x k) @ (k x n)`` in ``dtype``; ``extra_bytes`` adds epilogue traffic (bias,
     fp32 gradient accumulation into ``main_grad``)."""
@@ -70,6 +73,7 @@ def gemm_time(dev: Device, m: float, n: float, k: float, dtype: str = "bf16", *,
     return roofline(dev, 2.0 * m * n * k, (m * k + k * n + m * n) * size + extra_bytes, k, dtype, mn=m * n)
 
 
+@functools.lru_cache(maxsize=16384)
 def grouped_gemm_time(dev: Device, groups: int, m: float, n: float, k: float, dtype: str = "bf16") -> float:
     """Seconds for one grouped GEMM of ``groups`` independent ``(m x k) @ (k x n)`` problems (MoE
     experts): one launch and one fill; each group's rows are padded to the 128-row tile, which
@@ -100,6 +104,7 @@ def attention_flops(tokens: float, ctx: float, heads: float, qk_dim: int, v_dim:
     return full * 0.5 if causal else full
 
 
+@functools.lru_cache(maxsize=16384)
 def attention_time(
     dev: Device,
     tokens: float,
@@ -111,34 +116,23 @@ def attention_time(
     causal: bool = True,
     backward: bool = False,
     dtype: str = "bf16",
+    fused: bool = True,
 ) -> float:
-    """Seconds for one fused (flash) attention kernel over ``heads`` local heads. The backward pass
-    runs five matmuls to the forward's two (it recomputes the scores), i.e. 2.5x the FLOPs."""
+    """Seconds for attention of ``tokens`` queries over ``ctx`` keys on ``heads`` local heads.
+
+    ``fused``: one flash-attention kernel; its backward runs five matmuls to the forward's two (it
+    recomputes the scores), i.e. 2.5x the FLOPs. Unfused: two batched GEMMs (doubled in the
+    backward) plus a softmax that writes the ``tokens x ctx`` score matrix per head to HBM (and
+    reads it back in the backward); the causal mask saves no work there."""
     if tokens <= 0 or heads <= 0:
         return 0.0
-    flops = attention_flops(tokens, ctx, heads, qk_dim, v_dim, causal) * (2.5 if backward else 1.0)
     size = DTYPE_BYTES[dtype]
+    if not fused:
+        mult = 2 if backward else 1
+        qk = gemm_time(dev, heads * tokens, ctx, qk_dim, dtype) * mult
+        pv = gemm_time(dev, heads * tokens, v_dim, ctx, dtype) * mult
+        scores = tokens * ctx * heads * size
+        return qk + pv + memory_time(dev, scores * (3 if backward else 2))
+    flops = attention_flops(tokens, ctx, heads, qk_dim, v_dim, causal) * (2.5 if backward else 1.0)
     nbytes = (tokens * heads * (qk_dim + v_dim) * 2 + ctx * heads * (qk_dim + v_dim)) * size * (2 if backward else 1)
     return roofline(dev, flops, nbytes, None, dtype, attention="bwd" if backward else "fwd")
-
-
-def unfused_attention_time(
-    dev: Device,
-    tokens: float,
-    ctx: float,
-    heads: float,
-    qk_dim: int,
-    v_dim: int,
-    *,
-    backward: bool = False,
-    dtype: str = "bf16",
-) -> float:
-    """Seconds for attention without a fused kernel: two batched GEMMs plus a softmax that writes
-    the ``tokens x ctx`` score matrix per head to HBM (and reads it back in the backward)."""
-    if tokens <= 0 or heads <= 0:
-        return 0.0
-    mult = 2 if backward else 1
-    qk = gemm_time(dev, heads * tokens, ctx, qk_dim, dtype) * mult
-    pv = gemm_time(dev, heads * tokens, v_dim, ctx, dtype) * mult
-    scores = tokens * ctx * heads * DTYPE_BYTES[dtype]
-    return qk + pv + memory_time(dev, scores * (3 if backward else 2))

@@ -2,8 +2,17 @@
 
 Two meshes share one world (Megatron-Core's MoE parallel folding): attention layers use
 ``tp x cp x dp x pp`` and expert layers ``etp x ep x edp x pp`` with ``edp = world / (etp ep pp)``.
-``order`` lists the axes innermost first (contiguous ranks); expert axes take the places of
-their attention counterparts (tp -> etp, dp -> edp; cp is folded into edp).
+``order`` lists the axes innermost first (contiguous ranks). Two mappings of the expert mesh:
+
+* ``folded`` (Megatron-Core's expert rank generator): the expert axes take the places of their
+  attention counterparts in ``order`` (tp -> etp, ep -> ep, dp -> edp; cp folds into edp), so
+  with ``etp=1`` an expert-parallel group may cover ranks attention uses for tp, cp and dp;
+  ``etp`` is independent of ``tp``.
+* ``unfolded`` (the classic layout before folding): experts reuse the attention mesh, ``etp ==
+  tp`` and ``ep`` splits dp (``ep`` must sit next to ``dp`` in ``order``; the inner factor of the
+  pair is contiguous); ``edp = cp x dp / ep``.
+
+With ``cp == 1`` and ``ep`` right inside ``dp`` both mappings place every rank alike.
 """
 
 from __future__ import annotations
@@ -16,6 +25,7 @@ from passes.cost.model import ModelSpec
 
 RECOMPUTE = ("none", "selective", "full")
 AXES = ("tp", "cp", "ep", "dp", "pp")
+MOE_MAPPINGS = ("folded", "unfolded")
 
 
 class ConfigError(ValueError):
@@ -54,6 +64,21 @@ class TrainSpec:
         """Tokens per optimizer step."""
         return self.seq_len * self.global_batch
 
+    @property
+    def act_bytes(self) -> int:
+        """Bytes per activation element (fp8 GEMMs keep bf16 activations)."""
+        return 2 if DTYPE_BYTES[self.dtype] <= 2 else 4
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes per model weight as the GEMMs read it (fp8 recipes keep bf16 weights)."""
+        return DTYPE_BYTES[self.dtype] if self.dtype != "fp8" else 2
+
+    @property
+    def grad_bytes(self) -> int:
+        """Bytes per gradient element (accumulation and reduction)."""
+        return DTYPE_BYTES[self.grad_dtype]
+
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
@@ -62,7 +87,8 @@ class ParallelConfig:
     ``etp=None`` means expert TP = ``tp``; ``sequence_parallel=None`` means on whenever tp > 1.
     ``vpp`` > 1 selects the interleaved 1F1B schedule with that many model chunks per stage.
     ``tp_comm_overlap`` pipelines TP collectives with their GEMMs (Transformer Engine userbuffers);
-    ``dp_overlap`` overlaps gradient reduce-scatter / parameter all-gather with compute by buckets."""
+    ``dp_overlap`` overlaps gradient reduce-scatter / parameter all-gather with compute by buckets.
+    ``moe_mapping`` selects how the expert mesh sits on the ranks (module docstring)."""
 
     dp: int = 1
     tp: int = 1
@@ -78,6 +104,7 @@ class ParallelConfig:
     tp_comm_overlap: bool = False
     dp_overlap: bool = True
     order: str = "tp-cp-ep-dp-pp"
+    moe_mapping: str = "folded"
 
     @property
     def world(self) -> int:
@@ -100,6 +127,11 @@ class ParallelConfig:
         return self.world // (self.etp_size * self.ep * self.pp)
 
     @property
+    def folded(self) -> bool:
+        """True for the folded expert mapping."""
+        return self.moe_mapping != "unfolded"
+
+    @property
     def fsdp(self) -> bool:
         """True for ZeRO-3 (parameters sharded over dp x cp)."""
         return self.zero == 3
@@ -119,9 +151,18 @@ class ParallelConfig:
         return tuple((a, sizes[a]) for a in self.order.split("-") if a in sizes)
 
     def expert_axes(self) -> tuple[tuple[str, int], ...]:
-        """(name, size) of the expert mesh, innermost first."""
-        sizes = {"tp": ("etp", self.etp_size), "ep": ("ep", self.ep), "dp": ("edp", self.edp), "pp": ("pp", self.pp)}
-        return tuple(sizes[a] for a in self.order.split("-") if a in sizes)
+        """(name, size) of the expert mesh, innermost first: etp, ep and edp (and cp, which the
+        unfolded mapping keeps as a part of edp) and pp."""
+        axes = {"tp": ("etp", self.etp_size), "ep": ("ep", self.ep), "pp": ("pp", self.pp)}
+        if self.folded:
+            axes["dp"] = ("edp", self.edp)  # NOTE: cp has no place of its own: it folds into edp
+        else:
+            axes |= {"cp": ("cp", self.cp), "dp": ("edp", self.dp // self.ep)}
+        return tuple(axes[a] for a in self.order.split("-") if a in axes)
+
+    def edp_axes(self) -> tuple[str, ...]:
+        """Names of the expert mesh axes that together form the expert data-parallel group."""
+        return ("edp",) if self.folded else ("cp", "edp")
 
     def describe(self) -> str:
         """Short deterministic text, e.g. ``dp48 tp8 pp2 vpp21 mbs1 zero1 sp``."""
@@ -129,6 +170,8 @@ class ParallelConfig:
         parts += [f"{n}{v}" for n, v in (("cp", self.cp), ("pp", self.pp), ("vpp", self.vpp), ("ep", self.ep)) if v > 1]
         if self.etp is not None and self.etp != self.tp:
             parts.append(f"etp{self.etp}")
+        if not self.folded:
+            parts.append("unfolded")
         parts += [f"mbs{self.micro_batch_size}", "fsdp" if self.fsdp else f"zero{self.zero}"]
         if self.sp:
             parts.append("sp")
@@ -190,6 +233,9 @@ class ParallelConfig:
         self._validate_experts(model)
 
     def _validate_experts(self, model: ModelSpec) -> None:
+        """Megatron-Core's expert-mesh rules (MoE parallel folding), first violation raised."""
+        if self.moe_mapping not in MOE_MAPPINGS:
+            raise ConfigError(f"moe_mapping {self.moe_mapping!r} must be one of {', '.join(MOE_MAPPINGS)}")
         if not model.num_experts:
             if self.ep > 1:
                 raise ConfigError(f"ep={self.ep} needs a model with experts; {model.name} is dense")
@@ -203,8 +249,25 @@ class ParallelConfig:
             raise ConfigError(
                 f"etp*ep*edp*pp == world violated: etp*ep*pp = {expert_world} does not divide world {self.world}"
             )
+        if not self.folded:
+            self._validate_unfolded()
         if self.tp > 1 and not self.sp:
             raise ConfigError("MoE with tp > 1 requires sequence_parallel (Megatron-Core rule)")
+
+    def _validate_unfolded(self) -> None:
+        """The classic expert layout: experts inside the attention mesh's dp x tp ranks."""
+        if self.etp_size != self.tp:
+            raise ConfigError(
+                f"etp == tp violated: the unfolded mapping shares the attention tp group, got etp={self.etp_size}, "
+                f"tp={self.tp}; use moe_mapping='folded' for an independent etp"
+            )
+        if self.dp % self.ep:
+            raise ConfigError(
+                f"dp % ep == 0 violated: the unfolded mapping nests ep={self.ep} inside dp={self.dp}; "
+                "use moe_mapping='folded' to let ep span tp/cp ranks"
+            )
+        if "ep-dp" not in self.order and "dp-ep" not in self.order:
+            raise ConfigError(f"ep next to dp in order violated: the unfolded mapping splits dp, got {self.order!r}")
 
 
 def divisors(n: int) -> list[int]:

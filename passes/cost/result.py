@@ -63,8 +63,11 @@ class SimResult:
 
     ``mfu`` = model FLOPs per step / (step time x devices x dense peak of the training dtype);
     ``tflops_per_device`` = model FLOPs / step time / devices / 1e12. ``breakdown`` lists where the
-    step time goes (sums to ``step_time_s``). ``events`` and ``memory_timeline`` describe pipeline
-    stage 0 (rank 0) and are empty when the simulation ran without a timeline."""
+    step time goes (sums to ``step_time_s``). ``a2a_bytes`` is what one device sends to other ranks
+    in expert all-to-alls over the step (dispatch and combine, forward, recomputation and backward,
+    at the busiest expert rank's load); ``a2a_exposed_s`` the step time spent waiting on them (part
+    of ``exposed_comm_s``). ``events`` and ``memory_timeline`` describe pipeline stage 0 (rank 0)
+    and are empty when the simulation ran without a timeline."""
 
     config: ParallelConfig
     step_time_s: float
@@ -80,6 +83,8 @@ class SimResult:
     optimizer_s: float
     num_microbatches: int
     breakdown: tuple[tuple[str, float], ...]
+    a2a_bytes: float = 0.0
+    a2a_exposed_s: float = 0.0
     events: tuple[TimelineEvent, ...] = ()
     memory_timeline: tuple[MemoryPoint, ...] = ()
 

@@ -3,14 +3,18 @@
 Every factorisation ``tp x cp x pp x dp`` of the world is tried with tp tiling a node and dividing
 the (kv) heads and the MLP width, pp dividing the layers, cp keeping >= ``MIN_CP_TOKENS`` tokens
 per rank, then virtual stages, micro-batch sizes, recomputation and dp flavour (distributed
-optimizer or FSDP); expert models also try every ep dividing the experts with etp in {1, tp}.
-Pruning happens on integers before anything is simulated; the memory model (cheap) runs before
-the time model. Ties break on memory, then on the configuration text, so results are
-deterministic.
+optimizer or FSDP); expert models also try the expert mesh (``expert_choices``): every ep dividing
+the experts with every etp that divides the node and the expert width under the folded mapping,
+and the unfolded mapping (etp = tp, ep inside dp) where it places ranks differently. Pruning
+happens on integers before anything is simulated; then a configuration whose pipeline time alone
+(a lower bound of its step) is slower than the ``top``-th best so far is dropped, and the memory
+model runs before the rest of the time model. Ties break on memory, then on the configuration
+text, so results are deterministic and equal to an exhaustive ranking.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 from collections.abc import Iterator, Mapping
@@ -20,14 +24,16 @@ from typing import Any, Protocol
 from passes.cost.footprint import peak_memory
 from passes.cost.hardware import Cluster
 from passes.cost.model import ModelSpec
-from passes.cost.parallel import RECOMPUTE, ConfigError, ParallelConfig, TrainSpec, divisors
+from passes.cost.parallel import MOE_MAPPINGS, RECOMPUTE, ConfigError, ParallelConfig, TrainSpec, divisors
 from passes.cost.result import SimResult
-from passes.cost.simulate import simulate
+from passes.cost.simulate import pipeline_time, simulate
 
 MIN_CP_TOKENS = 256
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_VPP = 16
 MESH_AXES = ("dp", "tp", "cp", "pp", "ep", "etp")
+# NOTE: fields the search chooses itself unless pinned; other pins pass through unchanged.
+_SEARCHED = ("dp", "tp", "cp", "pp", "ep", "etp", "vpp", "micro_batch_size", "zero", "recompute", "moe_mapping")
 
 
 class MeshLike(Protocol):
@@ -109,11 +115,36 @@ def candidates(
                 dp = world // (tp * cp * pp)
                 if "dp" in pins and pins["dp"] != dp:
                     continue
-                yield from _inner(model, train, pins, dp, tp, cp, pp)
+                yield from _inner(model, train, pins, dpn, dp, tp, cp, pp)
+
+
+def expert_choices(
+    model: ModelSpec, pins: Mapping[str, Any], dpn: int, dp: int, tp: int, cp: int, pp: int
+) -> list[tuple[int, int | None, str]]:
+    """(ep, etp, moe_mapping) candidates for one attention mesh ``tp x cp x dp x pp``.
+
+    Folded: every ep dividing the experts with every etp that divides the node and the expert
+    width (etp * ep * pp must divide the world). Unfolded: etp = tp and ep dividing dp; it is
+    listed only where it places ranks differently from the folded mapping with etp = tp (cp > 1)
+    or when ``moe_mapping`` is pinned. Dense models get ``(1, None, mapping)``."""
+    mappings = [pins["moe_mapping"]] if "moe_mapping" in pins else list(MOE_MAPPINGS)
+    if not model.num_experts:
+        return [(1, None, mappings[0])]
+    eps = [pins["ep"]] if "ep" in pins else divisors(model.num_experts)
+    etps = [pins["etp"]] if "etp" in pins else [t for t in divisors(dpn) if model.moe_ffn_hidden % t == 0]
+    world = dp * tp * cp * pp
+    out: list[tuple[int, int | None, str]] = []
+    for mapping in mappings:
+        for ep in eps:
+            if mapping == "folded":
+                out += [(ep, t, mapping) for t in etps if world % (ep * t * pp) == 0]
+            elif dp % ep == 0 and (cp > 1 or "moe_mapping" in pins) and pins.get("etp", tp) == tp:
+                out.append((ep, tp, mapping))
+    return out
 
 
 def _inner(
-    model: ModelSpec, train: TrainSpec, pins: dict[str, Any], dp: int, tp: int, cp: int, pp: int
+    model: ModelSpec, train: TrainSpec, pins: dict[str, Any], dpn: int, dp: int, tp: int, cp: int, pp: int
 ) -> Iterator[ParallelConfig]:
     mbss = [b for b in MICRO_BATCHES if train.global_batch % (dp * b) == 0]
     mbss = [pins["micro_batch_size"]] if "micro_batch_size" in pins else mbss
@@ -122,22 +153,25 @@ def _inner(
     vpps = [pins["vpp"]] if "vpp" in pins else vpps
     zeros = [pins["zero"]] if "zero" in pins else [1, 3]
     recomputes = [pins["recompute"]] if "recompute" in pins else list(RECOMPUTE)
-    experts: list[tuple[int, int | None]] = [(1, None)]
-    if model.num_experts:
-        eps = [pins["ep"]] if "ep" in pins else divisors(model.num_experts)
-        etps = [pins["etp"]] if "etp" in pins else sorted({1, tp})
-        experts = [(e, t) for e in eps for t in etps if (dp * tp * cp * pp) % (e * t * pp) == 0]
-    rest = {
-        k: v
-        for k, v in pins.items()
-        if k not in ("dp", "tp", "cp", "pp", "ep", "etp", "vpp", "micro_batch_size", "zero", "recompute")
-    }
-    for mbs, vpp, zero, rc, (ep, etp) in itertools.product(mbss, vpps, zeros, recomputes, experts):
+    experts = expert_choices(model, pins, dpn, dp, tp, cp, pp)
+    rest = {k: v for k, v in pins.items() if k not in _SEARCHED}
+    for mbs, vpp, zero, rc, (ep, etp, mapping) in itertools.product(mbss, vpps, zeros, recomputes, experts):
         m = train.global_batch // (dp * mbs) if train.global_batch % (dp * mbs) == 0 else 0
         if m == 0 or (vpp > 1 and m % pp):
             continue
         yield ParallelConfig(
-            dp=dp, tp=tp, pp=pp, cp=cp, ep=ep, etp=etp, vpp=vpp, micro_batch_size=mbs, zero=zero, recompute=rc, **rest
+            dp=dp,
+            tp=tp,
+            pp=pp,
+            cp=cp,
+            ep=ep,
+            etp=etp,
+            vpp=vpp,
+            micro_batch_size=mbs,
+            zero=zero,
+            recompute=rc,
+            moe_mapping=mapping,
+            **rest,
         )
 
 
@@ -156,16 +190,22 @@ def search_configs(
     ``mesh`` pins axis sizes (a mapping such as ``{"tp": 8, "pp": 4}`` or an ``ir.Mesh``).
     Returns an empty list when nothing fits; raises ValueError on unknown pins. Ranking is by
     simulated step time, ties by peak memory then configuration text (deterministic)."""
+    if top <= 0:
+        return []
     hbm = cluster.device.hbm_bytes
-    scored: list[tuple[float, float, str, SimResult]] = []
+    best: list[tuple[float, float, str, SimResult]] = []
     for cfg in candidates(model, cluster, train, fixed=fixed, mesh=mesh):
         try:
             cfg.validate(model, cluster, train)
         except ConfigError:
             continue
+        # NOTE: exact pruning: the pipeline part never exceeds the step, so a configuration whose
+        # pipeline alone is slower than the top-th best cannot enter the result.
+        if len(best) >= top and pipeline_time(model, cluster, cfg, train) > best[top - 1][0]:
+            continue
         if peak_memory(model, cluster, cfg, train).total > hbm:
             continue
         res = simulate(model, cluster, cfg, train, timeline=False)
-        scored.append((res.step_time_s, res.peak_memory_bytes, repr(cfg), res))
-    scored.sort(key=lambda s: (s[0], s[1], s[2]))
-    return [Ranked(i + 1, s[3].config, s[3]) for i, s in enumerate(scored[: max(0, top)])]
+        bisect.insort(best, (res.step_time_s, res.peak_memory_bytes, repr(cfg), res), key=lambda s: s[:3])
+        del best[top:]
+    return [Ranked(i + 1, s[3].config, s[3]) for i, s in enumerate(best)]

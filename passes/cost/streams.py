@@ -16,7 +16,9 @@ from passes.cost.result import TimelineEvent
 class LayerCost:
     """Seconds for one micro-batch: ``bwd_s`` includes recomputation; ``*_exposed_s`` is the part
     of the stream time the compute stream spent waiting on collectives; ``comm_s`` all collective
-    time; events are relative to the start of the pass."""
+    time; events are relative to the start of the pass. ``a2a_exposed_s`` is the part of the
+    exposed time spent waiting on expert all-to-alls, ``a2a_bytes`` what this device sends to other
+    ranks in them (forward, recomputation and backward)."""
 
     fwd_s: float
     bwd_s: float
@@ -26,6 +28,8 @@ class LayerCost:
     recompute_s: float
     fwd_events: tuple[TimelineEvent, ...]
     bwd_events: tuple[TimelineEvent, ...]
+    a2a_exposed_s: float = 0.0
+    a2a_bytes: float = 0.0
 
 
 class Streams:
@@ -35,10 +39,15 @@ class Streams:
         self.now = 0.0
         self.comm_free = 0.0
         self.exposed = 0.0
+        self.exposed_by: dict[str, float] = {}
         self.comm_busy = 0.0
         self.contention = contention
         self.category = category
         self.events: list[TimelineEvent] = []
+
+    def _expose(self, dt: float, category: str) -> None:
+        self.exposed += dt
+        self.exposed_by[category] = self.exposed_by.get(category, 0.0) + dt
 
     def _comm(self, name: str, start: float, dur: float, category: str) -> float:
         self.events.append(TimelineEvent("comm", name, start, dur, category))
@@ -56,7 +65,7 @@ class Streams:
         """A collective whose result the next compute op needs."""
         if dur > 0:
             end = self._comm(name, max(self.now, self.comm_free), dur, category)
-            self.exposed += end - self.now
+            self._expose(end - self.now, category)
             self.now = end
 
     def beside(self, comm_name: str, comm_dur: float, name: str, dur: float, category: str) -> None:
@@ -67,7 +76,7 @@ class Streams:
         end = self._comm(comm_name, max(self.now, self.comm_free), comm_dur, category)
         self.compute(name, dur + self.contention * min(dur, comm_dur))
         if end > self.now:
-            self.exposed += end - self.now
+            self._expose(end - self.now, category)
             self.now = end
 
     def pipelined(
@@ -80,7 +89,7 @@ class Streams:
         g = gemm_dur * (1 + self.contention)
         total = max(g, comm_dur) + min(g, comm_dur) / chunks
         start = max(self.now, self.comm_free)
-        self.exposed += total - g + (start - self.now)
+        self._expose(total - g + (start - self.now), category)
         c_start, g_start = (start, start + total - g) if comm_first else (start + total - comm_dur, start)
         self._comm(comm_name, c_start, comm_dur, category)
         self.events.append(TimelineEvent("compute", name, g_start, g, self.category))

@@ -76,6 +76,7 @@ DEEPSEEK_V3_HF = {
         ("llama3-70b", 70.6e9),
         ("llama3-405b", 405.9e9),
         ("mixtral-8x7b", 46.7e9),
+        ("mixtral-8x22b", 140.6e9),
         ("deepseek-v3", 671e9),
     ],
 )
@@ -85,6 +86,7 @@ def test_parameter_counts_match_published(name: str, expected: float) -> None:
 
 def test_active_parameters_of_moe_models() -> None:
     assert preset("mixtral-8x7b").active_param_count() == pytest.approx(12.9e9, rel=0.01)
+    assert preset("mixtral-8x22b").active_param_count() == pytest.approx(39.1e9, rel=0.01)
     assert preset("deepseek-v3").active_param_count() == pytest.approx(37e9, rel=0.03)
     assert preset("llama3-8b").active_param_count() == preset("llama3-8b").param_count()
 

@@ -55,12 +55,40 @@ def test_trace_is_a_chrome_trace(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert any(e.get("ph") == "X" and e.get("dur", 0) > 0 for e in events)
 
 
+def test_moe_plan_reports_all_to_all_volume(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--model", "mixtral-8x7b", "--cluster", "h100:8x8", "--seq", "4096", "--global-batch", "256"]
+    even = _json(capsys, *args, "--fixed", "tp=2,dp=32,ep=8,etp=1")
+    skewed = _json(capsys, *args, "--fixed", "tp=2,dp=32,ep=8,etp=1", "--routing-imbalance", "1.5")
+    assert float(even["a2a_bytes"]) > 0  # type: ignore[arg-type]
+    assert float(skewed["a2a_bytes"]) == pytest.approx(1.5 * float(even["a2a_bytes"]))  # type: ignore[arg-type]
+    assert float(skewed["step_time_s"]) > float(even["step_time_s"])  # type: ignore[arg-type]
+    unfolded = _json(capsys, *args, "--fixed", "tp=2,dp=32,ep=8,moe_mapping=unfolded")
+    assert "unfolded" in str(unfolded["plan"])
+    assert main(["plan", *args, "--fixed", "tp=2,dp=32,ep=8,etp=1"]) == 0
+    table = capsys.readouterr().out
+    assert "a2a/dev (GiB)" in table and "etp1" in table
+    dense = _json(capsys, "--model", "llama3-8b", "--cluster", "h100:8x8", "--seq", "2048", "--fixed", "tp=8,dp=8")
+    assert dense["a2a_bytes"] == 0.0
+
+
 @pytest.mark.parametrize(
     ("args", "says"),
     [
         (["--model", "llama3-8b", "--cluster", "tpu:8x1"], "tpu"),
         (["--model", "no-such-model", "--cluster", "h100:8x1"], "no-such-model"),
         (["--model", "llama3-8b", "--cluster", "h100:8x1", "--fixed", "tp=3"], "tp"),
+        (["--model", "mixtral-8x7b", "--cluster", "h100:8x1", "--routing-imbalance", "0.5"], "routing_imbalance"),
+        (
+            [
+                "--model",
+                "mixtral-8x7b",
+                "--cluster",
+                "h100:8x2",
+                "--fixed",
+                "tp=2,dp=8,ep=8,etp=1,moe_mapping=unfolded",
+            ],
+            "etp == tp violated",
+        ),
     ],
 )
 def test_bad_input_is_a_clear_error(args: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
