@@ -434,3 +434,7 @@ def _hf_mixtral() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     )
     cls = _hf_loss_cls(MixtralForCausalLM)
     return _seeded(lambda: cls(config)), _token_inputs(256)
+
+
+# NOTE: imported last: the MoE entries build on the classes above and register themselves.
+from compiler import zoo_moe  # noqa: E402, F401

@@ -26,6 +26,8 @@ CASES: list[tuple[str, tuple[int, ...], tuple[str, ...], Any]] = [
     ("mlp", (8,), ("dp",), "fsdp"),
     ("llama-tiny", (2, 4), ("dp", "tp"), "fsdp+tp"),
     ("mlp", (2, 2, 2), ("dp", "fsdp", "tp"), "ddp+fsdp+tp"),
+    ("deepseek-tiny", (2,), ("dp",), "fsdp"),
+    ("deepseek-tiny", (2,), ("tp",), "tp"),
 ]
 HF_CASES = [
     ("hf-llama", (2,), ("dp",), "fsdp"),
