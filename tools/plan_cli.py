@@ -26,8 +26,10 @@ from rich.console import Console
 from rich.table import Table
 
 from passes.cost import (
+    Cluster,
     ModelSpec,
     ParallelConfig,
+    Ranked,
     TrainSpec,
     from_hf_config,
     parse_cluster,
@@ -104,6 +106,24 @@ def _spec_of(made: Any, name: str) -> ModelSpec:
     )
 
 
+def _search(
+    spec: ModelSpec, cluster: Cluster, train: TrainSpec, mesh: dict[str, int] | None, top: int, quiet: bool
+) -> list[Ranked]:
+    """``search_configs``, with a live count of configurations examined on a terminal's stderr."""
+    console = Console(stderr=True)
+    if quiet or not console.is_terminal:
+        return search_configs(spec, cluster, train, mesh=mesh, top=top)
+    with console.status(f"searching plans for {spec.name} on {cluster}") as status:
+        return search_configs(
+            spec,
+            cluster,
+            train,
+            mesh=mesh,
+            top=top,
+            progress=lambda n: status.update(f"searching plans for {spec.name} on {cluster}: {n:,} examined"),
+        )
+
+
 def _pairs(text: str, flag: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for part in text.split(","):
@@ -136,7 +156,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
         ranked = [(cfg, simulate(spec, cluster, cfg, train))]
     else:
         mesh = _pairs(args.mesh, "--mesh") if args.mesh else None
-        found = search_configs(spec, cluster, train, mesh=mesh, top=args.top)
+        found = _search(spec, cluster, train, mesh, args.top, quiet=args.json)
         if not found:
             raise ValueError(
                 f"no plan for {spec.name} fits {cluster.device.name}'s {cluster.device.hbm_bytes / GIB:.0f} GiB on "

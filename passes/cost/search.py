@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import itertools
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -183,18 +183,22 @@ def search_configs(
     fixed: Mapping[str, Any] | None = None,
     mesh: Mapping[str, int] | MeshLike | None = None,
     top: int = 10,
+    progress: Callable[[int], None] | None = None,
 ) -> list[Ranked]:
     """The ``top`` fastest configurations whose peak memory fits the device, best first.
 
     ``fixed`` pins ParallelConfig fields (e.g. ``{"tp_comm_overlap": True, "zero": 1}``),
     ``mesh`` pins axis sizes (a mapping such as ``{"tp": 8, "pp": 4}`` or an ``ir.Mesh``).
     Returns an empty list when nothing fits; raises ValueError on unknown pins. Ranking is by
-    simulated step time, ties by peak memory then configuration text (deterministic)."""
+    simulated step time, ties by peak memory then configuration text (deterministic).
+    ``progress(n)`` is called with the number of configurations examined, every 1000 of them."""
     if top <= 0:
         return []
     hbm = cluster.device.hbm_bytes
     best: list[tuple[float, float, str, SimResult]] = []
-    for cfg in candidates(model, cluster, train, fixed=fixed, mesh=mesh):
+    for n, cfg in enumerate(candidates(model, cluster, train, fixed=fixed, mesh=mesh)):
+        if progress is not None and n % 1000 == 0:
+            progress(n)
         try:
             cfg.validate(model, cluster, train)
         except ConfigError:

@@ -138,3 +138,10 @@ def test_search_covers_expert_parallelism_for_moe_only() -> None:
     dense = gpt("dense", 8, 1024, 16)
     assert all(c.ep == 1 for c in candidates(dense, cluster, train))
     assert all(r.config.ep == 1 for r in search_configs(dense, cluster, train, top=5))
+
+
+def test_search_reports_progress_as_it_goes() -> None:
+    seen: list[int] = []
+    cluster = parse_cluster("h100:8x8")
+    search_configs(preset("llama3-8b"), cluster, TrainSpec(seq_len=2048, global_batch=512), top=3, progress=seen.append)
+    assert seen[0] == 0 and len(seen) > 2 and seen == sorted(seen), seen
