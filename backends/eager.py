@@ -188,11 +188,16 @@ def _emit(g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext, tab
     if ranged is not None and bounds is not None:
         loaded = tuple(_load(a, env) for a in args)
         node = g.call_function(ranged.impl, (*bounds, *loaded), {k: _load(v, env) for k, v in kwargs.items()})
-        return [node]
+        return _unpacked(g, op, node)
     # NOTE: a view that is valid on the global tensor may not be on a local shard (other strides);
     # in a functional graph reshape computes the same value and copies only when it must.
     target = aten.reshape.default if op.target in (aten.view.default, aten._unsafe_view.default) else op.target
     node = g.call_function(target, tuple(_load(a, env) for a in args), {k: _load(v, env) for k, v in kwargs.items()})
+    return _unpacked(g, op, node)
+
+
+def _unpacked(g: fx.Graph, op: Op, node: fx.Node) -> list[fx.Node]:
+    """One node per result of ``op`` (``getitem``s when the call returns several)."""
     if len(op.results) == 1 and not _returns_sequence(op):
         return [node]
     return [g.call_function(operator.getitem, (node, i)) for i in range(len(op.results))]

@@ -16,11 +16,12 @@ from torch.distributed.device_mesh import DeviceMesh
 import ir
 from backends.eager import RankContext, lower
 from compiler.capture import capture
+from compiler.moe import MoeSpec, expert_overrides, find_experts
 from compiler.pipeline import DEFAULT_PIPELINE
 from compiler.runtime import ParallelModule
 from passes import PassContext, PassError, PassPipeline, parse_size
 from passes.cost.hardware import Cluster, parse_cluster
-from passes.sharding.plans import Plan, axis_roles, default_preset
+from passes.sharding.plans import AUTO, Plan, axis_roles, default_preset
 
 PlanSpec = str | Plan | Mapping[str, Any]
 
@@ -63,6 +64,7 @@ def parallelize(
     pipeline: str = DEFAULT_PIPELINE,
     cluster: str | Cluster | None = None,
     memory: int | str | None = None,
+    moe: Mapping[str, Any] | None = None,
 ) -> Any:
     """Compile ``model`` for ``mesh`` with ``plan`` and return this rank's ``ParallelModule``.
 
@@ -78,10 +80,16 @@ def parallelize(
     ``plan="auto"``: the sharding solve chooses every parameter's and input's layout as well, for
     the hardware ``cluster`` (``"h100:8x1"``; default: gloo ranks on this CPU) under a per-device
     ``memory`` bound (bytes or ``"40GiB"``; default: the cluster's device memory).
+
+    ``moe={"ep": 4, "etp": 1}``: the routed experts of every MoE layer meshfold recognizes (see
+    ``compiler.moe``) get their own mapping of the same ranks: EP ranks split the experts (innermost
+    mesh axes after ETP), the rest of the world (EDP) replicates them, whatever ``plan`` does with
+    attention. Invalid mappings raise before anything runs, naming the rule.
     """
     target = Target(
         parse_cluster(cluster) if isinstance(cluster, str) else cluster,
         parse_size(memory) if isinstance(memory, str) else memory,
+        MoeSpec.of(moe) if moe is not None else None,
     )
     if model is None:
         if mesh is None:
@@ -98,6 +106,7 @@ class Target:
 
     cluster: Cluster | None = None
     memory: int | None = None
+    moe: MoeSpec | None = None
 
 
 def _compile(
@@ -119,6 +128,8 @@ def _compile(
         )
     imesh = ir_mesh(mesh)
     the_plan = to_plan(plan, imesh)
+    if target.moe is not None:
+        the_plan = _with_experts(the_plan, target.moe, model, imesh)
     axis_roles(the_plan, imesh)  # NOTE: a bad preset or axis fails here, before the capture
     ctx = PassContext(mesh=imesh, plan=the_plan, cluster=target.cluster, memory=target.memory)
     compiled = _compile_once(model, example_inputs, pipeline, ctx)
@@ -155,6 +166,16 @@ def _compile_once(model: nn.Module, example_inputs: Sequence[Any], pipeline: str
     if kind != "ok":
         raise PassError(f"compilation failed on rank 0: {text}")
     return ir.parse(text)
+
+
+def _with_experts(plan: Plan, spec: MoeSpec, model: nn.Module, mesh: ir.Mesh) -> Plan:
+    """``plan`` plus the expert weights' layouts from ``moe=`` (they win over the plan's entries)."""
+    if plan.preset == AUTO:
+        raise PassError("plan='auto' chooses the expert mapping itself; drop moe= or name a preset plan")
+    sites, _ = find_experts(model)
+    entries = expert_overrides(spec, sites, mesh)
+    kept = tuple((glob, axes) for glob, axes in plan.overrides if glob not in entries)
+    return Plan(plan.preset, kept + Plan.of(plan.preset, entries).overrides)
 
 
 M = TypeVar("M", bound=nn.Module)

@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import ir
+from compiler.moe import experts_as_ops
 from ir import GraphBuilder, Provenance, Value, tensor_type
 from ir.types import type_of
 
@@ -66,7 +67,7 @@ def capture(
     tensors. ``decompose`` applies :func:`sharding_decompositions` (numerically the same graph).
     """
     graph_name = name or _snake(type(model).__name__)
-    with _fake_copies(model, example_inputs) as (fake_mode, fake_inputs):
+    with _fake_copies(model, example_inputs) as (fake_mode, fake_inputs), experts_as_ops(model):
         gm = _dynamo_capture(model, fake_inputs)
         fqns = _flat_name_to_fqn(gm, model)
         with contextlib.ExitStack() as stack:

@@ -3,6 +3,7 @@
 ``ir`` imports nothing else of meshfold's.
 """
 
+from ir import moe  # NOTE: registers the meshfold.moe_experts ops, so graphs with them parse
 from ir.graph import (
     Arg,
     Graph,
@@ -25,6 +26,7 @@ from ir.types import ScalarType, TensorType, Type, dtype_name, tensor_type, type
 from ir.verifier import VerifyError, verify
 
 __all__ = [
+    "moe",
     "Arg",
     "Graph",
     "GraphBuilder",

@@ -32,6 +32,8 @@ def equivalence(
     steps: int = 2,
     cluster: str | None = None,
     memory: int | None = None,
+    moe: dict[str, Any] | None = None,
+    keep_module: bool = False,
 ) -> dict[str, Any]:
     """Train ``steps`` AdamW steps compiled and single-device side by side; raise on any difference.
     Also returns the parameters' layouts (``plan="auto"`` chooses them)."""
@@ -39,7 +41,7 @@ def equivalence(
     mesh = device_mesh(tuple(shape), tuple(names))
     net, inputs = build(model)
     ref, _ = build(model)
-    pm = parallelize(net, mesh, inputs, plan=plan, cluster=cluster, memory=memory)
+    pm = parallelize(net, mesh, inputs, plan=plan, cluster=cluster, memory=memory, moe=moe)
     names_pm = [n for n, _ in pm.named_parameters()]
     assert names_pm == [n for n, _ in ref.named_parameters()], "parameter FQNs differ from the model's"
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
@@ -76,7 +78,10 @@ def equivalence(
             msg=lambda m, n=name: f"param {n} after {steps} steps: {m}",
         )
     layouts = {i.name: str(i.value.layout) for i in pm.graph().inputs if i.kind == "param"}
-    return {"worst_grad_abs_diff": worst, "loss": float(loss), "layouts": layouts}
+    out: dict[str, Any] = {"worst_grad_abs_diff": worst, "loss": float(loss), "layouts": layouts}
+    if keep_module:
+        out["module"] = pm
+    return out
 
 
 def verify_mode(model: str, shape: tuple[int, ...], names: tuple[str, ...], plan: Any, corrupt: str = "") -> str:

@@ -78,7 +78,8 @@ def test_every_op_carries_phase_module_and_source(name: str) -> None:
     with_source = [op for op in g.ops if op.prov.source]
     assert len(with_source) >= 0.9 * len(g.ops)
     if name not in HF:
-        assert all(op.prov.source.startswith(("zoo.py:", "zoo_moe.py:")) for op in with_source if op.prov.phase == "fwd")
+        ours = ("zoo.py:", "zoo_moe.py:")
+        assert all(op.prov.source.startswith(ours) for op in with_source if op.prov.phase == "fwd")
 
 
 @pytest.mark.parametrize("name", CASES)

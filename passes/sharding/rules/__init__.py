@@ -15,6 +15,7 @@ from passes.sharding.rules import (
     embedding,
     indexing,
     matmul,
+    moe,
     norm,
     pointwise,
     reduction,
@@ -38,6 +39,7 @@ FAMILIES: tuple[RuleSet, ...] = (
     embedding.RULES,
     indexing.RULES,
     creation.RULES,
+    moe.RULES,
 )
 
 Source = Literal["rule", "dtensor", "replicate"]

@@ -1,0 +1,194 @@
+"""Finding MoE layers in unmodified models, and the expert mapping a user asks for with ``moe=``.
+
+Detection walks the module tree before capture. An experts module in the transformers style (one
+``[E, 2I, H]`` gate/up weight and one ``[E, H, I]`` down weight, called as
+``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``) is captured as the single op
+``meshfold.moe_experts`` (``ir.moe``), whatever kernel it would have run (eager loop, batched or
+grouped GEMM): its routing stays ordinary ops, its experts become one op the sharding pass can
+split by expert. MoE code written against ``ir.moe.experts`` (exported as
+``compiler.moe_experts``) arrives as that op already. An MoE layer whose experts are anything else
+(an ``nn.ModuleList`` run one by one, biases, a layout we do not know) is left as it is: its
+experts stay replicated, and a warning names the layer.
+
+``MoeSpec`` is ``parallelize(..., moe={"ep": 4, "etp": 1})``: the experts' own factorization of the
+same ranks (ETP innermost, then EP, then EDP, as Megatron-Core orders them), mapped onto whole mesh
+axes; ``expert_overrides`` turns it into plan entries for every expert weight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import ir
+from ir.moe import ACTIVATIONS, experts
+from passes import PassError
+
+# NOTE: transformers' hidden_act names for the activations ir.moe implements.
+_HF_ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
+_HF_FLAGS = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True}
+
+
+@dataclass(frozen=True)
+class ExpertsSite:
+    """One experts module captured as ``meshfold.moe_experts``."""
+
+    path: str
+    gate_up: str
+    """FQN of the ``[E, 2I, H]`` gate/up weight."""
+    down: str
+    """FQN of the ``[E, H, I]`` down weight."""
+    act: str
+    num_experts: int
+
+
+def find_experts(model: nn.Module) -> tuple[list[ExpertsSite], list[str]]:
+    """The experts modules meshfold folds, and a warning per MoE layer it leaves replicated."""
+    sites: list[ExpertsSite] = []
+    notes: list[str] = []
+    for path, mod in model.named_modules():
+        site, why = _as_site(path, mod)
+        if site is not None:
+            sites.append(site)
+        elif why:
+            notes.append(why)
+    return sites, notes
+
+
+def _as_site(path: str, mod: nn.Module) -> tuple[ExpertsSite | None, str]:
+    gate_up, down = mod._parameters.get("gate_up_proj"), mod._parameters.get("down_proj")
+    where = f"MoE layer {path or '<root>'} ({type(mod).__name__})"
+    if gate_up is not None and down is not None and gate_up.dim() == 3 and down.dim() == 3:
+        flags = {k: getattr(mod, k, v) for k, v in _HF_FLAGS.items()}
+        wrong = [k for k, v in _HF_FLAGS.items() if flags[k] != v] + (
+            ["has_post_expert_norm"] if getattr(mod, "has_post_expert_norm", False) else []
+        )
+        act = _HF_ACTS.get(str(getattr(getattr(mod, "config", None), "hidden_act", "")))
+        shapes_ok = gate_up.shape[0] == down.shape[0] and gate_up.shape[1] == 2 * down.shape[2]
+        if wrong or act is None or not shapes_ok:
+            reason = f"unsupported experts layout ({', '.join(wrong)})" if wrong else "an unknown activation or shape"
+            return None, f"{where}: {reason}; its experts stay replicated"
+        prefix = f"{path}." if path else ""
+        return ExpertsSite(path, prefix + "gate_up_proj", prefix + "down_proj", act, int(gate_up.shape[0])), ""
+    experts_list = getattr(mod, "experts", None)
+    if isinstance(experts_list, nn.ModuleList) and len(experts_list) > 1:
+        return None, (
+            f"{where}: its {len(experts_list)} experts are an nn.ModuleList run one by one, which meshfold does "
+            "not split by expert; they stay replicated (call compiler.moe_experts with stacked [E, ...] weights "
+            "to have them folded)"
+        )
+    return None, ""
+
+
+@contextlib.contextmanager
+def experts_as_ops(model: nn.Module) -> Iterator[list[ExpertsSite]]:
+    """For the duration of a capture, every recognized experts module runs ``meshfold.moe_experts``;
+    warnings name the MoE layers left as they are. The model is restored afterwards."""
+    sites, notes = find_experts(model)
+    for note in notes:
+        warnings.warn(note, stacklevel=3)
+    modules = dict(model.named_modules())
+    patched: list[nn.Module] = []
+    try:
+        for site in sites:
+            mod = modules[site.path]
+            mod.forward = types.MethodType(_folded_forward(site.act), mod)  # type: ignore[method-assign]
+            patched.append(mod)
+        yield sites
+    finally:
+        for mod in patched:
+            del mod.forward
+
+
+def _folded_forward(act: str) -> Any:
+    def forward(
+        self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        return experts(hidden, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, act)  # type: ignore[arg-type]
+
+    return forward
+
+
+DISPATCHERS = ("allgather", "alltoall")
+
+
+@dataclass(frozen=True)
+class MoeSpec:
+    """The expert mapping: ``ep`` ranks split the experts, ``etp`` split each expert; the remaining
+    factor of the world (EDP) holds replicas whose gradients are reduced among themselves."""
+
+    ep: int = 1
+    etp: int = 1
+    dispatcher: str = "allgather"
+    capacity_factor: float | None = None
+    hierarchical: bool = False
+
+    @staticmethod
+    def of(spec: Mapping[str, Any]) -> MoeSpec:
+        known = set(MoeSpec.__dataclass_fields__)
+        unknown = sorted(set(spec) - known)
+        if unknown:
+            raise PassError(f"moe={dict(spec)!r}: unknown keys {unknown}; known: {sorted(known)}")
+        out = MoeSpec(**dict(spec))
+        if out.dispatcher not in DISPATCHERS:
+            raise PassError(f"moe dispatcher {out.dispatcher!r}: use one of {', '.join(DISPATCHERS)}")
+        if out.ep < 1 or out.etp < 1:
+            raise PassError(f"moe={dict(spec)!r}: ep and etp must be positive")
+        return out
+
+    def axes(self, mesh: ir.Mesh) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
+        """(etp, ep, edp) mesh axes: ETP takes the innermost axes, EP the next, EDP the rest, each a
+        product of whole axes (Megatron-Core's tp-cp-ep-dp order on the expert side)."""
+        names = list(reversed(mesh.names))
+        picked: list[tuple[str, ...]] = []
+        for what, size in (("etp", self.etp), ("ep", self.ep)):
+            taken: list[str] = []
+            prod = 1
+            while prod < size and names:
+                taken.append(names.pop(0))
+                prod *= mesh.size(taken[-1])
+            if prod != size:
+                raise PassError(
+                    f"moe {what}={size} on mesh {mesh}: experts map {what} onto whole mesh axes, innermost first "
+                    f"(after etp), and no such run of axes has {size} ranks"
+                )
+            picked.append(tuple(reversed(taken)))
+        return picked[0], picked[1], tuple(reversed(names))
+
+
+def expert_overrides(spec: MoeSpec, sites: list[ExpertsSite], mesh: ir.Mesh) -> dict[str, dict[str, str]]:
+    """Plan entries placing every expert weight: its expert dim split over the EP axes, whole on the
+    EDP axes. Raises,
+    naming the rule, for mappings Megatron-Core's constraints (or this version) rule out."""
+    if not sites:
+        raise PassError(
+            "moe= was given but the model has no MoE layer meshfold can fold (see the warnings naming its MoE "
+            "layers, or write the experts with compiler.moe_experts)"
+        )
+    if spec.etp != 1:
+        raise PassError(f"moe etp={spec.etp}: splitting each expert (ETP > 1) is not available yet; use etp=1")
+    if spec.dispatcher != "allgather" or spec.capacity_factor is not None or spec.hierarchical:
+        raise PassError(
+            "moe: only the dropless all-gather dispatcher is available yet "
+            "(dispatcher='allgather', capacity_factor=None, hierarchical=False)"
+        )
+    _, ep_axes, edp_axes = spec.axes(mesh)
+    out: dict[str, dict[str, str]] = {}
+    for site in sites:
+        if site.num_experts % spec.ep:
+            raise PassError(f"moe ep={spec.ep}: {site.path} has {site.num_experts} experts; num_experts % ep must be 0")
+        for fqn in (site.gate_up, site.down):
+            # NOTE: replicas over EDP, whatever the plan does there: their gradients are reduced over
+            # the EDP axes only, and the experts are never gathered across EP.
+            out[fqn] = {axis: "S(0)" for axis in ep_axes} | {axis: "R" for axis in edp_axes}
+    return out
+
+
+__all__ = ["ACTIVATIONS", "DISPATCHERS", "ExpertsSite", "MoeSpec", "expert_overrides", "experts_as_ops", "find_experts"]

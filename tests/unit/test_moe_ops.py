@@ -1,0 +1,129 @@
+"""The routed-experts op against a token-by-token reference, its registration, and how ``moe=``
+specs map onto meshes (and are refused, naming the rule)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import ir
+from compiler.moe import ExpertsSite, MoeSpec, expert_overrides, find_experts
+from compiler.zoo import build
+from ir.moe import EXPERTS, experts, experts_range
+from passes import PassError
+
+T, H, INTER, E, K = 12, 8, 6, 4, 2
+
+
+def _inputs(seed: int = 0) -> tuple[torch.Tensor, ...]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, H, generator=g)
+    idx = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    weights = torch.rand(T, K, generator=g)
+    return hidden, idx, weights, torch.randn(E, 2 * INTER, H, generator=g), torch.randn(E, H, INTER, generator=g)
+
+
+def _reference(hidden, idx, weights, gate_up, down):  # type: ignore[no-untyped-def]
+    rows = []
+    for t in range(T):
+        acc = torch.zeros(H)
+        for j in range(K):
+            e = int(idx[t, j])
+            g, u = (gate_up[e] @ hidden[t]).chunk(2)
+            acc = acc + weights[t, j] * (down[e] @ (F.silu(g) * u))
+        rows.append(acc)
+    return torch.stack(rows)
+
+
+def test_op_equals_token_by_token_reference_with_gradients() -> None:
+    args = [a.requires_grad_(a.is_floating_point()) for a in _inputs()]
+    got, want = experts(*args), _reference(*args)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    seed = torch.randn(T, H)
+    diff = [args[0], args[2], args[3], args[4]]
+    for a, b in zip(torch.autograd.grad(got, diff, seed), torch.autograd.grad(want, diff, seed), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_expert_shares_sum_to_the_whole() -> None:
+    hidden, idx, weights, gate_up, down = _inputs(1)
+    whole = experts(hidden, idx, weights, gate_up, down)
+    halves = [experts_range(lo, hidden, idx, weights, gate_up[lo : lo + 2], down[lo : lo + 2], "silu") for lo in (0, 2)]
+    torch.testing.assert_close(halves[0] + halves[1], whole)
+    assert not torch.equal(halves[0], whole)
+
+
+def test_op_is_registered_for_capture() -> None:
+    result = torch.library.opcheck(EXPERTS, (*_inputs(2), "silu"))
+    assert set(result.values()) == {"SUCCESS"}, result
+
+
+def test_hf_experts_are_found_and_modulelist_experts_are_named_in_a_warning() -> None:
+    pytest.importorskip("transformers")
+    model, _ = build("hf-mixtral")
+    sites, notes = find_experts(model)
+    assert [s.path for s in sites] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
+    assert {s.act for s in sites} == {"silu"} and {s.num_experts for s in sites} == {4}
+    assert notes == []
+    tiny, _ = build("mixtral-tiny")
+    sites, notes = find_experts(tiny)
+    assert sites == []
+    assert len(notes) == 2 and "layers.0.block_sparse_moe" in notes[0] and "stay replicated" in notes[0]
+
+
+def test_capture_warns_about_experts_it_cannot_fold() -> None:
+    from compiler import capture
+
+    model, inputs = build("mixtral-tiny")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        capture(model, inputs)
+    assert any("layers.1.block_sparse_moe" in str(w.message) for w in caught)
+
+
+MESH = ir.Mesh.parse("dp=2,tp=2")
+SITE = [ExpertsSite("m.experts", "m.experts.gate_up_proj", "m.experts.down_proj", "silu", 4)]
+
+
+@pytest.mark.parametrize(
+    ("spec", "expect"),
+    [
+        ({"ep": 4}, {"dp": "S(0)", "tp": "S(0)"}),
+        ({"ep": 2}, {"tp": "S(0)", "dp": "R"}),
+        ({"ep": 1}, {"dp": "R", "tp": "R"}),
+    ],
+)
+def test_ep_maps_onto_the_innermost_axes(spec: dict[str, int], expect: dict[str, str]) -> None:
+    out = expert_overrides(MoeSpec.of(spec), SITE, MESH)
+    assert out == {"m.experts.gate_up_proj": expect, "m.experts.down_proj": expect}
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"ep": 3}, "no such run of axes has 3 ranks"),
+        ({"ep": 8}, "no such run of axes has 8 ranks"),
+        ({"ep": 4, "etp": 2}, "ETP > 1"),
+        ({"ep": 2, "dispatcher": "alltoall"}, "dispatcher"),
+        ({"ep": 2, "capacity_factor": 1.0}, "capacity_factor"),
+        ({"ep": 2, "bogus": 1}, "unknown keys"),
+        ({"ep": 2, "dispatcher": "teleport"}, "use one of"),
+    ],
+)
+def test_invalid_mappings_are_refused_naming_the_rule(spec: dict[str, object], message: str) -> None:
+    with pytest.raises(PassError, match=message):
+        expert_overrides(MoeSpec.of(spec), SITE, MESH)
+
+
+def test_expert_count_must_divide_by_ep() -> None:
+    three = [ExpertsSite("m.experts", "a", "b", "silu", 6)]
+    with pytest.raises(PassError, match="num_experts % ep must be 0"):
+        expert_overrides(MoeSpec.of({"ep": 4}), three, MESH)
+
+
+def test_moe_without_foldable_experts_is_refused() -> None:
+    with pytest.raises(PassError, match="no MoE layer meshfold can fold"):
+        expert_overrides(MoeSpec.of({"ep": 2}), [], MESH)
