@@ -51,6 +51,8 @@ def op_flops(op: Op) -> float:
         except (TypeError, ValueError, IndexError):
             return 0.0
     name = str(packet or "")
+    if name.startswith("meshfold.moe_experts"):
+        return _experts_flops(op, backward=name.endswith("backward"))
     if "attention" in name:
         q, k = (v.type for v in op.operands[:2])
         assert isinstance(q, TensorType) and isinstance(k, TensorType)
@@ -58,3 +60,14 @@ def op_flops(op: Op) -> float:
         fwd = 4.0 * b * h * s * int(k.shape[-2]) * d
         return fwd * 2.5 if "backward" in name else fwd
     return 0.0
+
+
+def _experts_flops(op: Op, backward: bool) -> float:
+    """Routed experts: per token and choice, a gated MLP (three GEMMs of H x I); twice that backward."""
+    at = 1 if backward else 0
+    hidden, idx, down = (op.operands[at].type, op.operands[at + 1].type, op.operands[at + 4].type)
+    assert isinstance(hidden, TensorType) and isinstance(idx, TensorType) and isinstance(down, TensorType)
+    tokens, k = int(idx.shape[0]), int(idx.shape[1])
+    h, inter = int(down.shape[1]), int(down.shape[2])
+    fwd = 6.0 * tokens * k * h * inter
+    return 2 * fwd if backward else fwd

@@ -1,0 +1,51 @@
+"""plan='auto' chooses the expert mapping: on H100s a Mixtral-shaped layer's experts are split by
+expert (each device computes only the tokens routed to its own experts)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import ir
+from compiler import capture
+from ir.moe import EXPERTS, EXPERTS_BACKWARD
+from passes import PassContext, parse_pipeline
+from passes.cost.hardware import parse_cluster
+from passes.sharding.opwork import op_flops
+from passes.sharding.plans import Plan
+
+
+@pytest.mark.hf
+def test_auto_plan_splits_experts_by_expert() -> None:
+    pytest.importorskip("transformers")
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    from compiler.zoo import _hf_loss_cls
+
+    config = MixtralConfig(
+        vocab_size=1024,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=1,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        num_local_experts=8,
+        num_experts_per_tok=2,
+        attn_implementation="sdpa",
+    )
+    with torch.device("meta"):
+        model = _hf_loss_cls(MixtralForCausalLM)(config)
+    ids = torch.zeros(8, 256, dtype=torch.long)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        g = capture(model, (ids, ids))
+    experts = [op for op in g.ops if op.target in (EXPERTS, EXPERTS_BACKWARD)]
+    # NOTE: 2048 tokens x top-2 x three 512x1024 GEMMs, twice that backward
+    assert [op_flops(op) for op in experts] == [6.0 * 2048 * 2 * 512 * 1024, 12.0 * 2048 * 2 * 512 * 1024]
+    ctx = PassContext(mesh=ir.Mesh.parse("ep=8"), plan=Plan.of("auto"), cluster=parse_cluster("h100:8x1"))
+    out, _ = parse_pipeline("cleanup,sharding{time-limit=5},boxing,verify").run(ctx, g)
+    layouts = {i.name: i.value.layout for i in out.inputs}
+    for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"):
+        assert layouts[name].placement("ep") == ir.Shard(0), layouts[name]
