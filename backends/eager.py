@@ -19,8 +19,10 @@ import torch
 import torch.fx as fx
 
 import ir
+from backends.moe import exchange_backward, exchange_forward
 from ir import Graph, Layout, Op, OpDef, Shard, TensorType, Value
 from ir.graph import Arg
+from ir.moe import EXPERTS, EXPERTS_BACKWARD
 from ir.ops import (
     ALL_GATHER,
     ALL_GATHER_BUCKET,
@@ -45,6 +47,8 @@ class RankContext:
     mesh: ir.Mesh
     coordinate: tuple[int, ...]
     group_names: tuple[str, ...]
+    flat_groups: tuple[tuple[tuple[str, ...], str], ...] = ()
+    """Groups over several mesh axes at once (``exchange_axes`` says which a graph needs)."""
 
     def size(self, axis: str) -> int:
         return self.mesh.size(axis)
@@ -54,6 +58,15 @@ class RankContext:
 
     def group(self, axis: str) -> str:
         return self.group_names[self.mesh.index(axis)]
+
+    def group_over(self, axes: tuple[str, ...]) -> str:
+        """The process group spanning ``axes`` (in mesh order), ranks numbered row-major."""
+        if len(axes) == 1:
+            return self.group(axes[0])
+        for key, name in self.flat_groups:
+            if key == axes:
+                return name
+        raise ValueError(f"no process group over mesh axes {axes}; create it before lowering (exchange_axes)")
 
 
 def local_shape(t: TensorType, layout: Layout, mesh: ir.Mesh) -> tuple[int, ...]:
@@ -183,6 +196,13 @@ def _emit(g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext, tab
             local_shape(r.type, r.layout, rank.mesh) if isinstance(r.type, TensorType) else () for r in op.results
         )
         args, kwargs = loc(op, shapes)
+    exchange = _exchange_call(op, rank)
+    if exchange is not None:
+        fn, peers = exchange
+        node = g.call_function(
+            fn, (*peers, *(_load(a, env) for a in args)), {k: _load(v, env) for k, v in kwargs.items()}
+        )
+        return _unpacked(g, op, node)
     ranged = table.ranged.get(op.target)
     bounds = _slice_bounds(op, ranged.where(op), rank) if ranged is not None else None
     if ranged is not None and bounds is not None:
@@ -332,3 +352,55 @@ def _chunk(g: fx.Graph, x: fx.Node, dim: int, n: int, coord: int) -> fx.Node:
     parts = g.call_function(aten.chunk.default, (x, n, dim))
     piece = g.call_function(operator.getitem, (parts, coord))
     return g.call_function(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
+
+
+# NOTE: (tokens operand, expert-weight operand) of the ops that exchange tokens themselves.
+_EXCHANGES = {EXPERTS: (0, 3, exchange_forward), EXPERTS_BACKWARD: (1, 4, exchange_backward)}
+
+
+def _exchange_over(op: Op) -> tuple[str, ...]:
+    """Mesh axes over which ``op`` (a routed-experts op) splits tokens and experts alike."""
+    if op.target not in _EXCHANGES:
+        return ()
+    tokens, weights, _ = _EXCHANGES[op.target]
+    t, w = op.operands[tokens].layout, op.operands[weights].layout
+    s0 = Shard(0)
+    return tuple(a for a in t.axes if t.placement(a) == s0 and w.placement(a) == s0)
+
+
+def exchange_axes(graph: Graph) -> list[tuple[str, ...]]:
+    """The multi-axis groups lowering ``graph`` needs (see ``RankContext.flat_groups``)."""
+    out: list[tuple[str, ...]] = []
+    for op in graph.ops:
+        axes = _exchange_over(op)
+        if len(axes) > 1 and axes not in out:
+            out.append(axes)
+    return out
+
+
+def _exchange_call(op: Op, rank: RankContext) -> tuple[Any, tuple[Any, ...]] | None:
+    """The all-to-all dispatcher's function and its peer description, when ``op`` needs one."""
+    axes = tuple(a for a in rank.mesh.names if a in _exchange_over(op))
+    if not axes:
+        return None
+    _, weights, fn = _EXCHANGES[op.target]
+    w = op.operands[weights]
+    assert isinstance(w.type, TensorType)
+    coords = [rank.coordinate]
+    for a in axes:  # NOTE: peers in row-major order over the exchange axes
+        i = rank.mesh.index(a)
+        coords = [(*c[:i], j, *c[i + 1 :]) for c in coords for j in range(rank.size(a))]
+    los = tuple(_expert_lo(w, rank.mesh, c) for c in coords)
+    size = local_shape(w.type, w.layout, rank.mesh)[0]
+    return fn, (rank.group_over(axes), coords.index(rank.coordinate), los, size)
+
+
+def _expert_lo(w: Value, mesh: ir.Mesh, coordinate: tuple[int, ...]) -> int:
+    """First expert a rank at ``coordinate`` holds of the expert weight ``w`` (dim 0)."""
+    assert isinstance(w.type, TensorType)
+    chunk, lo = int(w.type.shape[0]), 0
+    for axis, p in zip(w.layout.axes, w.layout.placements, strict=True):
+        if isinstance(p, Shard) and p.dim == 0:
+            chunk //= mesh.size(axis)
+            lo += coordinate[mesh.index(axis)] * chunk
+    return lo

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 import ir
-from backends.eager import RankContext, lower
+from backends.eager import RankContext, exchange_axes, lower
 from compiler.capture import capture
 from compiler.moe import MoeSpec, expert_overrides, find_experts
 from compiler.pipeline import DEFAULT_PIPELINE
@@ -132,18 +132,22 @@ def _compile(
         the_plan = _with_experts(the_plan, target.moe, model, imesh)
     axis_roles(the_plan, imesh)  # NOTE: a bad preset or axis fails here, before the capture
     ctx = PassContext(mesh=imesh, plan=the_plan, cluster=target.cluster, memory=target.memory)
-    compiled = _compile_once(model, example_inputs, pipeline, ctx)
+    compiled = _compile_once(model, example_inputs, pipeline, ctx, target.moe)
     coordinate = mesh.get_coordinate()
     assert coordinate is not None, "this rank is not in the mesh"
     groups = tuple(mesh.get_group(i).group_name for i in range(mesh.ndim))
-    rank = RankContext(imesh, tuple(coordinate), groups)
+    # NOTE: every rank compiled the same graph, so all create the same groups in the same order
+    flat = tuple((axes, mesh[axes]._flatten().get_group().group_name) for axes in exchange_axes(compiled))
+    rank = RankContext(imesh, tuple(coordinate), groups, flat)
     lowered = lower(compiled, rank)
     checked = (lower(compiled, rank, record=True), rank) if verify else None
     n_out = sum(1 for o in compiled.outputs if o.kind == "out")
     return ParallelModule(model, mesh, compiled, lowered, output_is_tuple=n_out > 1, verify_with=checked)
 
 
-def _compile_once(model: nn.Module, example_inputs: Sequence[Any], pipeline: str, ctx: PassContext) -> ir.Graph:
+def _compile_once(
+    model: nn.Module, example_inputs: Sequence[Any], pipeline: str, ctx: PassContext, moe: MoeSpec | None = None
+) -> ir.Graph:
     """Capture and run the pipeline on rank 0 only; every rank gets the graph as IR text.
 
     NOTE: one plan for all ranks by construction (the sharding solve may stop at a time limit,
@@ -154,7 +158,7 @@ def _compile_once(model: nn.Module, example_inputs: Sequence[Any], pipeline: str
         try:
             if sys.stderr.isatty():
                 ctx.status = Console(stderr=True).status
-            graph = capture(model, example_inputs)
+            graph = capture(model, example_inputs, moe=moe)
             compiled, _ = PassPipeline.parse(pipeline).run(ctx, graph)
             payload[0] = ("ok", str(compiled))
         except Exception as e:
@@ -175,7 +179,7 @@ def _with_experts(plan: Plan, spec: MoeSpec, model: nn.Module, mesh: ir.Mesh) ->
     sites, _ = find_experts(model)
     entries = expert_overrides(spec, sites, mesh)
     kept = tuple((glob, axes) for glob, axes in plan.overrides if glob not in entries)
-    return Plan(plan.preset, kept + Plan.of(plan.preset, entries).overrides)
+    return Plan(plan.preset, kept + Plan.of(plan.preset, entries).overrides, tuple(entries))
 
 
 M = TypeVar("M", bound=nn.Module)

@@ -28,7 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import ir
-from compiler.moe import experts_as_ops
+from compiler.moe import MoeSpec, experts_as_ops
 from ir import GraphBuilder, Provenance, Value, tensor_type
 from ir.types import type_of
 
@@ -56,7 +56,12 @@ def sharding_decompositions() -> dict[Any, Any]:
 
 
 def capture(
-    model: nn.Module, example_inputs: Sequence[Any], *, name: str | None = None, decompose: bool = True
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    *,
+    name: str | None = None,
+    decompose: bool = True,
+    moe: MoeSpec | None = None,
 ) -> ir.Graph:
     """Capture ``model(*example_inputs)`` and its backward as one joint ``ir.Graph``.
 
@@ -65,9 +70,11 @@ def capture(
     model's outputs, ``grad(fqn)`` for every parameter gradient and ``update(fqn)`` for the new
     value of every buffer the forward updates in place (e.g. running statistics). Runs on fake
     tensors. ``decompose`` applies :func:`sharding_decompositions` (numerically the same graph).
+    Recognized MoE experts become ``meshfold.moe_experts`` ops, with ``moe``'s capacity and
+    dispatcher when given (``compiler.moe``).
     """
     graph_name = name or _snake(type(model).__name__)
-    with _fake_copies(model, example_inputs) as (fake_mode, fake_inputs), experts_as_ops(model):
+    with _fake_copies(model, example_inputs) as (fake_mode, fake_inputs), experts_as_ops(model, moe):
         gm = _dynamo_capture(model, fake_inputs)
         fqns = _flat_name_to_fqn(gm, model)
         with contextlib.ExitStack() as stack:

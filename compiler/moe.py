@@ -88,9 +88,13 @@ def _as_site(path: str, mod: nn.Module) -> tuple[ExpertsSite | None, str]:
 
 
 @contextlib.contextmanager
-def experts_as_ops(model: nn.Module) -> Iterator[list[ExpertsSite]]:
-    """For the duration of a capture, every recognized experts module runs ``meshfold.moe_experts``;
-    warnings name the MoE layers left as they are. The model is restored afterwards."""
+def experts_as_ops(model: nn.Module, spec: MoeSpec | None = None) -> Iterator[list[ExpertsSite]]:
+    """For the duration of a capture, every recognized experts module runs ``meshfold.moe_experts``
+    (with ``spec``'s capacity, drop policy and dispatcher); warnings name the MoE layers left as
+    they are. The model is restored afterwards. Without ``spec``: dropless, any dispatcher."""
+    options = (
+        ("any", 0.0, "probs") if spec is None else (spec.dispatcher, spec.capacity_factor or 0.0, spec.drop_policy)
+    )
     sites, notes = find_experts(model)
     for note in notes:
         warnings.warn(note, stacklevel=3)
@@ -99,7 +103,7 @@ def experts_as_ops(model: nn.Module) -> Iterator[list[ExpertsSite]]:
     try:
         for site in sites:
             mod = modules[site.path]
-            mod.forward = types.MethodType(_folded_forward(site.act), mod)  # type: ignore[method-assign]
+            mod.forward = types.MethodType(_folded_forward(site.act, *options), mod)  # type: ignore[method-assign]
             patched.append(mod)
         yield sites
     finally:
@@ -107,16 +111,27 @@ def experts_as_ops(model: nn.Module) -> Iterator[list[ExpertsSite]]:
             del mod.forward
 
 
-def _folded_forward(act: str) -> Any:
+def _folded_forward(act: str, dispatcher: str, capacity_factor: float, policy: str) -> Any:
     def forward(
         self: nn.Module, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
-        return experts(hidden, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, act)  # type: ignore[arg-type]
+        return experts(
+            hidden,
+            top_k_index,
+            top_k_weights,
+            self.gate_up_proj,  # type: ignore[arg-type]
+            self.down_proj,  # type: ignore[arg-type]
+            act,
+            capacity_factor,
+            policy,
+            dispatcher,
+        )
 
     return forward
 
 
 DISPATCHERS = ("allgather", "alltoall")
+DROP_POLICIES = ("probs", "position")
 
 
 @dataclass(frozen=True)
@@ -126,8 +141,11 @@ class MoeSpec:
 
     ep: int = 1
     etp: int = 1
-    dispatcher: str = "allgather"
+    dispatcher: str = "alltoall"
     capacity_factor: float | None = None
+    """None: dropless; else each expert takes at most ``ceil(tokens * k / E * factor)`` pairs."""
+    drop_policy: str = "probs"
+    """Which pairs an expert over capacity keeps: highest routing weight, or earliest position."""
     hierarchical: bool = False
 
     @staticmethod
@@ -139,6 +157,10 @@ class MoeSpec:
         out = MoeSpec(**dict(spec))
         if out.dispatcher not in DISPATCHERS:
             raise PassError(f"moe dispatcher {out.dispatcher!r}: use one of {', '.join(DISPATCHERS)}")
+        if out.drop_policy not in DROP_POLICIES:
+            raise PassError(f"moe drop_policy {out.drop_policy!r}: use one of {', '.join(DROP_POLICIES)}")
+        if out.capacity_factor is not None and out.capacity_factor <= 0:
+            raise PassError(f"moe capacity_factor={out.capacity_factor}: use a positive factor, or None for dropless")
         if out.ep < 1 or out.etp < 1:
             raise PassError(f"moe={dict(spec)!r}: ep and etp must be positive")
         return out
@@ -174,11 +196,8 @@ def expert_overrides(spec: MoeSpec, sites: list[ExpertsSite], mesh: ir.Mesh) -> 
         )
     if spec.etp != 1:
         raise PassError(f"moe etp={spec.etp}: splitting each expert (ETP > 1) is not available yet; use etp=1")
-    if spec.dispatcher != "allgather" or spec.capacity_factor is not None or spec.hierarchical:
-        raise PassError(
-            "moe: only the dropless all-gather dispatcher is available yet "
-            "(dispatcher='allgather', capacity_factor=None, hierarchical=False)"
-        )
+    if spec.hierarchical:
+        raise PassError("moe hierarchical=True: the two-level all-to-all is not available yet; use hierarchical=False")
     _, ep_axes, edp_axes = spec.axes(mesh)
     out: dict[str, dict[str, str]] = {}
     for site in sites:

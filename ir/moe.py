@@ -17,6 +17,7 @@ expert weights are sharded; every other token row is zero, so shares sum to the 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -53,6 +54,93 @@ def _check(hidden: torch.Tensor, idx: torch.Tensor, w_gate_up: torch.Tensor, w_d
         )
 
 
+def capacity_of(tokens: int, k: int, num_experts: int, factor: float) -> int:
+    """Per-expert capacity for ``factor`` (0: dropless), over all ``tokens`` of the op's input."""
+    return 0 if factor <= 0 else math.ceil(tokens * k / num_experts * factor)
+
+
+def kept(experts: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, capacity: int, policy: str) -> torch.Tensor:
+    """Which (token, choice) pairs an expert computes when it takes at most ``capacity`` of them:
+    by ``policy`` "probs" its highest routing weights, "position" its earliest tokens (ties go to the
+    earlier position). ``pos`` is each pair's row-major position in the whole batch."""
+    keep = torch.ones_like(experts, dtype=torch.bool)
+    if capacity <= 0:
+        return keep
+    order = torch.argsort(pos, stable=True)
+    if policy == "probs":
+        order = order[torch.argsort(-weights[order], stable=True)]
+    ranked = experts[order]
+    # NOTE: rank of each pair among its expert's pairs in policy order
+    by_expert = torch.argsort(ranked, stable=True)
+    counts = torch.bincount(ranked)
+    starts = torch.cumsum(counts, 0) - counts
+    rank_in_expert = torch.empty_like(by_expert)
+    rank_in_expert[by_expert] = torch.arange(len(by_expert)) - starts[ranked[by_expert]]
+    keep[order] = rank_in_expert < capacity
+    return keep
+
+
+def pair_outputs(
+    local: torch.Tensor, x: torch.Tensor, w: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, act: str
+) -> torch.Tensor:
+    """``w * expert(x)`` per (token, choice) pair; ``local`` indexes the given experts' weights."""
+    out = torch.zeros_like(x)
+    inter, fn = w_down.size(2), ACTIVATIONS[act]
+    for e in range(w_down.size(0)):
+        rows = torch.where(local == e)[0]
+        if rows.numel() == 0:
+            continue
+        gu = x[rows] @ w_gate_up[e].t()
+        o = (fn(gu[:, :inter]) * gu[:, inter:]) @ w_down[e].t()
+        out[rows] = (o * w[rows, None]).to(out.dtype)
+    return out
+
+
+def pair_grads(
+    local: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    dy: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    act: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of :func:`pair_outputs` given each pair's incoming ``dy``: per pair d_x and d_w,
+    and the given experts' d_gate_up and d_down (summed over their pairs)."""
+    dx, dw = torch.zeros_like(x), torch.zeros_like(w)
+    d_gate_up, d_down = torch.zeros_like(w_gate_up), torch.zeros_like(w_down)
+    inter, fn = w_down.size(2), ACTIVATIONS[act]
+    for e in range(w_down.size(0)):
+        rows = torch.where(local == e)[0]
+        if rows.numel() == 0:
+            continue
+        xe, dye = x[rows], dy[rows]
+        gu = xe @ w_gate_up[e].t()
+        g, u = gu[:, :inter], gu[:, inter:]
+        a = fn(g)
+        z = a * u
+        o = z @ w_down[e].t()
+        dw[rows] = (dye * o).sum(-1).to(dw.dtype)
+        do = dye * w[rows, None].to(dye.dtype)
+        d_down[e] = do.t() @ z
+        dz = do @ w_down[e]
+        dgu = torch.cat((_act_backward(act, dz * u, g), dz * a), dim=-1)
+        d_gate_up[e] = dgu.t() @ xe
+        dx[rows] = dgu @ w_gate_up[e]
+    return dx, dw, d_gate_up, d_down
+
+
+def _my_pairs(
+    lo: int, idx: torch.Tensor, weights: torch.Tensor, n_local: int, capacity: int, policy: str
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(token, choice, local expert) of the pairs experts ``[lo, lo + n_local)`` compute."""
+    flat = idx.reshape(-1)
+    keep = kept(flat, torch.arange(flat.numel()), weights.reshape(-1), capacity, policy)
+    sel = torch.where(keep & (flat >= lo) & (flat < lo + n_local))[0]
+    k = idx.size(1)
+    return sel // k, sel % k, flat[sel] - lo
+
+
 def experts_range(
     lo: int,
     hidden: torch.Tensor,
@@ -61,20 +149,15 @@ def experts_range(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     act: str,
+    capacity: int = 0,
+    policy: str = "probs",
+    dispatcher: str = "any",
 ) -> torch.Tensor:
-    """The experts' output for experts ``[lo, lo + len(w_down))`` (the weights given), zero elsewhere."""
-    out = torch.zeros_like(hidden)
-    inter = w_down.size(2)
-    fn = ACTIVATIONS[act]
-    for e in range(w_down.size(0)):
-        tok, slot = torch.where(idx == lo + e)
-        if tok.numel() == 0:
-            continue
-        gu = hidden[tok] @ w_gate_up[e].t()
-        z = fn(gu[:, :inter]) * gu[:, inter:]
-        o = z @ w_down[e].t()
-        out.index_add_(0, tok, (o * weights[tok, slot, None]).to(out.dtype))
-    return out
+    """The experts' output for experts ``[lo, lo + len(w_down))`` (the weights given), zero elsewhere.
+    ``capacity`` (0: dropless) is judged over every token given, as on one device."""
+    tok, slot, local = _my_pairs(lo, idx, weights, w_down.size(0), capacity, policy)
+    y = pair_outputs(local, hidden[tok], weights[tok, slot], w_gate_up, w_down, act)
+    return torch.zeros_like(hidden).index_add_(0, tok, y)
 
 
 def experts_range_backward(
@@ -86,33 +169,24 @@ def experts_range_backward(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     act: str,
+    capacity: int = 0,
+    policy: str = "probs",
+    dispatcher: str = "any",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`experts_range` w.r.t. hidden, weights, w_gate_up, w_down (the given experts')."""
-    d_hidden = torch.zeros_like(hidden)
+    tok, slot, local = _my_pairs(lo, idx, weights, w_down.size(0), capacity, policy)
+    dx, dw, d_gate_up, d_down = pair_grads(
+        local, hidden[tok], weights[tok, slot], grad[tok], w_gate_up, w_down, act
+    )
     d_weights = torch.zeros_like(weights)
-    d_gate_up = torch.zeros_like(w_gate_up)
-    d_down = torch.zeros_like(w_down)
-    inter = w_down.size(2)
-    fn = ACTIVATIONS[act]
-    for e in range(w_down.size(0)):
-        tok, slot = torch.where(idx == lo + e)
-        if tok.numel() == 0:
-            continue
-        x = hidden[tok]
-        gu = x @ w_gate_up[e].t()
-        g, u = gu[:, :inter], gu[:, inter:]
-        a = fn(g)
-        z = a * u
-        o = z @ w_down[e].t()
-        dy = grad[tok]
-        d_weights[tok, slot] = (dy * o).sum(-1).to(d_weights.dtype)
-        do = dy * weights[tok, slot, None].to(dy.dtype)
-        d_down[e] = do.t() @ z
-        dz = do @ w_down[e]
-        dgu = torch.cat((_act_backward(act, dz * u, g), dz * a), dim=-1)
-        d_gate_up[e] = dgu.t() @ x
-        d_hidden.index_add_(0, tok, dgu @ w_gate_up[e])
-    return d_hidden, d_weights, d_gate_up, d_down
+    d_weights[tok, slot] = dw
+    return torch.zeros_like(hidden).index_add_(0, tok, dx), d_weights, d_gate_up, d_down
+
+
+# NOTE: the ops' non-tensor arguments, after the five tensors: activation, per-expert capacity
+# (0: dropless), drop policy ("probs" | "position") and the dispatcher the plan asked for
+# ("any" | "allgather" | "alltoall"; it only narrows the sharding choices, never the result).
+POLICIES = ("probs", "position")
 
 
 @torch.library.custom_op("meshfold::moe_experts", mutates_args=())
@@ -123,10 +197,13 @@ def moe_experts(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     act: str,
+    capacity: int,
+    policy: str,
+    dispatcher: str,
 ) -> torch.Tensor:
-    """Routed experts of one MoE layer (see the module docstring); dropless."""
+    """Routed experts of one MoE layer (see the module docstring)."""
     _check(hidden, top_k_index, w_gate_up, w_down, act)
-    return experts_range(0, hidden, top_k_index, top_k_weights, w_gate_up, w_down, act)
+    return experts_range(0, hidden, top_k_index, top_k_weights, w_gate_up, w_down, act, capacity, policy)
 
 
 @moe_experts.register_fake
@@ -137,6 +214,9 @@ def _moe_experts_fake(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     act: str,
+    capacity: int,
+    policy: str,
+    dispatcher: str,
 ) -> torch.Tensor:
     _check(hidden, top_k_index, w_gate_up, w_down, act)
     return torch.empty_like(hidden)
@@ -151,9 +231,14 @@ def moe_experts_backward(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     act: str,
+    capacity: int,
+    policy: str,
+    dispatcher: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``moe_experts`` w.r.t. hidden, top_k_weights, w_gate_up and w_down."""
-    return experts_range_backward(0, grad, hidden, top_k_index, top_k_weights, w_gate_up, w_down, act)
+    return experts_range_backward(
+        0, grad, hidden, top_k_index, top_k_weights, w_gate_up, w_down, act, capacity, policy
+    )
 
 
 @moe_experts_backward.register_fake
@@ -165,6 +250,9 @@ def _moe_experts_backward_fake(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     act: str,
+    capacity: int,
+    policy: str,
+    dispatcher: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     return (
         torch.empty_like(hidden),
@@ -175,16 +263,16 @@ def _moe_experts_backward_fake(
 
 
 def _setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[object, ...], output: torch.Tensor) -> None:
-    *tensors, act = inputs
+    tensors, options = inputs[:5], inputs[5:]
     ctx.save_for_backward(*[t for t in tensors if isinstance(t, torch.Tensor)])
-    ctx.act = act  # type: ignore[attr-defined]
+    ctx.options = options  # type: ignore[attr-defined]
 
 
 def _backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     hidden, idx, weights, w_gate_up, w_down = ctx.saved_tensors  # type: ignore[attr-defined]
-    act = ctx.act  # type: ignore[attr-defined]
-    dh, dw, dgu, dd = torch.ops.meshfold.moe_experts_backward(grad, hidden, idx, weights, w_gate_up, w_down, act)
-    return dh, None, dw, dgu, dd, None
+    options = ctx.options  # type: ignore[attr-defined]
+    dh, dw, dgu, dd = torch.ops.meshfold.moe_experts_backward(grad, hidden, idx, weights, w_gate_up, w_down, *options)
+    return dh, None, dw, dgu, dd, None, None, None, None
 
 
 moe_experts.register_autograd(_backward, setup_context=_setup)
@@ -200,8 +288,19 @@ def experts(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     act: str = "silu",
+    capacity_factor: float = 0.0,
+    policy: str = "probs",
+    dispatcher: str = "any",
 ) -> torch.Tensor:
     """Call the routed experts from model code: ``hidden [T, H]``, ``top_k_index``/``top_k_weights``
     ``[T, k]``, ``w_gate_up [E, 2I, H]``, ``w_down [E, H, I]``. Differentiable; meshfold can shard
-    the experts of every layer written this way."""
-    return torch.ops.meshfold.moe_experts(hidden, top_k_index, top_k_weights, w_gate_up, w_down, act)  # type: ignore[no-any-return]
+    the experts of every layer written this way. ``capacity_factor`` > 0 drops the pairs beyond
+    ``ceil(T * k / E * factor)`` per expert, chosen by ``policy``; 0 is dropless."""
+    if policy not in POLICIES:
+        raise ValueError(f"moe_experts: drop policy {policy!r}; use one of {', '.join(POLICIES)}")
+    cap = capacity_of(hidden.size(0), top_k_index.size(1), w_down.size(0), capacity_factor)
+    out = torch.ops.meshfold.moe_experts(
+        hidden, top_k_index, top_k_weights, w_gate_up, w_down, act, cap, policy, dispatcher
+    )
+    assert isinstance(out, torch.Tensor)
+    return out

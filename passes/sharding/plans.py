@@ -28,6 +28,9 @@ class Plan:
 
     preset: str = "ddp"
     overrides: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = ()
+    pinned: tuple[str, ...] = ()
+    """FQNs computed with exactly their planned layout at every use (never gathered or moved):
+    expert weights under ``moe=``, split by expert wherever they are used."""
 
     @staticmethod
     def of(preset: str = "ddp", user: Mapping[str, Mapping[str, str]] | None = None) -> Plan:

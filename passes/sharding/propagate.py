@@ -10,6 +10,7 @@ layout its parameter is stored in.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -73,6 +74,7 @@ class Sharding(Pass):
             raise PassError("plan='auto' needs sharding{mode=solve}: the greedy choice cannot pick layouts")
         seeds = Seeds() if auto else resolve(plan, graph, mesh)
         prop = _Propagator(graph, mesh, seeds, rule_table(), ctx)
+        prop.pinned = {i.value: seeds.compute[i.name] for i in graph.inputs if i.name in plan.pinned}
         if self.mode == "solve":
             try:
                 prop.seeds = _solved(graph, mesh, seeds, prop, ctx, auto, self)
@@ -104,7 +106,7 @@ def _solved(
         wants[k] = want if want is not None else Layout.replicated(mesh)
 
     def valid(op: Op, s: Strategy, earlier: list[Strategy]) -> bool:
-        return _valid(s, list(op.operands), op.results, mesh, earlier)
+        return _valid(s, list(op.operands), op.results, mesh, earlier) and _keeps(s, op.operands, prop.pinned, earlier)
 
     cluster = ctx.cluster if isinstance(ctx.cluster, Cluster) else None
     memory = ctx.memory if ctx.memory is not None else (cluster.device.hbm_bytes if cluster is not None else None)
@@ -138,6 +140,8 @@ class _Propagator:
     warned: set[str] = field(default_factory=set)
     decided: list[list[Strategy]] | None = None
     """Per op (program order), one strategy per mesh axis chosen up front; None: choose greedily."""
+    pinned: dict[Value, Layout] = field(default_factory=dict)
+    """Inputs every use must read in exactly this layout (the plan's ``pinned``): never moved."""
 
     def run(self) -> Graph:
         self.b = GraphBuilder(self.graph.name, self.mesh)
@@ -202,9 +206,10 @@ class _Propagator:
         best: tuple[float, int] | None = None
         best_s = strategies[0]
         for idx, s in enumerate(strategies):
-            if not _valid(s, operands, op.results, self.mesh, earlier):
+            pinned = {self.vmap.get(v, v): lay for v, lay in self.pinned.items()}
+            if not (_valid(s, operands, op.results, self.mesh, earlier) and _keeps(s, operands, pinned, earlier)):
                 continue
-            cost = 0.0
+            cost = s.exchange * (n - 1) / n / n  # NOTE: the op's own traffic, in the same bytes
             for v, want in zip(operands, s.inputs, strict=True):
                 if isinstance(v.type, TensorType):
                     c = transition_cost(self._current(v).placement(axis), want, nbytes(v.type), n)
@@ -251,6 +256,12 @@ def _valid(s: Strategy, operands: list[Value], results: tuple[Value, ...], mesh:
         if isinstance(p, Partial) and not t.dtype.is_floating_point:
             return False
     return True
+
+
+def _keeps(s: Strategy, operands: Sequence[Value], pinned: Mapping[Value, Layout], earlier: list[Strategy]) -> bool:
+    """Whether ``s`` reads every pinned operand in its pinned placement on this axis."""
+    axis = len(earlier)
+    return all(v not in pinned or p == pinned[v].placements[axis] for v, p in zip(operands, s.inputs, strict=False))
 
 
 def _is_replicate(p: Placement) -> bool:

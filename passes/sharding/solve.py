@@ -276,7 +276,7 @@ class _Axis:
         for op_i in sorted(range(len(x)), key=lambda i: i in tied):  # NOTE: columns first, then their users
             ss = self.per_op[op_i]
             work = self._work(self.graph.ops[op_i], op_i)
-            costs = [work / self.n if _splits(s) else work for s in ss]
+            costs = [(work / self.n if _splits(s) else work) + self._exchange_time(s) for s in ss]
             if op_i in tied:
                 x[op_i] = x[tied[op_i]]
                 for var, c in zip(x[op_i], costs, strict=True):
@@ -394,6 +394,12 @@ class _Axis:
                     for k, c in t.items():
                         row[k] = row.get(k, 0.0) - c
                     self.rows.append((row, 0.0, math.inf))
+
+    def _exchange_time(self, s: Strategy) -> float:
+        """Time of the traffic an op makes itself under ``s`` (the all-to-all dispatcher)."""
+        if not s.exchange or self.n == 1:
+            return 0.0
+        return self.machine.comm_time(s.exchange / self.n * (self.n - 1) / self.n)
 
     def _move_time(self, p: Placement, q: Placement, size: float) -> float:
         n = self.n

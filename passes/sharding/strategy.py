@@ -28,6 +28,10 @@ class Strategy:
 
     inputs: tuple[Placement, ...]
     outputs: tuple[Placement, ...]
+    exchange: float = 0.0
+    """Bytes the op itself moves among the axis's ranks under this strategy, as if the axis were
+    infinitely large (each rank sends its ``1/n`` share, ``(n-1)/n`` of it to others); 0 for the
+    ordinary op that communicates only through the collectives boxing inserts."""
 
     def __str__(self) -> str:
         ins = ", ".join(map(str, self.inputs))

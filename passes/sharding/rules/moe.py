@@ -5,8 +5,11 @@ w_down [E, H, I]) -> [T, H]`` is token-parallel: each token's output needs only 
 routing and the weights. Expert parallelism is the weights' expert dim sharded: every rank computes
 the tokens routed to its own experts (``experts_range``) and leaves the other rows zero, so the
 result is ``P(sum)``; with tokens replicated on that axis this is the all-gather dispatcher (the
-tokens are gathered before and the result reduce-scattered after, by boxing). Both compose over
-different mesh axes: tokens split over one, experts over another.
+tokens are gathered before and the result reduce-scattered after, by boxing). With tokens AND
+experts split over one axis, the op itself exchanges token rows among that axis's ranks: the
+all-to-all dispatcher (``backends/moe.py``; its traffic is the strategy's ``exchange``). These
+compose over different mesh axes. The op's ``dispatcher`` argument narrows the choice; a capacity
+(token dropping, judged over the whole batch) rules out splitting tokens without an exchange.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ir import Op, Partial, R, Shard
+from ir import Op, Partial, R, Shard, TensorType
 from ir.moe import EXPERTS, EXPERTS_BACKWARD, experts_range, experts_range_backward
 from passes.sharding.rules.registry import RuleSet
 from passes.sharding.strategy import Strategy
@@ -24,26 +27,52 @@ RULES = RuleSet("moe")
 S0, P = Shard(0), Partial("sum")
 
 
+def _options(op: Op, first: int) -> tuple[int, str]:
+    """(capacity, dispatcher) from the op's arguments after its tensors (see ``ir.moe``)."""
+    capacity, dispatcher = op.args[first + 1], op.args[first + 3]
+    assert isinstance(capacity, int) and isinstance(dispatcher, str), f"{op.describe()}: malformed arguments"
+    return capacity, dispatcher
+
+
+def _exchanged(op: Op, trips: int) -> float:
+    """Bytes of token rows the all-to-all dispatcher moves for this op, all tokens counted once per trip."""
+    hidden, idx = op.operands[-5].type, op.operands[-4].type
+    assert isinstance(hidden, TensorType) and isinstance(idx, TensorType)
+    return float(int(idx.shape[0]) * int(idx.shape[1]) * int(hidden.shape[1]) * hidden.dtype.itemsize * trips)
+
+
 @RULES.rule(EXPERTS)
 def moe_experts(op: Op) -> list[Strategy]:
     """(hidden, index, weights, w_gate_up, w_down) -> out."""
-    return [
-        Strategy((R, R, R, R, R), (R,)),
-        Strategy((S0, S0, S0, R, R), (S0,)),  # tokens split: each rank routes and computes its own
-        Strategy((R, R, R, S0, S0), (P,)),  # experts split: each rank computes its experts' tokens
-        Strategy((R, R, P, R, R), (P,)),  # linear in the routing weights
-    ]
+    capacity, dispatcher = _options(op, 5)
+    out = [Strategy((R, R, R, R, R), (R,))]
+    if capacity == 0:
+        # NOTE: tokens split, experts whole: each rank routes and computes its own tokens; with a
+        # capacity the drops are judged over the whole batch, so tokens may not be split this way.
+        out.append(Strategy((S0, S0, S0, R, R), (S0,)))
+        out.append(Strategy((R, R, P, R, R), (P,)))  # linear in the routing weights
+    if dispatcher != "alltoall":
+        out.append(Strategy((R, R, R, S0, S0), (P,)))  # all-gather dispatcher: each rank its experts
+    if dispatcher != "allgather":
+        out.append(Strategy((S0, S0, S0, S0, S0), (S0,), exchange=_exchanged(op, 2)))  # all-to-all
+    return out
 
 
 @RULES.rule(EXPERTS_BACKWARD)
 def moe_experts_backward(op: Op) -> list[Strategy]:
     """(grad, hidden, index, weights, w_gate_up, w_down) -> (d_hidden, d_weights, d_gate_up, d_down)."""
-    return [
+    capacity, dispatcher = _options(op, 6)
+    out = [
         Strategy((R, R, R, R, R, R), (R, R, R, R)),
-        Strategy((S0, S0, S0, S0, R, R), (S0, S0, P, P)),
-        Strategy((R, R, R, R, S0, S0), (P, P, S0, S0)),
         Strategy((P, R, R, R, R, R), (P, P, P, P)),  # linear in the incoming gradient
     ]
+    if capacity == 0:
+        out.append(Strategy((S0, S0, S0, S0, R, R), (S0, S0, P, P)))
+    if dispatcher != "alltoall":
+        out.append(Strategy((R, R, R, R, S0, S0), (P, P, S0, S0)))
+    if dispatcher != "allgather":
+        out.append(Strategy((S0, S0, S0, S0, S0, S0), (S0, S0, S0, S0), exchange=_exchanged(op, 3)))
+    return out
 
 
 @RULES.ranged_impl(EXPERTS, lambda op: ("operand", 3, 0))
