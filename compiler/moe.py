@@ -47,6 +47,7 @@ class ExpertsSite:
     """FQN of the ``[E, H, I]`` down weight."""
     act: str
     num_experts: int
+    intermediate: int
 
 
 def find_experts(model: nn.Module) -> tuple[list[ExpertsSite], list[str]]:
@@ -76,7 +77,10 @@ def _as_site(path: str, mod: nn.Module) -> tuple[ExpertsSite | None, str]:
             reason = f"unsupported experts layout ({', '.join(wrong)})" if wrong else "an unknown activation or shape"
             return None, f"{where}: {reason}; its experts stay replicated"
         prefix = f"{path}." if path else ""
-        return ExpertsSite(path, prefix + "gate_up_proj", prefix + "down_proj", act, int(gate_up.shape[0])), ""
+        site = ExpertsSite(
+            path, prefix + "gate_up_proj", prefix + "down_proj", act, int(gate_up.shape[0]), int(down.shape[2])
+        )
+        return site, ""
     experts_list = getattr(mod, "experts", None)
     if isinstance(experts_list, nn.ModuleList) and len(experts_list) > 1:
         return None, (
@@ -194,19 +198,25 @@ def expert_overrides(spec: MoeSpec, sites: list[ExpertsSite], mesh: ir.Mesh) -> 
             "moe= was given but the model has no MoE layer meshfold can fold (see the warnings naming its MoE "
             "layers, or write the experts with compiler.moe_experts)"
         )
-    if spec.etp != 1:
-        raise PassError(f"moe etp={spec.etp}: splitting each expert (ETP > 1) is not available yet; use etp=1")
     if spec.hierarchical:
         raise PassError("moe hierarchical=True: the two-level all-to-all is not available yet; use hierarchical=False")
-    _, ep_axes, edp_axes = spec.axes(mesh)
+    etp_axes, ep_axes, edp_axes = spec.axes(mesh)
     out: dict[str, dict[str, str]] = {}
     for site in sites:
         if site.num_experts % spec.ep:
             raise PassError(f"moe ep={spec.ep}: {site.path} has {site.num_experts} experts; num_experts % ep must be 0")
-        for fqn in (site.gate_up, site.down):
-            # NOTE: replicas over EDP, whatever the plan does there: their gradients are reduced over
-            # the EDP axes only, and the experts are never gathered across EP.
-            out[fqn] = {axis: "S(0)" for axis in ep_axes} | {axis: "R" for axis in edp_axes}
+        if site.intermediate % spec.etp:
+            raise PassError(
+                f"moe etp={spec.etp}: {site.path} has intermediate size {site.intermediate}; "
+                "intermediate % etp must be 0"
+            )
+        # NOTE: replicas over EDP, whatever the plan does there: their gradients are reduced over
+        # the EDP axes only, and the experts are never gathered across EP. Over ETP the down weight
+        # is split on I; the gate/up weight [E, 2I, H] is kept whole there and each rank computes
+        # with its [E, 2, I/etp, H] slice (its gate and up rows are not one contiguous block).
+        base = {axis: "S(0)" for axis in ep_axes} | {axis: "R" for axis in edp_axes}
+        out[site.gate_up] = base | {axis: "R" for axis in etp_axes}
+        out[site.down] = base | {axis: "S(2)" for axis in etp_axes}
     return out
 
 

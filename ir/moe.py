@@ -1,10 +1,11 @@
 """Mixture-of-experts ops: the routed experts of one MoE layer as ONE op, forward and backward.
 
-``meshfold.moe_experts(hidden, top_k_index, top_k_weights, w_gate_up, w_down, act)`` is what every
-MoE layer computes once its router has chosen: each token ``t`` goes to experts
+``meshfold.moe_experts(hidden, top_k_index, top_k_weights, w_gate_up, w_down, act, ...)`` is what
+every MoE layer computes once its router has chosen: each token ``t`` goes to experts
 ``top_k_index[t, :]``; expert ``e`` computes ``act(x Wg_e^T) * (x Wu_e^T)`` then ``· Wd_e^T`` (a
-gated MLP; ``w_gate_up[e]`` stacks ``[Wg_e; Wu_e]``), and the token's output is the sum of its
-experts' outputs weighted by ``top_k_weights[t, :]``. Dispatch (grouping tokens by expert), the
+gated MLP; ``w_gate_up[e] = [Wg_e, Wu_e]``, ``[E, 2, I, H]``: the usual ``[E, 2I, H]`` weight viewed
+so that splitting ``I`` keeps each rank's gate and up rows together), and the token's output is the
+sum of its experts' outputs weighted by ``top_k_weights[t, :]``. Dispatch (grouping tokens by expert), the
 grouped GEMMs and the combine are inside the op, so the rest of the graph only sees tokens in and
 tokens out, and a layout can say "experts sharded" (``w_* S(0)``) without naming a ragged buffer.
 
@@ -48,9 +49,9 @@ def _check(hidden: torch.Tensor, idx: torch.Tensor, w_gate_up: torch.Tensor, w_d
         raise ValueError(f"moe_experts: unknown activation {act!r}; known: {', '.join(ACTIVATIONS)}")
     if hidden.dim() != 2 or idx.dim() != 2 or idx.size(0) != hidden.size(0):
         raise ValueError(f"moe_experts: hidden must be [T, H] and top_k_index [T, k]; got {hidden.shape}, {idx.shape}")
-    if w_gate_up.dim() != 3 or w_down.dim() != 3 or w_gate_up.size(1) != 2 * w_down.size(2):
+    if w_gate_up.dim() != 4 or w_down.dim() != 3 or w_gate_up.size(1) != 2 or w_gate_up.size(2) != w_down.size(2):
         raise ValueError(
-            f"moe_experts: w_gate_up must be [E, 2I, H] and w_down [E, H, I]; got {w_gate_up.shape}, {w_down.shape}"
+            f"moe_experts: w_gate_up must be [E, 2, I, H] and w_down [E, H, I]; got {w_gate_up.shape}, {w_down.shape}"
         )
 
 
@@ -85,13 +86,13 @@ def pair_outputs(
 ) -> torch.Tensor:
     """``w * expert(x)`` per (token, choice) pair; ``local`` indexes the given experts' weights."""
     out = torch.zeros_like(x)
-    inter, fn = w_down.size(2), ACTIVATIONS[act]
+    fn = ACTIVATIONS[act]
     for e in range(w_down.size(0)):
         rows = torch.where(local == e)[0]
         if rows.numel() == 0:
             continue
-        gu = x[rows] @ w_gate_up[e].t()
-        o = (fn(gu[:, :inter]) * gu[:, inter:]) @ w_down[e].t()
+        xe = x[rows]
+        o = (fn(xe @ w_gate_up[e, 0].t()) * (xe @ w_gate_up[e, 1].t())) @ w_down[e].t()
         out[rows] = (o * w[rows, None]).to(out.dtype)
     return out
 
@@ -109,14 +110,14 @@ def pair_grads(
     and the given experts' d_gate_up and d_down (summed over their pairs)."""
     dx, dw = torch.zeros_like(x), torch.zeros_like(w)
     d_gate_up, d_down = torch.zeros_like(w_gate_up), torch.zeros_like(w_down)
-    inter, fn = w_down.size(2), ACTIVATIONS[act]
+    fn = ACTIVATIONS[act]
     for e in range(w_down.size(0)):
         rows = torch.where(local == e)[0]
         if rows.numel() == 0:
             continue
         xe, dye = x[rows], dy[rows]
-        gu = xe @ w_gate_up[e].t()
-        g, u = gu[:, :inter], gu[:, inter:]
+        wg, wu = w_gate_up[e, 0], w_gate_up[e, 1]
+        g, u = xe @ wg.t(), xe @ wu.t()
         a = fn(g)
         z = a * u
         o = z @ w_down[e].t()
@@ -124,9 +125,10 @@ def pair_grads(
         do = dye * w[rows, None].to(dye.dtype)
         d_down[e] = do.t() @ z
         dz = do @ w_down[e]
-        dgu = torch.cat((_act_backward(act, dz * u, g), dz * a), dim=-1)
-        d_gate_up[e] = dgu.t() @ xe
-        dx[rows] = dgu @ w_gate_up[e]
+        dg, du = _act_backward(act, dz * u, g), dz * a
+        d_gate_up[e, 0] = dg.t() @ xe
+        d_gate_up[e, 1] = du.t() @ xe
+        dx[rows] = dg @ wg + du @ wu
     return dx, dw, d_gate_up, d_down
 
 
@@ -293,11 +295,14 @@ def experts(
     dispatcher: str = "any",
 ) -> torch.Tensor:
     """Call the routed experts from model code: ``hidden [T, H]``, ``top_k_index``/``top_k_weights``
-    ``[T, k]``, ``w_gate_up [E, 2I, H]``, ``w_down [E, H, I]``. Differentiable; meshfold can shard
+    ``[T, k]``, ``w_gate_up [E, 2I, H]`` (gate rows first) or ``[E, 2, I, H]``, ``w_down [E, H, I]``.
+    Differentiable; meshfold can shard
     the experts of every layer written this way. ``capacity_factor`` > 0 drops the pairs beyond
     ``ceil(T * k / E * factor)`` per expert, chosen by ``policy``; 0 is dropless."""
     if policy not in POLICIES:
         raise ValueError(f"moe_experts: drop policy {policy!r}; use one of {', '.join(POLICIES)}")
+    if w_gate_up.dim() == 3:  # NOTE: [E, 2I, H] with gate rows first, as transformers stores it
+        w_gate_up = w_gate_up.view(w_gate_up.size(0), 2, w_gate_up.size(1) // 2, w_gate_up.size(2))
     cap = capacity_of(hidden.size(0), top_k_index.size(1), w_down.size(0), capacity_factor)
     out = torch.ops.meshfold.moe_experts(
         hidden, top_k_index, top_k_weights, w_gate_up, w_down, act, cap, policy, dispatcher

@@ -22,13 +22,17 @@ CASES: list[tuple[str, tuple[int, ...], tuple[str, ...], str, dict[str, Any]]] =
         "ddp+tp",
         {"ep": 4, "dispatcher": "allgather", "capacity_factor": 0.75, "drop_policy": "position"},
     ),
+    # EP x ETP: each expert's intermediate dim split over tp, the experts over dp
+    ("hf-mixtral", *MESH, "fsdp+tp", {"ep": 2, "etp": 2, "dispatcher": "alltoall"}),
+    ("hf-mixtral", (2, 4), ("dp", "tp"), "fsdp+tp", {"ep": 2, "etp": 4, "dispatcher": "allgather"}),
 ]
 
 
 def _id(c: tuple[Any, ...]) -> str:
     m = c[4]
     cap = f"-cap{m['capacity_factor']}-{m.get('drop_policy', 'probs')}" if "capacity_factor" in m else ""
-    return f"{'x'.join(map(str, c[1]))}-ep{m['ep']}-{m['dispatcher']}{cap}"
+    etp = f"-etp{m['etp']}" if "etp" in m else ""
+    return f"{'x'.join(map(str, c[1]))}-ep{m['ep']}{etp}-{m['dispatcher']}{cap}"
 
 
 def _run(rank_pools: RankPools, case: tuple[Any, ...]) -> list[dict[str, Any]]:
@@ -54,6 +58,9 @@ def test_dispatcher_equals_single_device(rank_pools: RankPools, case: tuple[Any,
             assert all(f"{a}: S(0)" in tokens for a in ("dp", "tp") if f"{a}: S(0)" in weights), ops
         else:
             assert "S(0)" not in tokens, ops
+    if case[4].get("etp", 1) > 1:
+        # NOTE: the intermediate dim (dim 2 of [E, 2, I, H]) split over the inner axis
+        assert all("tp: S(2)" in weights for _, weights in ops), ops
     if "capacity_factor" in case[4]:
         # NOTE: the capacity really drops pairs here: the single-device loss changes with it
         r = results[0]

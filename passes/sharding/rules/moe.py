@@ -1,6 +1,6 @@
 """Routed experts (``meshfold.moe_experts`` and its backward; see ``ir.moe``).
 
-``moe_experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k], w_gate_up [E, 2I, H],
+``moe_experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k], w_gate_up [E, 2, I, H],
 w_down [E, H, I]) -> [T, H]`` is token-parallel: each token's output needs only its own row, its
 routing and the weights. Expert parallelism is the weights' expert dim sharded: every rank computes
 the tokens routed to its own experts (``experts_range``) and leaves the other rows zero, so the
@@ -8,8 +8,10 @@ result is ``P(sum)``; with tokens replicated on that axis this is the all-gather
 tokens are gathered before and the result reduce-scattered after, by boxing). With tokens AND
 experts split over one axis, the op itself exchanges token rows among that axis's ranks: the
 all-to-all dispatcher (``backends/moe.py``; its traffic is the strategy's ``exchange``). These
-compose over different mesh axes. The op's ``dispatcher`` argument narrows the choice; a capacity
-(token dropping, judged over the whole batch) rules out splitting tokens without an exchange.
+compose over different mesh axes. Expert tensor parallelism splits every expert's intermediate dim
+(both weights on ``I``): partial outputs, ``P(sum)``. The op's ``dispatcher`` argument narrows the
+choice; a capacity (token dropping, judged over the whole batch) rules out splitting tokens without
+an exchange.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from passes.sharding.rules.registry import RuleSet
 from passes.sharding.strategy import Strategy
 
 RULES = RuleSet("moe")
-S0, P = Shard(0), Partial("sum")
+S0, S2, P = Shard(0), Shard(2), Partial("sum")
 
 
 def _options(op: Op, first: int) -> tuple[int, str]:
@@ -51,6 +53,7 @@ def moe_experts(op: Op) -> list[Strategy]:
         # capacity the drops are judged over the whole batch, so tokens may not be split this way.
         out.append(Strategy((S0, S0, S0, R, R), (S0,)))
         out.append(Strategy((R, R, P, R, R), (P,)))  # linear in the routing weights
+    out.append(Strategy((R, R, R, S2, S2), (P,)))  # expert tensor parallel: each rank a slice of I
     if dispatcher != "alltoall":
         out.append(Strategy((R, R, R, S0, S0), (P,)))  # all-gather dispatcher: each rank its experts
     if dispatcher != "allgather":
@@ -66,6 +69,7 @@ def moe_experts_backward(op: Op) -> list[Strategy]:
         Strategy((R, R, R, R, R, R), (R, R, R, R)),
         Strategy((P, R, R, R, R, R), (P, P, P, P)),  # linear in the incoming gradient
     ]
+    out.append(Strategy((R, R, R, R, S2, S2), (P, P, S2, S2)))
     if capacity == 0:
         out.append(Strategy((S0, S0, S0, S0, R, R), (S0, S0, P, P)))
     if dispatcher != "alltoall":
