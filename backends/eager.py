@@ -373,7 +373,7 @@ def exchange_axes(graph: Graph) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = []
     for op in graph.ops:
         axes = _exchange_over(op)
-        if len(axes) > 1 and axes not in out:
+        if len(axes) > 1 and axes not in out and op.args[-1] != "hierarchical":
             out.append(axes)
     return out
 
@@ -392,7 +392,13 @@ def _exchange_call(op: Op, rank: RankContext) -> tuple[Any, tuple[Any, ...]] | N
         coords = [(*c[:i], j, *c[i + 1 :]) for c in coords for j in range(rank.size(a))]
     los = tuple(_expert_lo(w, rank.mesh, c) for c in coords)
     size = local_shape(w.type, w.layout, rank.mesh)[0]
-    return fn, (rank.group_over(axes), coords.index(rank.coordinate), los, size)
+    if op.args[-1] == "hierarchical" and len(axes) > 1:
+        # NOTE: one hop per axis, innermost first; an axis's digit in the row-major slot has this stride
+        strides = [math.prod(rank.size(b) for b in axes[i + 1 :]) for i in range(len(axes))]
+        hops = tuple((rank.group(a), rank.size(a), st) for a, st in reversed(list(zip(axes, strides, strict=True))))
+    else:
+        hops = ((rank.group_over(axes), len(coords), 1),)
+    return fn, (hops, coords.index(rank.coordinate), los, size)
 
 
 def _expert_lo(w: Value, mesh: ir.Mesh, coordinate: tuple[int, ...]) -> int:

@@ -2,12 +2,13 @@
 
 Each rank holds ``T/n`` tokens and the experts ``[lo_p, lo_p + size)`` of its peer slot ``p``. A
 (token, choice) pair goes to the peer owning its expert: counts first (one all-to-all of ``n``
-integers), then the pairs' rows with variable splits — dropless, nothing padded. The owner computes
-its experts on what it received (applying the capacity, if any, over all pairs its experts got:
-each pair carries its position in the whole batch, so drops match one device), and the results
-travel back the same way; the source combines them into its tokens. The backward sends the
-tokens and their incoming gradients out and brings ``d_hidden`` and ``d_weights`` back; expert
-gradients stay with their owner (``S(0)``).
+integers), then the pairs' rows with variable splits — dropless, nothing padded. Hierarchical, the
+exchange over several mesh axes goes one axis at a time, innermost (inside a node) first, instead
+of over one flat group. The owner computes its experts on what arrived (applying the capacity, if
+any, over all pairs its experts got: each pair carries its position in the whole batch, so drops
+match one device), and the results travel back the same way; the source combines them into its
+tokens. The backward sends the tokens and their incoming gradients out and brings ``d_hidden``
+and ``d_weights`` back; expert gradients stay with their owner (``S(0)``).
 
 Pairs whose expert no peer in the group owns (experts also split over another mesh axis, where the
 tokens are replicated) are left to the ranks that own it: the result is then ``P(sum)`` there.
@@ -23,13 +24,16 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from ir.moe import kept, pair_grads, pair_outputs
 
+Stage = tuple[str, int, int]
+"""One hop of the exchange: (process group, its size, the stride of its digit in the peer slot)."""
+
 
 @dataclass(frozen=True)
 class Peers:
-    """The group the tokens are exchanged in: its name, this rank's slot, and each slot's experts
-    ``[lo, lo + size)``."""
+    """Who the tokens are exchanged with: the hops (one over a flat group, or, hierarchical, one
+    per mesh axis from the innermost out), this rank's slot, and each slot's experts ``[lo, lo + size)``."""
 
-    group: str
+    stages: tuple[Stage, ...]
     me: int
     los: tuple[int, ...]
     size: int
@@ -50,44 +54,80 @@ def _exchange(pg: dist.ProcessGroup, rows: torch.Tensor, send: list[int], recv: 
 
 
 @dataclass(frozen=True)
+class _Hop:
+    """What one hop did, to undo it: the sort applied before sending, and the split sizes."""
+
+    pg: dist.ProcessGroup
+    order: torch.Tensor
+    send: list[int]
+    recv: list[int]
+
+
+def _forward(
+    peers: Peers, floats: torch.Tensor, ints: torch.Tensor, dest: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, list[_Hop]]:
+    """Carry rows (``floats``, ``ints``) to their destination slots hop by hop; returns what arrived
+    and the hops taken."""
+    hops: list[_Hop] = []
+    for group, n, stride in peers.stages:
+        pg = _resolve_process_group(group)
+        digit = (dest // stride) % n
+        order = torch.argsort(digit, stable=True)
+        send = torch.bincount(digit[order], minlength=n)
+        recv = torch.empty_like(send)
+        dist.all_to_all_single(recv, send, group=pg)
+        send_l, recv_l = send.tolist(), recv.tolist()
+        floats = _exchange(pg, floats[order], send_l, recv_l)
+        ints = _exchange(pg, ints[order], send_l, recv_l)
+        dest = _exchange(pg, dest[order], send_l, recv_l)
+        hops.append(_Hop(pg, order, send_l, recv_l))
+    return floats, ints, hops
+
+
+def _back(rows: torch.Tensor, hops: list[_Hop]) -> torch.Tensor:
+    """Return rows along the hops, undoing each sort: they end in the order they were first sent."""
+    for hop in reversed(hops):
+        arrived = _exchange(hop.pg, rows, hop.recv, hop.send)
+        rows = torch.empty_like(arrived)
+        rows[hop.order] = arrived
+    return rows
+
+
+@dataclass(frozen=True)
 class _Routed:
-    """This rank's pairs in send order and what its peers sent it."""
+    """This rank's pairs (in its own order) and what arrived at it."""
 
     tok: torch.Tensor
     slot: torch.Tensor
-    send: list[int]
-    recv: list[int]
+    floats: torch.Tensor
     local: torch.Tensor
-    """Received pairs' expert, as an index into this rank's experts."""
-    keep: torch.Tensor
-    """Received pairs within capacity."""
+    """Arrived pairs' expert as an index into this rank's experts, -1 where over capacity."""
+    weights: torch.Tensor
+    hops: list[_Hop]
 
 
 def _route(
-    peers: Peers, pg: dist.ProcessGroup, idx: torch.Tensor, weights: torch.Tensor, capacity: int, policy: str
-) -> tuple[_Routed, torch.Tensor]:
-    """Sort pairs by owner, exchange counts and (expert, batch position, weight); returns the routing
-    and the received weights."""
-    n = len(peers.los)
+    peers: Peers, idx: torch.Tensor, weights: torch.Tensor, rows: torch.Tensor, capacity: int, policy: str
+) -> _Routed:
+    """Send every (token, choice) pair, with ``rows`` (one per token) and its weight, expert id and
+    position in the whole batch, to the rank owning its expert; apply the capacity there."""
     t, k = idx.shape
     flat = idx.reshape(-1)
     owner = _owner(peers, flat)
     mine = torch.where(owner >= 0)[0]
-    order = mine[torch.argsort(owner[mine] * (flat.max() + 1) + flat[mine], stable=True)]
-    send = torch.bincount(owner[order], minlength=n)
-    recv = torch.empty_like(send)
-    dist.all_to_all_single(recv, send, group=pg)
-    send_l, recv_l = send.tolist(), recv.tolist()
-    pos = order + peers.me * t * k  # NOTE: row-major position in the whole batch (tokens split in slot order)
-    meta = _exchange(pg, torch.stack((flat[order], pos), dim=1), send_l, recv_l)
-    w_in = _exchange(pg, weights.reshape(-1)[order], send_l, recv_l)
-    keep = kept(meta[:, 0], meta[:, 1], w_in, capacity, policy)
-    local = meta[:, 0] - peers.los[peers.me]
-    return _Routed(order // k, order % k, send_l, recv_l, local, keep), w_in
+    mine = mine[torch.argsort(flat[mine], stable=True)]
+    tok, slot = mine // k, mine % k
+    pos = mine + peers.me * t * k  # NOTE: row-major position in the whole batch (tokens split in slot order)
+    floats = torch.cat((rows[tok], weights.reshape(-1)[mine, None].to(rows.dtype)), dim=1)
+    arrived, ints, hops = _forward(peers, floats, torch.stack((flat[mine], pos), dim=1), owner[mine])
+    w_in = arrived[:, -1]
+    keep = kept(ints[:, 0], ints[:, 1], w_in, capacity, policy)
+    local = torch.where(keep, ints[:, 0] - peers.los[peers.me], -1)
+    return _Routed(tok, slot, arrived[:, :-1], local, w_in, hops)
 
 
 def exchange_forward(
-    group: str,
+    stages: tuple[Stage, ...],
     me: int,
     los: tuple[int, ...],
     size: int,
@@ -102,18 +142,14 @@ def exchange_forward(
     dispatcher: str = "alltoall",
 ) -> torch.Tensor:
     """``moe_experts`` on this rank's tokens, its experts computed for the whole group's tokens.
-    ``group``/``me``/``los``/``size`` describe the peers (see :class:`Peers`)."""
-    peers = Peers(group, me, tuple(los), size)
-    pg = _resolve_process_group(peers.group)
-    r, w_in = _route(peers, pg, idx, weights, capacity, policy)
-    x_in = _exchange(pg, hidden[r.tok], r.send, r.recv)
-    y = pair_outputs(torch.where(r.keep, r.local, -1), x_in, w_in, w_gate_up, w_down, act)
-    back = _exchange(pg, y, r.recv, r.send)
-    return torch.zeros_like(hidden).index_add_(0, r.tok, back)
+    ``stages``/``me``/``los``/``size`` describe the peers (see :class:`Peers`)."""
+    r = _route(Peers(tuple(stages), me, tuple(los), size), idx, weights, hidden, capacity, policy)
+    y = pair_outputs(r.local, r.floats, r.weights, w_gate_up, w_down, act)
+    return torch.zeros_like(hidden).index_add_(0, r.tok, _back(y, r.hops))
 
 
 def exchange_backward(
-    group: str,
+    stages: tuple[Stage, ...],
     me: int,
     los: tuple[int, ...],
     size: int,
@@ -130,14 +166,10 @@ def exchange_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`exchange_forward`: hidden and weights for this rank's tokens, the expert
     weights' for its own experts."""
-    peers = Peers(group, me, tuple(los), size)
-    pg = _resolve_process_group(peers.group)
-    r, w_in = _route(peers, pg, idx, weights, capacity, policy)
     h = hidden.size(1)
-    rows_in = _exchange(pg, torch.cat((hidden[r.tok], grad[r.tok]), dim=1), r.send, r.recv)
-    local = torch.where(r.keep, r.local, -1)
-    dx, dw, d_gate_up, d_down = pair_grads(local, rows_in[:, :h], w_in, rows_in[:, h:], w_gate_up, w_down, act)
-    back = _exchange(pg, torch.cat((dx, dw[:, None].to(dx.dtype)), dim=1), r.recv, r.send)
+    r = _route(Peers(tuple(stages), me, tuple(los), size), idx, weights, torch.cat((hidden, grad), 1), capacity, policy)
+    dx, dw, d_gate_up, d_down = pair_grads(r.local, r.floats[:, :h], r.weights, r.floats[:, h:], w_gate_up, w_down, act)
+    back = _back(torch.cat((dx, dw[:, None].to(dx.dtype)), dim=1), r.hops)
     d_weights = torch.zeros_like(weights)
     d_weights[r.tok, r.slot] = back[:, h].to(d_weights.dtype)
     return torch.zeros_like(hidden).index_add_(0, r.tok, back[:, :h]), d_weights, d_gate_up, d_down

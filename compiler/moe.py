@@ -96,9 +96,10 @@ def experts_as_ops(model: nn.Module, spec: MoeSpec | None = None) -> Iterator[li
     """For the duration of a capture, every recognized experts module runs ``meshfold.moe_experts``
     (with ``spec``'s capacity, drop policy and dispatcher); warnings name the MoE layers left as
     they are. The model is restored afterwards. Without ``spec``: dropless, any dispatcher."""
-    options = (
-        ("any", 0.0, "probs") if spec is None else (spec.dispatcher, spec.capacity_factor or 0.0, spec.drop_policy)
-    )
+    options: tuple[str, float, str] = ("any", 0.0, "probs")
+    if spec is not None:
+        dispatcher = "hierarchical" if spec.hierarchical else spec.dispatcher
+        options = (dispatcher, spec.capacity_factor or 0.0, spec.drop_policy)
     sites, notes = find_experts(model)
     for note in notes:
         warnings.warn(note, stacklevel=3)
@@ -198,8 +199,8 @@ def expert_overrides(spec: MoeSpec, sites: list[ExpertsSite], mesh: ir.Mesh) -> 
             "moe= was given but the model has no MoE layer meshfold can fold (see the warnings naming its MoE "
             "layers, or write the experts with compiler.moe_experts)"
         )
-    if spec.hierarchical:
-        raise PassError("moe hierarchical=True: the two-level all-to-all is not available yet; use hierarchical=False")
+    if spec.hierarchical and spec.dispatcher != "alltoall":
+        raise PassError("moe hierarchical=True is a form of the all-to-all dispatcher; use dispatcher='alltoall'")
     etp_axes, ep_axes, edp_axes = spec.axes(mesh)
     out: dict[str, dict[str, str]] = {}
     for site in sites:

@@ -14,6 +14,13 @@ MESH = ((2, 2), ("dp", "tp"))
 CASES: list[tuple[str, tuple[int, ...], tuple[str, ...], str, dict[str, Any]]] = [
     ("hf-mixtral", *MESH, "fsdp+tp", {"ep": 4, "dispatcher": "alltoall"}),
     ("hf-mixtral", *MESH, "fsdp+tp", {"ep": 2, "dispatcher": "alltoall"}),
+    # inside the tp group first, then across dp (as inside a node, then across nodes)
+    (
+        "hf-mixtral",
+        *MESH,
+        "fsdp+tp",
+        {"ep": 4, "dispatcher": "alltoall", "hierarchical": True, "capacity_factor": 0.75},
+    ),
     ("hf-mixtral", (2, 4), ("dp", "tp"), "fsdp+tp", {"ep": 4, "dispatcher": "alltoall"}),
     ("hf-mixtral", *MESH, "fsdp+tp", {"ep": 4, "dispatcher": "alltoall", "capacity_factor": 0.75}),
     (
@@ -32,7 +39,8 @@ def _id(c: tuple[Any, ...]) -> str:
     m = c[4]
     cap = f"-cap{m['capacity_factor']}-{m.get('drop_policy', 'probs')}" if "capacity_factor" in m else ""
     etp = f"-etp{m['etp']}" if "etp" in m else ""
-    return f"{'x'.join(map(str, c[1]))}-ep{m['ep']}{etp}-{m['dispatcher']}{cap}"
+    two = "-hierarchical" if m.get("hierarchical") else ""
+    return f"{'x'.join(map(str, c[1]))}-ep{m['ep']}{etp}-{m['dispatcher']}{two}{cap}"
 
 
 def _run(rank_pools: RankPools, case: tuple[Any, ...]) -> list[dict[str, Any]]:

@@ -54,9 +54,9 @@ def moe_experts(op: Op) -> list[Strategy]:
         out.append(Strategy((S0, S0, S0, R, R), (S0,)))
         out.append(Strategy((R, R, P, R, R), (P,)))  # linear in the routing weights
     out.append(Strategy((R, R, R, S2, S2), (P,)))  # expert tensor parallel: each rank a slice of I
-    if dispatcher != "alltoall":
+    if dispatcher in ("any", "allgather"):
         out.append(Strategy((R, R, R, S0, S0), (P,)))  # all-gather dispatcher: each rank its experts
-    if dispatcher != "allgather":
+    if dispatcher != "allgather":  # NOTE: "any", "alltoall", "hierarchical"
         out.append(Strategy((S0, S0, S0, S0, S0), (S0,), exchange=_exchanged(op, 2)))  # all-to-all
     return out
 
@@ -72,7 +72,7 @@ def moe_experts_backward(op: Op) -> list[Strategy]:
     out.append(Strategy((R, R, R, R, S2, S2), (P, P, S2, S2)))
     if capacity == 0:
         out.append(Strategy((S0, S0, S0, S0, R, R), (S0, S0, P, P)))
-    if dispatcher != "alltoall":
+    if dispatcher in ("any", "allgather"):
         out.append(Strategy((R, R, R, R, S0, S0), (P, P, S0, S0)))
     if dispatcher != "allgather":
         out.append(Strategy((S0, S0, S0, S0, S0, S0), (S0, S0, S0, S0), exchange=_exchanged(op, 3)))
