@@ -16,12 +16,12 @@ from torch.distributed.device_mesh import DeviceMesh
 import ir
 from backends.eager import RankContext, exchange_axes, lower
 from compiler.capture import capture
-from compiler.moe import MoeSpec, expert_overrides, find_experts
+from compiler.moe import MoeSpec, check_spec, plan_with_experts
 from compiler.pipeline import DEFAULT_PIPELINE
 from compiler.runtime import ParallelModule
 from passes import PassContext, PassError, PassPipeline, parse_size
 from passes.cost.hardware import Cluster, parse_cluster
-from passes.sharding.plans import AUTO, Plan, axis_roles, default_preset
+from passes.sharding.plans import Plan, axis_roles, default_preset
 
 PlanSpec = str | Plan | Mapping[str, Any]
 
@@ -129,7 +129,7 @@ def _compile(
     imesh = ir_mesh(mesh)
     the_plan = to_plan(plan, imesh)
     if target.moe is not None:
-        the_plan = _with_experts(the_plan, target.moe, model, imesh)
+        check_spec(the_plan, target.moe, imesh)
     axis_roles(the_plan, imesh)  # NOTE: a bad preset or axis fails here, before the capture
     ctx = PassContext(mesh=imesh, plan=the_plan, cluster=target.cluster, memory=target.memory)
     compiled = _compile_once(model, example_inputs, pipeline, ctx, target.moe)
@@ -159,6 +159,11 @@ def _compile_once(
             if sys.stderr.isatty():
                 ctx.status = Console(stderr=True).status
             graph = capture(model, example_inputs, moe=moe)
+            if moe is not None:
+                # NOTE: the experts are found in the captured graph (modules meshfold recognizes, and
+                # code calling compiler.moe_experts alike)
+                assert ctx.mesh is not None and isinstance(ctx.plan, Plan)
+                ctx.plan = plan_with_experts(ctx.plan, moe, graph, ctx.mesh)
             compiled, _ = PassPipeline.parse(pipeline).run(ctx, graph)
             payload[0] = ("ok", str(compiled))
         except Exception as e:
@@ -170,16 +175,6 @@ def _compile_once(
     if kind != "ok":
         raise PassError(f"compilation failed on rank 0: {text}")
     return ir.parse(text)
-
-
-def _with_experts(plan: Plan, spec: MoeSpec, model: nn.Module, mesh: ir.Mesh) -> Plan:
-    """``plan`` plus the expert weights' layouts from ``moe=`` (they win over the plan's entries)."""
-    if plan.preset == AUTO:
-        raise PassError("plan='auto' chooses the expert mapping itself; drop moe= or name a preset plan")
-    sites, _ = find_experts(model)
-    entries = expert_overrides(spec, sites, mesh)
-    kept = tuple((glob, axes) for glob, axes in plan.overrides if glob not in entries)
-    return Plan(plan.preset, kept + Plan.of(plan.preset, entries).overrides, tuple(entries))
 
 
 M = TypeVar("M", bound=nn.Module)

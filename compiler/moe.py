@@ -28,8 +28,9 @@ import torch
 from torch import nn
 
 import ir
-from ir.moe import ACTIVATIONS, experts
+from ir.moe import ACTIVATIONS, EXPERTS, experts
 from passes import PassError
+from passes.sharding.plans import AUTO, Plan
 
 # NOTE: transformers' hidden_act names for the activations ir.moe implements.
 _HF_ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
@@ -221,4 +222,69 @@ def expert_overrides(spec: MoeSpec, sites: list[ExpertsSite], mesh: ir.Mesh) -> 
     return out
 
 
-__all__ = ["ACTIVATIONS", "DISPATCHERS", "ExpertsSite", "MoeSpec", "expert_overrides", "experts_as_ops", "find_experts"]
+def experts_sites(graph: ir.Graph) -> list[ExpertsSite]:
+    """One site per forward ``meshfold.moe_experts`` op whose expert weights are parameters of the graph
+    (directly or through views, such as the ``[E, 2I, H] -> [E, 2, I, H]`` view of the gate/up weight).
+
+    NOTE: read off the captured graph rather than the model, so IR files and models that call
+    ``compiler.moe_experts`` themselves get their experts mapped too.
+    """
+    params = {i.value: i.name for i in graph.inputs if i.kind == "param"}
+    producers = graph.producers()
+    sites: list[ExpertsSite] = []
+    for op in graph.ops:
+        if op.target != EXPERTS:
+            continue
+        gate_up, down = (_viewed_param(op.operands[k], params, producers) for k in (3, 4))
+        if gate_up is None or down is None or not isinstance(down.type, ir.TensorType) or down.type.rank != 3:
+            continue
+        num, inter = down.type.shape[0], down.type.shape[2]
+        act = op.args[5] if len(op.args) > 5 else op.kwarg("act", "silu")
+        if isinstance(num, int) and isinstance(inter, int):
+            where = {"path": op.prov.module, "gate_up": params[gate_up], "down": params[down]}
+            sites.append(ExpertsSite(**where, act=str(act), num_experts=num, intermediate=inter))
+    return sites
+
+
+_VIEWS = frozenset({"aten.view", "aten._unsafe_view", "aten.reshape", "aten.unflatten.int"})
+
+
+def _viewed_param(value: ir.Value, params: dict[ir.Value, str], producers: dict[ir.Value, ir.Op]) -> ir.Value | None:
+    """The parameter ``value`` is, or is a chain of views of; None for anything else."""
+    while value not in params:
+        op = producers.get(value)
+        if op is None or op.name not in _VIEWS or not op.operands:
+            return None
+        value = op.operands[0]
+    return value
+
+
+def plan_with_experts(plan: Plan, spec: MoeSpec, graph: ir.Graph, mesh: ir.Mesh) -> Plan:
+    """``plan`` plus the expert weights' layouts for ``spec``: they win over the plan's own entries
+    and are pinned (every use reads them as planned: the experts are never gathered)."""
+    check_spec(plan, spec, mesh)
+    entries = expert_overrides(spec, experts_sites(graph), mesh)
+    kept = tuple((glob, axes) for glob, axes in plan.overrides if glob not in entries)
+    return Plan(plan.preset, kept + Plan.of(plan.preset, entries).overrides, tuple(entries))
+
+
+def check_spec(plan: Plan, spec: MoeSpec, mesh: ir.Mesh) -> None:
+    """What can be refused before capture: ``moe=`` with ``plan='auto'``, and a mapping the mesh's
+    axes cannot carry."""
+    if plan.preset == AUTO:
+        raise PassError("plan='auto' chooses the expert mapping itself; drop moe= or name a preset plan")
+    spec.axes(mesh)
+
+
+__all__ = [
+    "ACTIVATIONS",
+    "DISPATCHERS",
+    "ExpertsSite",
+    "MoeSpec",
+    "check_spec",
+    "expert_overrides",
+    "experts_as_ops",
+    "experts_sites",
+    "find_experts",
+    "plan_with_experts",
+]

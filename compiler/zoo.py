@@ -9,6 +9,7 @@ and construct nothing data-dependent, so they also run under ``FakeTensorMode``.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -265,7 +266,7 @@ class MoeExpert(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """Top-k routed MoE with dense dispatch (every expert sees every token)."""
+    """Top-k routed MoE over an ``nn.ModuleList`` of experts, dense dispatch (every expert sees every token)."""
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int = 4, top_k: int = 2) -> None:
         super().__init__()
@@ -287,6 +288,56 @@ class SparseMoeBlock(nn.Module):
         return out.reshape(b, t, h), router_logits
 
 
+class StackedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts with stacked weights, in the layout meshfold folds into one op.
+
+    ``gate_up_proj [E, 2I, H]`` stacks each expert's gate rows over its up rows, ``down_proj [E, H, I]``.
+    ``forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``: token ``t`` gets
+    ``sum_j w[t, j] * down_e @ (silu(gate_e @ x_t) * (up_e @ x_t))`` with ``e = top_k_index[t, j]``,
+    which is ``ir.moe.experts``. Eagerly every expert runs on every token and the k chosen are
+    gathered, so all shapes are static and the module also captures as it is.
+    """
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.randn(num_experts, 2 * intermediate, hidden) * 0.02)
+        self.down_proj = nn.Parameter(torch.randn(num_experts, hidden, intermediate) * 0.02)
+        # NOTE: read by compiler.moe's detection, as it reads a transformers experts module's config.
+        self.config = types.SimpleNamespace(hidden_act="silu")
+
+    def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.einsum("th,egh->teg", hidden, self.gate_up_proj).chunk(2, dim=-1)
+        every = torch.einsum("tei,ehi->teh", F.silu(gate) * up, self.down_proj)
+        index = top_k_index.unsqueeze(-1).expand(-1, -1, hidden.size(-1))
+        chosen = every.gather(1, index)
+        return (chosen * top_k_weights.unsqueeze(-1).to(chosen.dtype)).sum(dim=1)
+
+
+def route_top_k(gate: nn.Linear, flat: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Mixtral routing of ``flat [T, H]``: ``(router_logits [T, E], top_k_weights [T, k], top_k_index [T, k])``,
+    the weights a softmax (fp32) over all experts, kept top-k and renormalized to sum 1."""
+    router_logits = gate(flat)
+    probs = F.softmax(router_logits.float(), dim=-1)
+    top_w, top_i = torch.topk(probs, top_k, dim=-1)
+    return router_logits, top_w / top_w.sum(dim=-1, keepdim=True), top_i
+
+
+class StackedMoeBlock(nn.Module):
+    """Mixtral's top-k routed MoE (softmax router, top-k renormalized) over :class:`StackedExperts`."""
+
+    def __init__(self, hidden: int, intermediate: int, num_experts: int = 4, top_k: int = 2) -> None:
+        super().__init__()
+        self.num_experts, self.top_k = num_experts, top_k
+        self.gate = nn.Linear(hidden, num_experts, bias=False)
+        self.experts = StackedExperts(num_experts, hidden, intermediate)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        b, t, h = x.shape
+        flat = x.reshape(b * t, h)
+        router_logits, top_w, top_i = route_top_k(self.gate, flat, self.top_k)
+        return self.experts(flat, top_i, top_w.to(x.dtype)).reshape(b, t, h), router_logits
+
+
 def load_balancing_loss(router_logits: torch.Tensor, num_experts: int, top_k: int) -> torch.Tensor:
     """Switch/Mixtral aux loss: num_experts * sum_e(token_fraction_e * mean_router_prob_e)."""
     probs = F.softmax(router_logits.float(), dim=-1)
@@ -299,16 +350,18 @@ def load_balancing_loss(router_logits: torch.Tensor, num_experts: int, top_k: in
 
 
 class DecoderLayer(nn.Module):
-    """Pre-RMSNorm decoder layer: GQA attention, then SwiGLU MLP or (num_experts > 0) a sparse MoE."""
+    """Pre-RMSNorm decoder layer: GQA attention, then SwiGLU MLP or (num_experts > 0) a sparse MoE whose
+    experts are stacked (:class:`StackedMoeBlock`) or, with ``stacked=False``, an ``nn.ModuleList``."""
 
-    def __init__(self, hidden: int, intermediate: int, num_experts: int = 0) -> None:
+    def __init__(self, hidden: int, intermediate: int, num_experts: int = 0, stacked: bool = True) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(hidden)
         self.self_attn = LlamaAttention(hidden, n_heads=4, n_kv_heads=2, head_dim=hidden // 4)
         self.post_attention_layernorm = RMSNorm(hidden)
         self.is_moe = num_experts > 0
         if self.is_moe:
-            self.block_sparse_moe = SparseMoeBlock(hidden, intermediate, num_experts)
+            block = StackedMoeBlock if stacked else SparseMoeBlock
+            self.block_sparse_moe: nn.Module = block(hidden, intermediate, num_experts)
         else:
             self.mlp = LlamaMLP(hidden, intermediate)
 
@@ -325,12 +378,14 @@ class DecoderLayer(nn.Module):
 class LlamaTiny(nn.Module):
     """Llama style causal LM with GQA, RoPE, SwiGLU and an untied LM head."""
 
-    def __init__(self, vocab: int = 256, hidden: int = 64, intermediate: int = 128, num_experts: int = 0) -> None:
+    def __init__(
+        self, vocab: int = 256, hidden: int = 64, intermediate: int = 128, num_experts: int = 0, stacked: bool = True
+    ) -> None:
         super().__init__()
         self.num_experts, self.top_k, self.aux_coef = num_experts, 2, 0.01
         self.embed_tokens = nn.Embedding(vocab, hidden)
         self.rotary = Rotary(hidden // 4)
-        self.layers = nn.ModuleList(DecoderLayer(hidden, intermediate, num_experts) for _ in range(2))
+        self.layers = nn.ModuleList(DecoderLayer(hidden, intermediate, num_experts, stacked) for _ in range(2))
         self.norm = RMSNorm(hidden)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
         self.apply(_small_init)
@@ -351,10 +406,18 @@ class LlamaTiny(nn.Module):
 
 
 class MixtralTiny(LlamaTiny):
-    """Mixtral style causal LM: llama-tiny attention plus top-2-of-4 MoE and 0.01 aux loss."""
+    """Mixtral style causal LM: llama-tiny attention plus top-2-of-4 MoE (stacked experts) and 0.01 aux loss."""
 
     def __init__(self) -> None:
         super().__init__(intermediate=96, num_experts=4)
+
+
+class MixtralListTiny(LlamaTiny):
+    """:class:`MixtralTiny` with each layer's experts an ``nn.ModuleList`` run densely (meshfold leaves
+    those replicated, with a warning)."""
+
+    def __init__(self) -> None:
+        super().__init__(intermediate=96, num_experts=4, stacked=False)
 
 
 @register("llama-tiny")
@@ -365,8 +428,14 @@ def _llama_tiny() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 
 @register("mixtral-tiny")
 def _mixtral_tiny() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """Mixtral tiny (4 experts, top-2, dense dispatch) on ``(input_ids, labels)``."""
+    """Mixtral tiny (4 stacked experts, top-2) on ``(input_ids, labels)``."""
     return _seeded(MixtralTiny), _token_inputs(256)
+
+
+@register("mixtral-list-tiny")
+def _mixtral_list_tiny() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Mixtral tiny with ``nn.ModuleList`` experts (4, top-2, dense dispatch) on ``(input_ids, labels)``."""
+    return _seeded(MixtralListTiny), _token_inputs(256)
 
 
 @functools.cache

@@ -1,6 +1,6 @@
 """Zoo entries with mixture-of-experts layers beyond mixtral-tiny: the classic sparse loop over
 ``nn.ModuleList`` experts and a DeepSeek-V3-style model (sigmoid, group-limited routing with a
-selection bias, shared expert, fine-grained experts, dense first layer)."""
+selection bias, shared expert, fine-grained stacked routed experts, dense first layer)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,11 @@ from torch import nn
 from compiler.zoo import (
     LlamaAttention,
     LlamaMLP,
-    MixtralTiny,
+    MixtralListTiny,
     RMSNorm,
     Rotary,
     SparseMoeBlock,
+    StackedExperts,
     _seeded,
     _shifted_ce,
     _small_init,
@@ -48,8 +49,8 @@ class LoopMoeBlock(nn.Module):
         return out.reshape(b, t, h), router_logits
 
 
-class MoeLoopTiny(MixtralTiny):
-    """mixtral-tiny with its MoE blocks run as the data-dependent per-expert loop (same weights, same loss)."""
+class MoeLoopTiny(MixtralListTiny):
+    """mixtral-list-tiny with its MoE blocks run as the data-dependent per-expert loop (same weights, same loss)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -58,9 +59,9 @@ class MoeLoopTiny(MixtralTiny):
 
 
 # NOTE: not registered: capture cannot lift its unbacked sizes yet, and every registered model must
-# capture. Reach it as ``compiler.zoo:moe_loop_tiny`` (e.g. ``pass-debug compiler.zoo:moe_loop_tiny``).
+# capture. Reach it as ``compiler.zoo_moe:moe_loop_tiny`` (e.g. ``pass-debug compiler.zoo_moe:moe_loop_tiny``).
 def moe_loop_tiny() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """mixtral-tiny as a sparse per-expert loop (``torch.where`` + ``index_add``) on ``(input_ids, labels)``."""
+    """mixtral-list-tiny as a sparse per-expert loop (``torch.where`` + ``index_add``) on ``(input_ids, labels)``."""
     return _seeded(MoeLoopTiny), _token_inputs(256)
 
 
@@ -110,22 +111,20 @@ def sequence_balance_loss(scores: torch.Tensor, top_i: torch.Tensor) -> torch.Te
 class DeepseekMoe(nn.Module):
     """Shared experts on every token plus fine-grained group-limited routed experts.
 
-    NOTE: every routed expert runs on every token (static shapes); the combine gathers the k chosen.
+    The routed experts are :class:`StackedExperts` (meshfold folds them into one op it can split by expert).
     """
 
     def __init__(self, hidden: int, inter: int, n_experts: int = 8, top_k: int = 3, n_shared: int = 2) -> None:
         super().__init__()
         self.gate = GroupLimitedRouter(hidden, n_experts, top_k, n_group=2, topk_group=1, scale=2.5)
-        self.experts = nn.ModuleList(LlamaMLP(hidden, inter) for _ in range(n_experts))
+        self.experts = StackedExperts(n_experts, hidden, inter)
         self.shared_experts = LlamaMLP(hidden, inter * n_shared)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         b, t, h = x.shape
         flat = x.reshape(b * t, h)
         top_i, top_w, scores = self.gate(flat)
-        every = torch.stack([expert(flat) for expert in self.experts], dim=1)
-        chosen = every.gather(1, top_i.unsqueeze(-1).expand(-1, -1, h))
-        out = (chosen * top_w.unsqueeze(-1).to(x.dtype)).sum(dim=1) + self.shared_experts(flat)
+        out = self.experts(flat, top_i, top_w.to(x.dtype)) + self.shared_experts(flat)
         return out.reshape(b, t, h), sequence_balance_loss(scores.view(b, t, -1), top_i.view(b, t, -1))
 
 

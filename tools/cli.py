@@ -13,12 +13,23 @@ from tools import plan_cli
 
 # NOTE: `meshfold plan` runs the pure-Python simulator; torch and the compiler load only for the
 # commands that need them (see _compiler()).
-ZOO = ("gpt2-tiny", "hf-llama", "hf-mixtral", "llama-tiny", "mixtral-tiny", "mlp")
+ZOO = (
+    "deepseek-tiny",
+    "gpt2-tiny",
+    "hf-llama",
+    "hf-mixtral",
+    "llama-tiny",
+    "mixtral-list-tiny",
+    "mixtral-tiny",
+    "mlp",
+)
 
 
-def write_dumps(model_name: str, mesh: Any, plan: str, dump_dir: Path) -> Path:
-    """Compile ``model_name`` for ``mesh`` in this process and dump every pass (text, dot, html)."""
+def write_dumps(model_name: str, mesh: Any, plan: str, dump_dir: Path, moe: dict[str, Any] | None = None) -> Path:
+    """Compile ``model_name`` for ``mesh`` in this process and dump every pass (text, dot, html);
+    ``moe`` is the expert mapping, as ``parallelize(..., moe=)`` takes it."""
     from compiler import DEFAULT_PIPELINE, capture
+    from compiler.moe import MoeSpec, plan_with_experts
     from compiler.zoo import build
     from passes import PassContext, PassPipeline
     from passes.sharding.plans import Plan
@@ -26,11 +37,15 @@ def write_dumps(model_name: str, mesh: Any, plan: str, dump_dir: Path) -> Path:
 
     pipeline = PassPipeline.parse(DEFAULT_PIPELINE)
     model, inputs = build(model_name)
-    graph = capture(model, inputs)
+    spec = MoeSpec.of(moe) if moe is not None else None
+    graph = capture(model, inputs, moe=spec)
+    the_plan = Plan.of(plan)
+    if spec is not None:
+        the_plan = plan_with_experts(the_plan, spec, graph, mesh)
     writer = DumpWriter(dump_dir, pipeline, title=f"{model_name} on {mesh}, plan {plan}")
     writer.write_step(graph)
     try:
-        pipeline.run(PassContext(mesh=mesh, plan=Plan.of(plan)), graph, lambda i, p, g: writer.write_step(g))
+        pipeline.run(PassContext(mesh=mesh, plan=the_plan), graph, lambda i, p, g: writer.write_step(g))
     finally:
         index = writer.write_index()
     return index
@@ -46,6 +61,11 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--plan", default=None, help="preset such as fsdp+tp (default: from the mesh's axis names)")
     d.add_argument("--steps", type=int, default=20)
     d.add_argument("--dump-dir", type=Path, default=Path("dumps"))
+    d.add_argument(
+        "--moe",
+        default="auto",
+        help="expert mapping for MoE models: auto (EP over the most ranks that divide the experts), off, or ep=N",
+    )
     plan_cli.add_arguments(sub.add_parser("plan", help="rank parallel plans for a model on a cluster (simulated)"))
     args = ap.parse_args(argv)
     console = Console()
@@ -60,16 +80,31 @@ def main(argv: list[str] | None = None) -> int:
     from passes import PassError
     from passes.sharding.plans import default_preset
     from tools.demo import run_demo
+    from tools.pass_debug import CliError
 
     try:
         mesh = ir.Mesh.parse(args.mesh)
         plan = args.plan or default_preset(mesh)
-        index = write_dumps(args.model, mesh, plan, args.dump_dir)
+        moe = _moe_option(args.moe, args.model, mesh)
+        index = write_dumps(args.model, mesh, plan, args.dump_dir, moe)
         console.print(f"pass dumps: {index.resolve()}")
-        return run_demo(args.model, args.mesh, plan, args.steps, args.dump_dir)
-    except (PassError, CaptureError, ValueError) as e:
+        return run_demo(args.model, args.mesh, plan, args.steps, args.dump_dir, moe=moe)
+    except (PassError, CaptureError, ValueError, CliError) as e:
         print(f"meshfold: {e}", file=sys.stderr)
         return 2
+
+
+def _moe_option(text: str, model_name: str, mesh: Any) -> dict[str, Any] | None:
+    """``--moe``: ``auto`` (see ``tools.demo.default_moe``), ``off``, or a spec such as ``ep=2``."""
+    from tools.demo import default_moe
+    from tools.pass_debug import moe_items, parse_moe
+
+    if text == "auto":
+        return default_moe(model_name, mesh)
+    if text == "off":
+        return None
+    parse_moe(text)  # NOTE: refuses a malformed spec here, before anything is captured or spawned
+    return moe_items(text)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,9 @@
-"""``meshfold demo``: train a zoo model for N steps on local CPU ranks beside the single-device model."""
+"""``meshfold demo``: train a zoo model for N steps on local CPU ranks beside the single-device model.
+
+A model with routed experts meshfold folds (mixtral-tiny, deepseek-tiny) gets its own expert mapping
+of the same ranks: expert parallelism over as many innermost mesh axes as divide every layer's
+expert count (all ranks where they do), the rest replicating the experts.
+"""
 
 from __future__ import annotations
 
@@ -14,6 +19,28 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_MESH = "dp=2,tp=2"
+
+
+def auto_ep(mesh: Any, expert_counts: list[int]) -> int:
+    """The largest EP a run of innermost mesh axes gives that divides every layer's expert count
+    (``compiler.moe.MoeSpec`` maps EP onto whole axes, innermost first); 1 when none does."""
+    best, ranks = 1, 1
+    for size in reversed(mesh.sizes):
+        ranks *= size
+        if all(n % ranks == 0 for n in expert_counts):
+            best = ranks
+    return best
+
+
+def default_moe(model_name: str, mesh: Any) -> dict[str, Any] | None:
+    """``moe=`` for the demo: ``{"ep": auto_ep(...)}`` when the model has experts meshfold folds and
+    that splits them (EP > 1), else None (the experts, if any, follow the plan)."""
+    from compiler.moe import find_experts
+    from compiler.zoo import build
+
+    sites, _ = find_experts(build(model_name)[0])
+    ep = auto_ep(mesh, [s.num_experts for s in sites]) if sites else 1
+    return {"ep": ep} if ep > 1 else None
 
 
 def _free_port() -> int:
@@ -52,7 +79,7 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: An
         names, sizes = args["names"], args["sizes"]
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
         model, inputs = build(args["model"])
-        pm = parallelize(model, mesh, inputs, plan=args["plan"])
+        pm = parallelize(model, mesh, inputs, plan=args["plan"], moe=args["moe"])
         opt = torch.optim.AdamW(pm.parameters(), lr=args["lr"])
         losses = []
         for _ in range(args["steps"]):
@@ -72,12 +99,24 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: An
         dist.destroy_process_group()
 
 
-def run_demo(model_name: str, mesh_text: str, plan: str, steps: int, dump_dir: Path, lr: float = 1e-3) -> int:
-    """Spawn the mesh's ranks, train, print the plan summary and per-step losses; 0 when they match."""
+def run_demo(
+    model_name: str,
+    mesh_text: str,
+    plan: str,
+    steps: int,
+    dump_dir: Path,
+    lr: float = 1e-3,
+    moe: dict[str, Any] | None = None,
+) -> int:
+    """Spawn the mesh's ranks, train, print the plan summary and per-step losses; 0 when they match.
+    ``moe``: the expert mapping passed to ``parallelize`` (None: experts follow the plan)."""
     from rich.console import Console
     from rich.table import Table
 
     import ir
+    from compiler.moe import MoeSpec
+    from passes.sharding.plans import Plan
+    from tools.pass_debug import mapping_line
 
     mesh = ir.Mesh.parse(mesh_text)
     console = Console()
@@ -91,10 +130,13 @@ def run_demo(model_name: str, mesh_text: str, plan: str, steps: int, dump_dir: P
         "steps": steps,
         "lr": lr,
         "dump_dir": str(dump_dir),
+        "moe": moe,
     }
     console.print(
         f"[bold]meshfold demo[/bold]: {model_name}, plan {plan}, {mesh} on {mesh.world_size} CPU ranks (gloo)"
     )
+    if moe is not None:
+        console.print(mapping_line(Plan.of(plan), mesh, MoeSpec.of(moe)))
     mp.start_processes(
         _rank_main,
         args=(mesh.world_size, _free_port(), args, queue),

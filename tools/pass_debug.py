@@ -3,10 +3,13 @@
     pass-debug mlp -p cleanup,verify --print-after cleanup
     pass-debug graph.ir --dump-dir dumps --time-passes
     pass-debug my_models:make_model --mesh dp=2,tp=2 --verify
+    pass-debug mixtral-tiny --mesh dp=2,tp=2 --moe ep=4
 
 MODEL is a zoo name, ``module:factory`` (the factory returns ``(model, example_inputs)``; the module
 is imported from the current directory) or a path to an IR text file. User errors print one line on
-stderr and exit with code 2.
+stderr and exit with code 2. A graph with routed experts (``meshfold.moe_experts``) also gets a
+table of the two mappings, attention's (the plan's axis roles) and the experts' (``--moe``: EP and
+EDP axes), and of the mesh layout every experts op computes with.
 """
 
 from __future__ import annotations
@@ -23,7 +26,10 @@ from rich.console import Console
 from rich.table import Table
 
 import ir
+from compiler.moe import MoeSpec, plan_with_experts
+from ir.moe import EXPERTS, EXPERTS_BACKWARD
 from passes import Pass, PassContext, PassError, PassFailure, PassPipeline, PassTiming, pass_spelling
+from passes.sharding.plans import Plan, axis_roles, default_preset
 from tools.dumps import DumpWriter, phase_counts
 
 EXIT_ERROR = 2
@@ -58,6 +64,11 @@ def _arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="run the IR verifier on the input and after every pass")
     p.add_argument("--dump-dir", type=Path, metavar="DIR", help="write txt/dot/svg/html dumps of every step to DIR")
     p.add_argument("--mesh", metavar="MESH", help="device mesh for the passes, e.g. dp=2,tp=2")
+    p.add_argument(
+        "--moe",
+        metavar="SPEC",
+        help="expert mapping for the routed experts, e.g. ep=4 or ep=2,etp=1 (needs --mesh)",
+    )
     p.add_argument("--no-color", action="store_true", help="plain output without colour")
     return p
 
@@ -156,6 +167,121 @@ def _parse_mesh(text: str | None) -> ir.Mesh | None:
         raise CliError(f"--mesh {text!r} is malformed: {e}") from None
 
 
+def parse_moe(text: str) -> MoeSpec:
+    """``ep=4,etp=1`` (any ``MoeSpec`` field as ``key=value``) as a ``MoeSpec``."""
+    try:
+        return MoeSpec.of(moe_items(text))
+    except TypeError as e:
+        raise CliError(f"--moe {text!r}: {e}") from None
+
+
+def moe_items(text: str) -> dict[str, object]:
+    """``ep=4,etp=1`` as ``{"ep": 4, "etp": 1}``: the ``moe=`` mapping exactly as written."""
+    spec: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip() or not raw.strip():
+            raise CliError(f"--moe {text!r}: write key=value pairs, e.g. ep=4,etp=1")
+        spec[key.strip()] = _moe_value(raw.strip())
+    if not spec:
+        raise CliError(f"--moe {text!r} is empty; e.g. ep=4")
+    return spec
+
+
+def _moe_value(raw: str) -> object:
+    """An int, float or boolean when ``raw`` spells one, else the string."""
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(raw.lower(), raw)
+
+
+def _axes_text(axes: Sequence[str]) -> str:
+    return f"({', '.join(axes)})" if len(axes) > 1 else "".join(axes)
+
+
+def mapping_line(plan: Plan, mesh: ir.Mesh, spec: MoeSpec | None) -> str:
+    """One line naming both mappings, e.g. ``attention: fsdp over dp, tp over tp; experts: EP=4 over
+    (dp, tp), EDP=1``; without ``spec`` the experts follow the plan like every other weight."""
+    roles = axis_roles(plan, mesh)
+    attention = ", ".join(f"{role} over {axis}" for axis, role in roles.items())
+    if spec is None:
+        return f"attention: {attention}; experts: as attention (no expert mapping)"
+    etp, ep, edp = spec.axes(mesh)
+    edp_size = mesh.world_size // (spec.ep * spec.etp)
+    parts = [f"EP={spec.ep}" + (f" over {_axes_text(ep)}" if ep else "")]
+    parts.append(f"EDP={edp_size}" + (f" over {_axes_text(edp)}" if edp else ""))
+    if etp:
+        parts.append(f"ETP={spec.etp} over {_axes_text(etp)}")
+    return f"attention: {attention}; experts: {', '.join(parts)}"
+
+
+def _experts_role(axis: str, spec: MoeSpec | None, mesh: ir.Mesh) -> str:
+    if spec is None:
+        return "as attention"
+    etp, ep, _ = spec.axes(mesh)
+    return "ETP" if axis in etp else "EP" if axis in ep else "EDP"
+
+
+def moe_tables(graph: ir.Graph, plan: Plan | None, mesh: ir.Mesh | None, spec: MoeSpec | None) -> list[Table]:
+    """The mapping of every mesh axis (attention's role, the experts' role) and the layout each
+    experts op computes its expert weights with; empty when ``graph`` has no experts op."""
+    ops = [op for op in graph.ops if op.target in (EXPERTS, EXPERTS_BACKWARD)]
+    if not ops:
+        return []
+    tables: list[Table] = []
+    if mesh is not None and plan is not None:
+        roles = axis_roles(plan, mesh)
+        mapping = Table(title="MoE mapping", caption=mapping_line(plan, mesh, spec))
+        for column in ("mesh axis", "size", "attention", "experts"):
+            mapping.add_column(column, justify="right" if column == "size" else "left")
+        for axis in mesh.names:
+            mapping.add_row(axis, str(mesh.size(axis)), roles[axis], _experts_role(axis, spec, mesh))
+        tables.append(mapping)
+    experts = Table(title=f"experts ops ({len(ops)}): the layouts they compute with")
+    for column in ("module", "phase", "tokens", "expert weights"):
+        experts.add_column(column)
+    at = {EXPERTS: 0, EXPERTS_BACKWARD: 1}
+    for op in ops:
+        hidden, gate_up, down = (op.operands[at[op.target] + k] for k in (0, 3, 4))
+        weights = {_layout_text(gate_up), _layout_text(down)}
+        experts.add_row(op.prov.module, op.prov.phase, _layout_text(hidden), " / ".join(sorted(weights)))
+    tables.append(experts)
+    return tables
+
+
+def _layout_text(value: ir.Value) -> str:
+    text = str(value.layout)
+    return text if text != "{}" else "replicated"
+
+
+def _context(spec: MoeSpec | None, pipeline: PassPipeline, graph: ir.Graph, mesh: ir.Mesh | None) -> PassContext:
+    """The passes' context: the mesh, and with an expert mapping the plan that carries it."""
+    if spec is None or mesh is None:
+        return PassContext(mesh=mesh)
+    return PassContext(mesh=mesh, plan=plan_with_experts(Plan.of(sharding_preset(pipeline, mesh)), spec, graph, mesh))
+
+
+def _shown_plan(ctx: PassContext, pipeline: PassPipeline) -> Plan | None:
+    """The plan the sharding pass used (None without a mesh or a sharding pass)."""
+    if isinstance(ctx.plan, Plan):
+        return ctx.plan
+    if ctx.mesh is None or "sharding" not in [p.name for p in pipeline.passes]:
+        return None
+    return Plan.of(sharding_preset(pipeline, ctx.mesh))
+
+
+def sharding_preset(pipeline: PassPipeline, mesh: ir.Mesh) -> str:
+    """The ``sharding`` pass's ``plan`` option, else the preset the mesh's axis names imply."""
+    for p in pipeline.passes:
+        preset = getattr(p, "plan", "") if p.name == "sharding" else ""
+        if preset:
+            return str(preset)
+    return default_preset(mesh)
+
+
 def _verify(graph: ir.Graph, where: str) -> None:
     try:
         ir.verify(graph)
@@ -198,10 +324,14 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
             raise CliError(f"--print-after {name}: pipeline {pipeline} has no pass named {name!r}")
     if args.dump_dir is not None and args.dump_dir.exists() and not args.dump_dir.is_dir():
         raise CliError(f"--dump-dir {args.dump_dir} exists and is not a directory; pass a directory path")
+    spec = parse_moe(args.moe) if args.moe is not None else None
     graph, label = load_model(args.model)
     if mesh is not None and graph.mesh is not None and mesh != graph.mesh:
         raise CliError(f"--mesh {mesh} differs from the {graph.mesh} declared by {label}; drop --mesh or match it")
-    ctx = PassContext(mesh=mesh if mesh is not None else graph.mesh)
+    mesh = mesh if mesh is not None else graph.mesh
+    if spec is not None and (mesh is None or "sharding" not in names):
+        raise CliError("--moe maps the experts onto a mesh: pass --mesh (e.g. --mesh dp=2,tp=2) and a sharding pass")
+    ctx = _context(spec, pipeline, graph, mesh)
     writer = DumpWriter(args.dump_dir, pipeline, title=label) if args.dump_dir is not None else None
     printing = bool(args.print_between_passes or args.print_after)
     n = len(pipeline.passes)
@@ -225,7 +355,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
         if writer is not None:
             writer.write_step(graph)
         try:
-            _, timings = pipeline.run(ctx, graph, after_pass)
+            final, timings = pipeline.run(ctx, graph, after_pass)
         except PassFailure as e:
             raise CliError(f"{e.args[0].replace(f'pass {e.index + 1} ', f'pass {e.index + 1} of {n} ', 1)}") from None
     finally:
@@ -236,6 +366,8 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     if not printing:
         title = f"{label}: graph @{graph.name}, {ctx.mesh or 'no mesh'}, pipeline {pipeline}"
         out.print(_summary(title, steps))
+        for table in moe_tables(final, _shown_plan(ctx, pipeline), ctx.mesh, spec):
+            out.print(table)
         if writer is not None:
             out.print(f"dumps: {len(writer.records)} steps in {args.dump_dir}; open {args.dump_dir / 'index.html'}")
     return 0

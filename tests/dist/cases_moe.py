@@ -13,17 +13,26 @@ def folded(
     model: str, shape: tuple[int, ...], names: tuple[str, ...], plan: str, moe: dict[str, Any]
 ) -> dict[str, Any]:
     """``equivalence`` with ``moe=``, plus what each expert op computes with: the placements of its
-    expert weights on every mesh axis, and the local bytes this rank stores for expert weights."""
+    expert weights on every mesh axis, and the elements of expert weights this rank stores
+    (``expert_numel_local``) out of the model's whole (``expert_numel_total``)."""
     from torch.distributed.tensor import DTensor
 
+    from compiler.moe import find_experts
+    from compiler.zoo import build
+
+    sites, _ = find_experts(build(model)[0])
+    expert_fqns = {fqn for site in sites for fqn in (site.gate_up, site.down)}
     out = equivalence(model, shape, names, plan, moe=moe, keep_module=True)
     pm = out.pop("module")
     ops = [op for op in pm.graph().ops if op.target in (EXPERTS, EXPERTS_BACKWARD)]
     w_at = {EXPERTS: 3, EXPERTS_BACKWARD: 4}
     out["expert_ops"] = [str(op.operands[w_at[op.target]].layout) for op in ops]
-    local = 0
+    local = total = 0
     for name, p in pm.named_parameters():
-        if name.endswith(("gate_up_proj", "down_proj")) and isinstance(p, DTensor):
+        if name in expert_fqns:
+            assert isinstance(p, DTensor), f"{name} is not a DTensor"
             local += p.to_local().numel()
-    out["expert_numel_local"] = local
+            total += p.numel()
+    assert total and len(expert_fqns) == 2 * len(sites), f"expert weights missing: {sorted(expert_fqns)}"
+    out["expert_numel_local"], out["expert_numel_total"] = local, total
     return out

@@ -3,14 +3,27 @@ after AdamW steps equal single device (fp32), and each rank holds and computes o
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+import ir
 from tests.dist.conftest import RankPools
+from tools.demo import auto_ep
+
+Case = tuple[str, tuple[int, ...], tuple[str, ...], str, dict[str, Any], tuple[str, ...]]
 
 # (model, mesh shape, axis names, plan, moe, the axes the experts are split over)
-CASES: list[tuple[str, tuple[int, ...], tuple[str, ...], str, dict[str, Any], tuple[str, ...]]] = [
+CASES: list[Case] = [
+    # mixtral-tiny's 4 stacked experts, EP=4 over all four ranks; attention fsdp over dp, tp over tp
+    ("mixtral-tiny", (2, 2), ("dp", "tp"), "fsdp+tp", {"ep": 4}, ("dp", "tp")),
+    # deepseek-tiny: 8 routed experts (2 per rank) beside a shared expert and a dense first layer
+    ("deepseek-tiny", (2, 2), ("dp", "tp"), "ddp+tp", {"ep": 4}, ("dp", "tp")),
+    # 8 ranks: EP=4 over tp, EDP=2 over dp
+    ("deepseek-tiny", (2, 4), ("dp", "tp"), "fsdp+tp", {"ep": 4}, ("tp",)),
+]
+HF_CASES: list[Case] = [
     # EP=4 folded over all four ranks: attention is fsdp over dp and tp over tp
     ("hf-mixtral", (2, 2), ("dp", "tp"), "fsdp+tp", {"ep": 4, "etp": 1}, ("dp", "tp")),
     # EP=2 on the inner axis, EDP=2 on the outer one
@@ -20,13 +33,13 @@ CASES: list[tuple[str, tuple[int, ...], tuple[str, ...], str, dict[str, Any], tu
 ]
 
 
-def _id(c: tuple[Any, ...]) -> str:
+def _id(c: Case) -> str:
     return f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[3]}-ep{c[4]['ep']}"
 
 
-@pytest.mark.hf
-@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
-def test_folded_experts_equal_single_device(rank_pools: RankPools, case: tuple[Any, ...]) -> None:
+def _check_folded(rank_pools: RankPools, case: Case) -> None:
+    """Run ``case`` on its ranks: equal to single device (checked on the ranks), expert weights split
+    over the EP axes in every expert op, and each rank storing at most 1/ep of them."""
     model, shape, names, plan, moe, ep_axes = case
     world = 1
     for s in shape:
@@ -39,9 +52,39 @@ def test_folded_experts_equal_single_device(rank_pools: RankPools, case: tuple[A
     for layout in first["expert_ops"]:
         for axis in ep_axes:
             assert f"{axis}: S(0)" in layout, f"experts not split over {axis}: {first['expert_ops']}"
-    # NOTE: hf-mixtral: 2 layers x 4 experts x (2*96*64 + 64*96) weights; each rank keeps 1/ep of them
-    # (whole on the EDP axes)
-    total = 2 * 4 * (2 * 96 * 64 + 64 * 96)
-    assert all(r["expert_numel_local"] <= total // moe["ep"] for r in results), [
+    # NOTE: whole on the EDP axes, so each rank keeps 1/ep of every layer's experts
+    total = first["expert_numel_total"]
+    assert all(r["expert_numel_total"] == total for r in results)
+    assert all(0 < r["expert_numel_local"] <= total // moe["ep"] for r in results), [
         r["expert_numel_local"] for r in results
     ]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
+def test_folded_experts_equal_single_device(rank_pools: RankPools, case: Case) -> None:
+    _check_folded(rank_pools, case)
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("case", HF_CASES, ids=[_id(c) for c in HF_CASES])
+def test_folded_hf_experts_equal_single_device(rank_pools: RankPools, case: Case) -> None:
+    _check_folded(rank_pools, case)
+
+
+@pytest.mark.parametrize(
+    ("mesh", "experts", "ep"),
+    [("dp=2,tp=2", [4, 4], 4), ("dp=2,tp=2", [8], 4), ("dp=2,tp=4", [8], 8), ("dp=2,tp=4", [4], 4), ("dp=2", [3], 1)],
+)
+def test_demo_splits_experts_over_the_most_ranks_that_divide_them(mesh: str, experts: list[int], ep: int) -> None:
+    assert auto_ep(ir.Mesh.parse(mesh), experts) == ep
+
+
+@pytest.mark.slow
+def test_demo_trains_mixtral_tiny_with_experts_folded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tools.cli import main
+
+    assert main(["demo", "--model", "mixtral-tiny", "--steps", "2", "--dump-dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "attention: fsdp over dp, tp over tp; experts: EP=4 over (dp, tp), EDP=1" in out
+    assert "matches single-device training" in out
+    assert "meshfold.moe_experts" in (tmp_path / "parallel.txt").read_text()

@@ -1,7 +1,9 @@
 """Golden-file machinery: filecheck'd pass tests and whole expected dumps.
 
 ``MESHFOLD_UPDATE_GOLDEN=1`` rewrites expected files from what the code prints now; a changed
-golden file is reviewed like code.
+golden file is reviewed like code. A ``// RUN:`` line names the pipeline, then optional
+``--mesh dp=2,tp=2``, ``--assume boxed`` and ``--moe ep=4`` (the expert mapping for the graph's
+``meshfold.moe_experts`` weights, as ``pass-debug --moe`` gives it).
 """
 
 from __future__ import annotations
@@ -13,34 +15,44 @@ import sys
 from pathlib import Path
 
 import ir
+from compiler.moe import plan_with_experts
 from passes import JOINT, PassContext, PassPipeline
+from passes.sharding.plans import Plan
+from tools.pass_debug import parse_moe, sharding_preset
 
 GOLDEN_DIR = Path(__file__).parent
 UPDATE = os.environ.get("MESHFOLD_UPDATE_GOLDEN") == "1"
 
 
-def run_line(path: Path) -> tuple[str, ir.Mesh | None, frozenset[str]]:
-    """The pipeline, ``--mesh`` and ``--assume`` (graph properties taken as given) of the ``// RUN:`` line."""
+def run_line(path: Path) -> tuple[str, ir.Mesh | None, frozenset[str], str | None]:
+    """The pipeline, ``--mesh``, ``--assume`` (graph properties taken as given) and ``--moe`` of the
+    ``// RUN:`` line."""
     for line in path.read_text().splitlines():
         if line.startswith("// RUN:"):
             words = line[len("// RUN:") :].split()
             opts = dict(zip(words[1::2], words[2::2], strict=False))
             mesh = opts.get("--mesh")
             assume = frozenset(filter(None, opts.get("--assume", "").split(",")))
-            return words[0], ir.Mesh.parse(mesh) if mesh else None, assume
+            return words[0], ir.Mesh.parse(mesh) if mesh else None, assume, opts.get("--moe")
     raise AssertionError(f"{path} has no `// RUN: <pipeline>` line")
 
 
 def run_pipeline_file(path: Path) -> str:
     """Parse the file's IR, run its RUN pipeline verifying after every pass, return the printed result."""
-    pipeline, mesh, assume = run_line(path)
+    pipeline, mesh, assume, moe = run_line(path)
     graph = ir.parse(path.read_text())
     ir.verify(graph)
+    ctx = PassContext(mesh=mesh)
+    if moe is not None:
+        assert mesh is not None, f"{path}: --moe needs --mesh"
+        passes = PassPipeline.parse(pipeline)
+        plan = Plan.of(sharding_preset(passes, mesh))
+        ctx = PassContext(mesh=mesh, plan=plan_with_experts(plan, parse_moe(moe), graph, mesh))
 
     def check(i: int, p: object, g: ir.Graph) -> None:
         ir.verify(g)
 
-    out, _ = PassPipeline.parse(pipeline).run(PassContext(mesh=mesh), graph, check, initial=assume | {JOINT})
+    out, _ = PassPipeline.parse(pipeline).run(ctx, graph, check, initial=assume | {JOINT})
     return str(out)
 
 

@@ -15,7 +15,7 @@ from compiler import compile_model
 from compiler.zoo import build
 from tests.golden.harness import GOLDEN_DIR, expect_text
 
-BUILTINS = ["mlp", "gpt2-tiny", "llama-tiny", "mixtral-tiny"]
+BUILTINS = ["mlp", "gpt2-tiny", "llama-tiny", "mixtral-tiny", "mixtral-list-tiny"]
 
 
 @pytest.mark.parametrize("name", BUILTINS)

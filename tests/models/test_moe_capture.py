@@ -1,5 +1,6 @@
 """MoE forms: DeepSeek-V3 routing checked token by token against plain Python, deepseek-tiny's golden
-dump, the data-dependent per-expert loop (the same model as mixtral-tiny), and transformers' Mixtral
+dump, the zoo's stacked experts against ``meshfold.moe_experts`` and against the ``nn.ModuleList`` form,
+the data-dependent per-expert loop (the same model as mixtral-list-tiny), and transformers' Mixtral
 with its default experts implementation — captured graphs run op by op against eager."""
 
 from __future__ import annotations
@@ -10,8 +11,10 @@ from torch import nn
 
 from backends.interpret import interpret
 from compiler import CaptureError, capture
-from compiler.zoo import build
+from compiler.moe import find_experts
+from compiler.zoo import MoeExpert, StackedExperts, build
 from compiler.zoo_moe import GroupLimitedRouter, moe_loop_tiny, sequence_balance_loss
+from ir.moe import experts
 from tests.golden import test_golden_zoo as golden_zoo
 
 
@@ -86,9 +89,62 @@ def test_deepseek_tiny_after_cleanup_matches_golden_and_eager() -> None:
     golden_zoo.test_zoo_after_cleanup_matches_golden_and_eager("deepseek-tiny")
 
 
+def _routing(tokens: int, hidden: int, n_experts: int, k: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """Random ``hidden [T, H]``, distinct expert ids ``[T, k]`` and weights ``[T, k]`` (float ones need grad)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, hidden, generator=g, requires_grad=True)
+    idx = torch.stack([torch.randperm(n_experts, generator=g)[:k] for _ in range(tokens)])
+    return x, idx, torch.rand(tokens, k, generator=g, requires_grad=True)
+
+
+@pytest.mark.parametrize(("n_experts", "k"), [(4, 2), (8, 3), (3, 1)])
+def test_stacked_experts_compute_the_experts_op_with_gradients(n_experts: int, k: int) -> None:
+    torch.manual_seed(0)
+    module = StackedExperts(n_experts, 16, 12)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.normal_(0.0, 0.5)  # NOTE: O(1) activations, so a wrong gate/up split shows well above 1e-5
+    x, idx, w = _routing(24, 16, n_experts, k, seed=n_experts)
+    got = module(x, idx, w)
+    want = experts(x, idx, w, module.gate_up_proj, module.down_proj, "silu")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    seed = torch.randn_like(got)
+    wrt = [x, w, module.gate_up_proj, module.down_proj]
+    got_grads = torch.autograd.grad(got, wrt, seed)
+    want_grads = torch.autograd.grad(want, wrt, seed)
+    for name, a, b in zip(("hidden", "weights", "gate_up_proj", "down_proj"), got_grads, want_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=lambda m, n=name: f"d {n}: {m}")
+
+
+def test_stacked_experts_are_found_as_foldable() -> None:
+    for name, paths in [
+        ("mixtral-tiny", ["layers.0.block_sparse_moe.experts", "layers.1.block_sparse_moe.experts"]),
+        ("deepseek-tiny", ["layers.1.mlp.experts", "layers.2.mlp.experts"]),
+    ]:
+        sites, notes = find_experts(build(name)[0])
+        assert [s.path for s in sites] == paths and notes == []
+        assert {s.act for s in sites} == {"silu"}
+
+
+def test_stacked_block_computes_what_the_list_block_computes() -> None:
+    stacked, inputs = build("mixtral-tiny")
+    listed, _ = build("mixtral-list-tiny")
+    by_name = dict(stacked.named_parameters())
+    with torch.no_grad():
+        for name, p in listed.named_parameters():
+            if ".experts." not in name:
+                by_name[name].copy_(p)
+        for i, layer in enumerate(listed.layers):
+            mlps: list[MoeExpert] = list(layer.block_sparse_moe.experts)
+            prefix = f"layers.{i}.block_sparse_moe.experts."
+            by_name[prefix + "gate_up_proj"].copy_(torch.stack([torch.cat((m.w1.weight, m.w3.weight)) for m in mlps]))
+            by_name[prefix + "down_proj"].copy_(torch.stack([m.w2.weight for m in mlps]))
+    torch.testing.assert_close(stacked(*inputs), listed(*inputs), rtol=1e-5, atol=1e-6)
+
+
 def test_loop_form_computes_what_the_dense_form_computes() -> None:
     loop, inputs = moe_loop_tiny()
-    dense, _ = build("mixtral-tiny")
+    dense, _ = build("mixtral-list-tiny")
     assert [n for n, _ in loop.named_parameters()] == [n for n, _ in dense.named_parameters()]
     loop_loss, dense_loss = loop(*inputs), dense(*inputs)
     torch.testing.assert_close(loop_loss, dense_loss)

@@ -51,13 +51,30 @@ def test_op_equals_token_by_token_reference_with_gradients() -> None:
 def test_expert_shares_sum_to_the_whole() -> None:
     hidden, idx, weights, gate_up, down = _inputs(1)
     whole = experts(hidden, idx, weights, gate_up, down)
-    halves = [experts_range(lo, hidden, idx, weights, gate_up[lo : lo + 2], down[lo : lo + 2], "silu") for lo in (0, 2)]
+    gu = gate_up.view(E, 2, INTER, H)
+    halves = [experts_range(lo, hidden, idx, weights, gu[lo : lo + 2], down[lo : lo + 2], "silu") for lo in (0, 2)]
     torch.testing.assert_close(halves[0] + halves[1], whole)
     assert not torch.equal(halves[0], whole)
 
 
+def test_intermediate_shares_sum_to_the_whole() -> None:
+    # NOTE: expert tensor parallelism: each rank holds a slice of every expert's intermediate dim,
+    # its gate and up rows together ([E, 2, I, H] split on I) and the matching down columns
+    hidden, idx, weights, gate_up, down = _inputs(4)
+    whole = experts(hidden, idx, weights, gate_up, down)
+    gu = gate_up.view(E, 2, INTER, H)
+    parts = [
+        experts_range(0, hidden, idx, weights, gu[:, :, s], down[:, :, s], "silu")
+        for s in (slice(0, INTER // 2), slice(INTER // 2, INTER))
+    ]
+    torch.testing.assert_close(parts[0] + parts[1], whole, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(parts[0], whole)
+
+
 def test_op_is_registered_for_capture() -> None:
-    result = torch.library.opcheck(EXPERTS, (*_inputs(2), "silu"))
+    hidden, idx, weights, gate_up, down = _inputs(2)
+    args = (hidden, idx, weights, gate_up.view(E, 2, INTER, H), down, "silu", 0, "probs", "any")
+    result = torch.library.opcheck(EXPERTS, args)
     assert set(result.values()) == {"SUCCESS"}, result
 
 
@@ -68,7 +85,7 @@ def test_hf_experts_are_found_and_modulelist_experts_are_named_in_a_warning() ->
     assert [s.path for s in sites] == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     assert {s.act for s in sites} == {"silu"} and {s.num_experts for s in sites} == {4}
     assert notes == []
-    tiny, _ = build("mixtral-tiny")
+    tiny, _ = build("mixtral-list-tiny")
     sites, notes = find_experts(tiny)
     assert sites == []
     assert len(notes) == 2 and "layers.0.block_sparse_moe" in notes[0] and "stay replicated" in notes[0]
@@ -77,7 +94,7 @@ def test_hf_experts_are_found_and_modulelist_experts_are_named_in_a_warning() ->
 def test_capture_warns_about_experts_it_cannot_fold() -> None:
     from compiler import capture
 
-    model, inputs = build("mixtral-tiny")
+    model, inputs = build("mixtral-list-tiny")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         capture(model, inputs)
@@ -85,7 +102,7 @@ def test_capture_warns_about_experts_it_cannot_fold() -> None:
 
 
 MESH = ir.Mesh.parse("dp=2,tp=2")
-SITE = [ExpertsSite("m.experts", "m.experts.gate_up_proj", "m.experts.down_proj", "silu", 4)]
+SITE = [ExpertsSite("m.experts", "m.experts.gate_up_proj", "m.experts.down_proj", "silu", 4, 6)]
 
 
 @pytest.mark.parametrize(
@@ -101,14 +118,24 @@ def test_ep_maps_onto_the_innermost_axes(spec: dict[str, int], expect: dict[str,
     assert out == {"m.experts.gate_up_proj": expect, "m.experts.down_proj": expect}
 
 
+def test_etp_takes_the_innermost_axis_and_splits_the_intermediate_dim() -> None:
+    out = expert_overrides(MoeSpec.of({"ep": 2, "etp": 2}), SITE, MESH)
+    assert out["m.experts.down_proj"] == {"tp": "S(2)", "dp": "S(0)"}
+    assert out["m.experts.gate_up_proj"] == {"tp": "R", "dp": "S(0)"}
+    odd = [ExpertsSite("m.experts", "a", "b", "silu", 4, 5)]
+    with pytest.raises(PassError, match="intermediate % etp must be 0"):
+        expert_overrides(MoeSpec.of({"ep": 2, "etp": 2}), odd, MESH)
+
+
 @pytest.mark.parametrize(
     ("spec", "message"),
     [
         ({"ep": 3}, "no such run of axes has 3 ranks"),
         ({"ep": 8}, "no such run of axes has 8 ranks"),
-        ({"ep": 4, "etp": 2}, "ETP > 1"),
-        ({"ep": 2, "dispatcher": "alltoall"}, "dispatcher"),
-        ({"ep": 2, "capacity_factor": 1.0}, "capacity_factor"),
+        ({"ep": 4, "etp": 2}, "no such run of axes has 4 ranks"),
+        ({"ep": 2, "hierarchical": True, "dispatcher": "allgather"}, "form of the all-to-all dispatcher"),
+        ({"ep": 2, "capacity_factor": 0.0}, "positive factor"),
+        ({"ep": 2, "drop_policy": "random"}, "drop_policy"),
         ({"ep": 2, "bogus": 1}, "unknown keys"),
         ({"ep": 2, "dispatcher": "teleport"}, "use one of"),
     ],
@@ -119,7 +146,7 @@ def test_invalid_mappings_are_refused_naming_the_rule(spec: dict[str, object], m
 
 
 def test_expert_count_must_divide_by_ep() -> None:
-    three = [ExpertsSite("m.experts", "a", "b", "silu", 6)]
+    three = [ExpertsSite("m.experts", "a", "b", "silu", 6, 6)]
     with pytest.raises(PassError, match="num_experts % ep must be 0"):
         expert_overrides(MoeSpec.of({"ep": 4}), three, MESH)
 

@@ -291,3 +291,121 @@ def test_dump_dir_that_is_a_file_exits_2(ir_file: Path, capsys: pytest.CaptureFi
     assert main([str(ir_file), "-p", "cleanup", "--dump-dir", str(ir_file)]) == 2
     assert f"--dump-dir {ir_file} exists and is not a directory" in capsys.readouterr().err
     assert ir_file.read_text() == JOINT
+
+
+# NOTE: expert weights far larger than the tokens, as in real MoE layers, so the sharding solve
+# keeps them split (at a few KiB it rather gathers them: a collective costs ~1 ms on gloo).
+MOE = """\
+graph @moe {
+  param %experts.gate_up_proj : f32[4, 2048, 256]
+  param %experts.down_proj : f32[4, 256, 1024]
+  input %x : f32[8, 256]
+  input %idx : i64[8, 2]
+  input %w : f32[8, 2]
+  tangent %tangent.0 : f32[]
+  %gu = aten.view(%experts.gate_up_proj, [4, 2, 1024, 256]) : f32[4, 2, 1024, 256]  # experts fwd
+  %e = meshfold.moe_experts(%x, %idx, %w, %gu, %experts.down_proj, "silu", 0, "probs", "allgather") : f32[8, 256] \
+ # experts fwd
+  %s = aten.sum(%e) : f32[]  # <root> fwd
+  %g = aten.expand(%tangent.0, [8, 256]) : f32[8, 256]  # <root> bwd
+  %b.0, %b.1, %b.2, %b.3 = meshfold.moe_experts_backward(%g, %x, %idx, %w, %gu, %experts.down_proj, "silu", 0, \
+"probs", "allgather") : f32[8, 256], f32[8, 2], f32[4, 2, 1024, 256], f32[4, 256, 1024]  # experts bwd
+  %ggu = aten.view(%b.2, [4, 2048, 256]) : f32[4, 2048, 256]  # experts bwd
+  output out(0) = %s
+  output grad(experts.gate_up_proj) = %ggu
+  output grad(experts.down_proj) = %b.3
+}
+"""
+
+
+def _table_rows(out: str, title: str) -> list[list[str]]:
+    """The body rows of the rich table titled ``title`` in ``out``, cells stripped."""
+    section = out.split(title, 1)[1]
+    rows = []
+    for line in section.splitlines()[4:]:
+        if not line.startswith("│"):
+            break
+        rows.append([cell.strip() for cell in line.strip("│").split("│")])
+    return rows
+
+
+@pytest.fixture
+def moe_file(tmp_path: Path) -> Path:
+    path = tmp_path / "moe.ir"
+    path.write_text(MOE)
+    return path
+
+
+def test_moe_shows_both_mappings_and_the_experts_layouts(moe_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [str(moe_file), "-p", "sharding,boxing,verify", "--mesh", "dp=2,tp=2", "--moe", "ep=4", "--no-color"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert _table_rows(out, "MoE mapping") == [["dp", "2", "fsdp", "EP"], ["tp", "2", "tp", "EP"]]
+    assert "attention: fsdp over dp, tp over tp; experts: EP=4 over (dp, tp), EDP=1" in out
+    experts = _table_rows(out, "experts ops (2)")
+    assert [row[1:] for row in experts] == [
+        ["fwd", "replicated", "{dp: S(0), tp: S(0)}"],
+        ["bwd", "replicated", "{dp: S(0), tp: S(0)}"],
+    ]
+
+
+def test_moe_on_the_inner_axis_leaves_the_outer_one_edp(moe_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    argv = [str(moe_file), "-p", "sharding{plan=ddp+tp},boxing", "--mesh", "dp=2,tp=2", "--moe", "ep=2"]
+    assert main([*argv, "--no-color"]) == 0
+    out = capsys.readouterr().out
+    assert _table_rows(out, "MoE mapping") == [["dp", "2", "ddp", "EDP"], ["tp", "2", "tp", "EP"]]
+    assert "experts: EP=2 over tp, EDP=2 over dp" in out
+    assert all("tp: S(0)" in row[3] for row in _table_rows(out, "experts ops (2)"))
+
+
+def test_experts_without_moe_follow_the_plan(moe_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(moe_file), "-p", "sharding,boxing", "--mesh", "dp=2", "--no-color"]) == 0
+    out = capsys.readouterr().out
+    assert _table_rows(out, "MoE mapping") == [["dp", "2", "fsdp", "as attention"]]
+    assert "experts: as attention (no expert mapping)" in out
+
+
+def test_graphs_without_experts_get_no_moe_tables(ir_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([str(ir_file), "-p", "cleanup,sharding,boxing", "--mesh", "dp=2", "--no-color"]) == 0
+    assert "MoE mapping" not in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["-p", "sharding,boxing", "--moe", "ep=2"], "pass --mesh"),
+        (["-p", "cleanup", "--mesh", "dp=2", "--moe", "ep=2"], "a sharding pass"),
+        (["-p", "sharding", "--mesh", "dp=2", "--moe", "ep"], "key=value"),
+        (["-p", "sharding", "--mesh", "dp=2", "--moe", "ep=2,speed=9"], "unknown keys ['speed']"),
+        (["-p", "sharding", "--mesh", "dp=2,tp=2", "--moe", "ep=3"], "no such run of axes has 3 ranks"),
+    ],
+)
+def test_bad_moe_options_exit_2(
+    moe_file: Path, capsys: pytest.CaptureFixture[str], argv: list[str], needle: str
+) -> None:
+    assert main([str(moe_file), *argv]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_moe_spec_and_mapping_line() -> None:
+    from compiler.moe import MoeSpec
+    from passes.sharding.plans import Plan
+    from tools.pass_debug import mapping_line, parse_moe
+
+    assert parse_moe("ep=4, etp=1") == MoeSpec(ep=4, etp=1)
+    assert parse_moe("ep=2,dispatcher=allgather,hierarchical=false") == MoeSpec(ep=2, dispatcher="allgather")
+    mesh = ir.Mesh.parse("dp=2,tp=4")
+    line = mapping_line(Plan.of("fsdp+tp"), mesh, MoeSpec(ep=4))
+    assert line == "attention: fsdp over dp, tp over tp; experts: EP=4 over tp, EDP=2 over dp"
+
+
+@pytest.mark.skipif(importlib.util.find_spec("compiler.zoo") is None, reason="compiler.zoo is not written yet")
+def test_zoo_moe_model_maps_its_experts(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["mixtral-tiny", "-p", "cleanup,sharding{mode=greedy},boxing,verify", "--mesh", "dp=2,tp=2", "--moe", "ep=4"]
+    assert main([*argv, "--no-color"]) == 0
+    out = capsys.readouterr().out
+    assert "experts: EP=4 over (dp, tp), EDP=1" in out
+    rows = _table_rows(out, "experts ops (4)")
+    assert [row[1] for row in rows] == ["fwd", "fwd", "bwd", "bwd"]
+    assert all(row[3] == "{dp: S(0), tp: S(0)}" for row in rows)
