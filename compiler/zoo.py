@@ -505,5 +505,24 @@ def _hf_mixtral() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return _seeded(lambda: cls(config)), _token_inputs(256)
 
 
+@register("hf-qwen3-moe")
+def _hf_qwen3_moe() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """transformers' Qwen3MoeForCausalLM (8 experts, top-2, QK-norm attention) with random weights."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    config = Qwen3MoeConfig(
+        **_HF_COMMON,
+        head_dim=16,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.01,
+    )
+    cls = _hf_loss_cls(Qwen3MoeForCausalLM)
+    return _seeded(lambda: cls(config)), _token_inputs(256)
+
+
 # NOTE: imported last: the MoE entries build on the classes above and register themselves.
 from compiler import zoo_moe  # noqa: E402, F401

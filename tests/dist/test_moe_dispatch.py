@@ -29,6 +29,8 @@ CASES: list[tuple[str, tuple[int, ...], tuple[str, ...], str, dict[str, Any]]] =
         "ddp+tp",
         {"ep": 4, "dispatcher": "allgather", "capacity_factor": 0.75, "drop_policy": "position"},
     ),
+    # another transformers MoE family, found the same way
+    ("hf-qwen3-moe", *MESH, "fsdp+tp", {"ep": 4, "dispatcher": "alltoall"}),
     # EP x ETP: each expert's intermediate dim split over tp, the experts over dp
     ("hf-mixtral", *MESH, "fsdp+tp", {"ep": 2, "etp": 2, "dispatcher": "alltoall"}),
     ("hf-mixtral", (2, 4), ("dp", "tp"), "fsdp+tp", {"ep": 2, "etp": 4, "dispatcher": "allgather"}),
@@ -40,7 +42,7 @@ def _id(c: tuple[Any, ...]) -> str:
     cap = f"-cap{m['capacity_factor']}-{m.get('drop_policy', 'probs')}" if "capacity_factor" in m else ""
     etp = f"-etp{m['etp']}" if "etp" in m else ""
     two = "-hierarchical" if m.get("hierarchical") else ""
-    return f"{'x'.join(map(str, c[1]))}-ep{m['ep']}{etp}-{m['dispatcher']}{two}{cap}"
+    return f"{c[0]}-{'x'.join(map(str, c[1]))}-ep{m['ep']}{etp}-{m['dispatcher']}{two}{cap}"
 
 
 def _run(rank_pools: RankPools, case: tuple[Any, ...]) -> list[dict[str, Any]]:

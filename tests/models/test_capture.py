@@ -13,7 +13,7 @@ from backends.interpret import interpret
 from compiler import CaptureError, capture
 from compiler.zoo import build, zoo_names
 
-HF = {"hf-llama", "hf-mixtral"}
+HF = {name for name in zoo_names() if name.startswith("hf-")}
 NAMES = zoo_names()
 
 
