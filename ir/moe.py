@@ -177,9 +177,7 @@ def experts_range_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`experts_range` w.r.t. hidden, weights, w_gate_up, w_down (the given experts')."""
     tok, slot, local = _my_pairs(lo, idx, weights, w_down.size(0), capacity, policy)
-    dx, dw, d_gate_up, d_down = pair_grads(
-        local, hidden[tok], weights[tok, slot], grad[tok], w_gate_up, w_down, act
-    )
+    dx, dw, d_gate_up, d_down = pair_grads(local, hidden[tok], weights[tok, slot], grad[tok], w_gate_up, w_down, act)
     d_weights = torch.zeros_like(weights)
     d_weights[tok, slot] = dw
     return torch.zeros_like(hidden).index_add_(0, tok, dx), d_weights, d_gate_up, d_down
@@ -216,9 +214,7 @@ def _moe_experts_fake(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     act: str,
-    capacity: int,
-    policy: str,
-    dispatcher: str,
+    *options: object,
 ) -> torch.Tensor:
     _check(hidden, top_k_index, w_gate_up, w_down, act)
     return torch.empty_like(hidden)
@@ -238,30 +234,16 @@ def moe_experts_backward(
     dispatcher: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``moe_experts`` w.r.t. hidden, top_k_weights, w_gate_up and w_down."""
-    return experts_range_backward(
-        0, grad, hidden, top_k_index, top_k_weights, w_gate_up, w_down, act, capacity, policy
-    )
+    return experts_range_backward(0, grad, hidden, top_k_index, top_k_weights, w_gate_up, w_down, act, capacity, policy)
 
 
 @moe_experts_backward.register_fake
 def _moe_experts_backward_fake(
-    grad: torch.Tensor,
-    hidden: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    act: str,
-    capacity: int,
-    policy: str,
-    dispatcher: str,
+    grad: torch.Tensor, *tensors_and_options: object
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return (
-        torch.empty_like(hidden),
-        torch.empty_like(top_k_weights),
-        torch.empty_like(w_gate_up),
-        torch.empty_like(w_down),
-    )
+    hidden, _, weights, w_gate_up, w_down = tensors_and_options[:5]
+    assert all(isinstance(t, torch.Tensor) for t in (hidden, weights, w_gate_up, w_down))
+    return tuple(torch.empty_like(t) for t in (hidden, weights, w_gate_up, w_down))  # type: ignore[arg-type, return-value]
 
 
 def _setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[object, ...], output: torch.Tensor) -> None:
