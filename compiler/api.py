@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 import ir
 from backends.eager import RankContext, exchange_axes, lower
 from compiler.capture import capture
-from compiler.moe import MoeSpec, check_spec, plan_with_experts
+from compiler.moe import MoeSpec, check_spec, plan_with_experts, with_spec
 from compiler.pipeline import DEFAULT_PIPELINE
 from compiler.runtime import ParallelModule
 from passes import PassContext, PassError, PassPipeline, parse_size
@@ -163,6 +163,7 @@ def _compile_once(
                 # NOTE: the experts are found in the captured graph (modules meshfold recognizes, and
                 # code calling compiler.moe_experts alike)
                 assert ctx.mesh is not None and isinstance(ctx.plan, Plan)
+                graph = with_spec(graph, moe)
                 ctx.plan = plan_with_experts(ctx.plan, moe, graph, ctx.mesh)
             compiled, _ = PassPipeline.parse(pipeline).run(ctx, graph)
             payload[0] = ("ok", str(compiled))

@@ -18,6 +18,7 @@ axes; ``expert_overrides`` turns it into plan entries for every expert weight.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import types
 import warnings
 from collections.abc import Iterator, Mapping
@@ -28,7 +29,7 @@ import torch
 from torch import nn
 
 import ir
-from ir.moe import ACTIVATIONS, EXPERTS, experts
+from ir.moe import ACTIVATIONS, EXPERTS, EXPERTS_BACKWARD, capacity_of, experts
 from passes import PassError
 from passes.sharding.plans import AUTO, Plan
 
@@ -268,6 +269,23 @@ def plan_with_experts(plan: Plan, spec: MoeSpec, graph: ir.Graph, mesh: ir.Mesh)
     return Plan(plan.preset, kept + Plan.of(plan.preset, entries).overrides, tuple(entries))
 
 
+def with_spec(graph: ir.Graph, spec: MoeSpec) -> ir.Graph:
+    """``graph`` with every experts op (found or marked) taking ``spec``'s capacity, drop policy and
+    dispatcher; the capacity is computed from each op's own token count, top-k and expert count."""
+    dispatcher = "hierarchical" if spec.hierarchical else spec.dispatcher
+    ops = []
+    for op in graph.ops:
+        at = {EXPERTS: 0, EXPERTS_BACKWARD: 1}.get(op.target)  # type: ignore[call-overload]
+        if at is None:
+            ops.append(op)
+            continue
+        hidden, idx, down = (op.operands[at + k].type for k in (0, 1, 4))
+        assert isinstance(hidden, ir.TensorType) and isinstance(idx, ir.TensorType) and isinstance(down, ir.TensorType)
+        cap = capacity_of(int(hidden.shape[0]), int(idx.shape[1]), int(down.shape[0]), spec.capacity_factor or 0.0)
+        ops.append(dataclasses.replace(op, args=(*op.args[: at + 6], cap, spec.drop_policy, dispatcher)))
+    return dataclasses.replace(graph, ops=tuple(ops))
+
+
 def check_spec(plan: Plan, spec: MoeSpec, mesh: ir.Mesh) -> None:
     """What can be refused before capture: ``moe=`` with ``plan='auto'``, and a mapping the mesh's
     axes cannot carry."""
@@ -287,4 +305,5 @@ __all__ = [
     "experts_sites",
     "find_experts",
     "plan_with_experts",
+    "with_spec",
 ]

@@ -174,3 +174,33 @@ class DeepseekTiny(nn.Module):
 def _deepseek_tiny() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """DeepSeek-V3 tiny (3 layers, 8 routed experts top-3 in 2 groups keep 1, 2x shared) on ``(input_ids, labels)``."""
     return _seeded(DeepseekTiny), _token_inputs(256)
+
+
+class MarkedMoe(nn.Module):
+    """An MoE language model whose experts code meshfold cannot recognize by itself (its own weight
+    names, top-1 routing) but marks with ``compiler.moe_experts``."""
+
+    def __init__(self, vocab: int = 256, hidden: int = 64, inter: int = 32, experts: int = 4) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, hidden)
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.w_in = nn.Parameter(torch.randn(experts, 2 * inter, hidden) * 0.05)
+        self.w_out = nn.Parameter(torch.randn(experts, hidden, inter) * 0.05)
+        self.norm = RMSNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from compiler import moe_experts
+
+        x = self.embed(input_ids)
+        flat = x.reshape(-1, x.size(-1))
+        probs = F.softmax(self.router(flat), dim=-1)
+        top_w, top_i = torch.topk(probs, 1, dim=-1)
+        y = moe_experts(flat, top_i, top_w, self.w_in, self.w_out, act="gelu")
+        return _shifted_ce(self.head(self.norm(x + y.view_as(x))), labels)
+
+
+@register("marked-moe-tiny")
+def _marked_moe_tiny() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """A top-1 MoE written against ``compiler.moe_experts`` (weights ``w_in``/``w_out``)."""
+    return _seeded(MarkedMoe), _token_inputs(256)

@@ -29,7 +29,7 @@ def write_dumps(model_name: str, mesh: Any, plan: str, dump_dir: Path, moe: dict
     """Compile ``model_name`` for ``mesh`` in this process and dump every pass (text, dot, html);
     ``moe`` is the expert mapping, as ``parallelize(..., moe=)`` takes it."""
     from compiler import DEFAULT_PIPELINE, capture
-    from compiler.moe import MoeSpec, plan_with_experts
+    from compiler.moe import MoeSpec, plan_with_experts, with_spec
     from compiler.zoo import build
     from passes import PassContext, PassPipeline
     from passes.sharding.plans import Plan
@@ -41,6 +41,7 @@ def write_dumps(model_name: str, mesh: Any, plan: str, dump_dir: Path, moe: dict
     graph = capture(model, inputs, moe=spec)
     the_plan = Plan.of(plan)
     if spec is not None:
+        graph = with_spec(graph, spec)
         the_plan = plan_with_experts(the_plan, spec, graph, mesh)
     writer = DumpWriter(dump_dir, pipeline, title=f"{model_name} on {mesh}, plan {plan}")
     writer.write_step(graph)
