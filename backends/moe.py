@@ -104,6 +104,13 @@ class _Routed:
     """Arrived pairs' expert as an index into this rank's experts, -1 where over capacity."""
     weights: torch.Tensor
     hops: list[_Hop]
+    at: torch.Tensor | None = None
+    """With static splits: each pair's row in the buffers that travel (results come back there)."""
+
+    def back(self, rows: torch.Tensor) -> torch.Tensor:
+        """Results for this rank's pairs, in its own order."""
+        out = _back(rows, self.hops)
+        return out if self.at is None else out[self.at]
 
 
 def _route(
@@ -115,15 +122,49 @@ def _route(
     flat = idx.reshape(-1)
     owner = _owner(peers, flat)
     mine = torch.where(owner >= 0)[0]
+    padded = policy.endswith("+pad") and capacity > 0 and len(peers.stages) == 1
+    if padded:
+        # NOTE: a pair outside its rank's own first `capacity` for its expert (policy order) is outside
+        # the whole batch's first `capacity` too: drop it here, so every buffer fits `capacity` rows
+        pos = mine + peers.me * t * k
+        mine = mine[kept(flat[mine], pos, weights.reshape(-1)[mine], capacity, policy)]
     mine = mine[torch.argsort(flat[mine], stable=True)]
     tok, slot = mine // k, mine % k
     pos = mine + peers.me * t * k  # NOTE: row-major position in the whole batch (tokens split in slot order)
     floats = torch.cat((rows[tok], weights.reshape(-1)[mine, None].to(rows.dtype)), dim=1)
-    arrived, ints, hops = _forward(peers, floats, torch.stack((flat[mine], pos), dim=1), owner[mine])
+    ints = torch.stack((flat[mine], pos), dim=1)
+    if padded:
+        arrived, ints, hops, at = _padded(peers, floats, ints, owner[mine], capacity)
+    else:
+        arrived, ints, hops = _forward(peers, floats, ints, owner[mine])
+        at = None
+    real = ints[:, 0] >= 0
     w_in = arrived[:, -1]
-    keep = kept(ints[:, 0], ints[:, 1], w_in, capacity, policy)
+    keep = torch.zeros_like(real)
+    keep[real] = kept(ints[real, 0], ints[real, 1], w_in[real], capacity, policy)
     local = torch.where(keep, ints[:, 0] - peers.los[peers.me], -1)
-    return _Routed(tok, slot, arrived[:, :-1], local, w_in, hops)
+    return _Routed(tok, slot, arrived[:, :-1], local, w_in, hops, at)
+
+
+def _padded(
+    peers: Peers, floats: torch.Tensor, ints: torch.Tensor, owner: torch.Tensor, capacity: int
+) -> tuple[torch.Tensor, torch.Tensor, list[_Hop], torch.Tensor]:
+    """One hop with static splits: to each peer, ``capacity`` rows per expert it owns, empty rows
+    marked with expert -1. Returns what arrived, the hop, and each pair's row in the sent buffer."""
+    ((group, n, _),) = peers.stages
+    pg = _resolve_process_group(group)
+    expert = ints[:, 0]
+    local = expert - torch.tensor(peers.los)[owner]
+    first = torch.searchsorted(expert, expert)  # NOTE: pairs are sorted by expert: rank within it
+    row = (owner * peers.size + local) * capacity + (torch.arange(len(expert)) - first)
+    rows = n * peers.size * capacity
+    f = floats.new_zeros((rows, floats.size(1)))
+    f[row] = floats
+    i = torch.full((rows, 2), -1, dtype=ints.dtype)
+    i[row] = ints
+    split = [peers.size * capacity] * n
+    hop = _Hop(pg, torch.arange(rows), split, split)
+    return _exchange(pg, f, split, split), _exchange(pg, i, split, split), [hop], row
 
 
 def exchange_forward(
@@ -145,7 +186,7 @@ def exchange_forward(
     ``stages``/``me``/``los``/``size`` describe the peers (see :class:`Peers`)."""
     r = _route(Peers(tuple(stages), me, tuple(los), size), idx, weights, hidden, capacity, policy)
     y = pair_outputs(r.local, r.floats, r.weights, w_gate_up, w_down, act)
-    return torch.zeros_like(hidden).index_add_(0, r.tok, _back(y, r.hops))
+    return torch.zeros_like(hidden).index_add_(0, r.tok, r.back(y))
 
 
 def exchange_backward(
@@ -169,7 +210,7 @@ def exchange_backward(
     h = hidden.size(1)
     r = _route(Peers(tuple(stages), me, tuple(los), size), idx, weights, torch.cat((hidden, grad), 1), capacity, policy)
     dx, dw, d_gate_up, d_down = pair_grads(r.local, r.floats[:, :h], r.weights, r.floats[:, h:], w_gate_up, w_down, act)
-    back = _back(torch.cat((dx, dw[:, None].to(dx.dtype)), dim=1), r.hops)
+    back = r.back(torch.cat((dx, dw[:, None].to(dx.dtype)), dim=1))
     d_weights = torch.zeros_like(weights)
     d_weights[r.tok, r.slot] = back[:, h].to(d_weights.dtype)
     return torch.zeros_like(hidden).index_add_(0, r.tok, back[:, :h]), d_weights, d_gate_up, d_down

@@ -101,7 +101,7 @@ def experts_as_ops(model: nn.Module, spec: MoeSpec | None = None) -> Iterator[li
     options: tuple[str, float, str] = ("any", 0.0, "probs")
     if spec is not None:
         dispatcher = "hierarchical" if spec.hierarchical else spec.dispatcher
-        options = (dispatcher, spec.capacity_factor or 0.0, spec.drop_policy)
+        options = (dispatcher, spec.capacity_factor or 0.0, spec.policy)
     sites, notes = find_experts(model)
     for note in notes:
         warnings.warn(note, stacklevel=3)
@@ -154,6 +154,13 @@ class MoeSpec:
     drop_policy: str = "probs"
     """Which pairs an expert over capacity keeps: highest routing weight, or earliest position."""
     hierarchical: bool = False
+    pad_to_capacity: bool = False
+    """With a capacity: the all-to-all moves ``capacity`` rows per expert (static splits)."""
+
+    @property
+    def policy(self) -> str:
+        """The experts op's drop-policy argument."""
+        return self.drop_policy + ("+pad" if self.pad_to_capacity else "")
 
     @staticmethod
     def of(spec: Mapping[str, Any]) -> MoeSpec:
@@ -166,6 +173,10 @@ class MoeSpec:
             raise PassError(f"moe dispatcher {out.dispatcher!r}: use one of {', '.join(DISPATCHERS)}")
         if out.drop_policy not in DROP_POLICIES:
             raise PassError(f"moe drop_policy {out.drop_policy!r}: use one of {', '.join(DROP_POLICIES)}")
+        if out.pad_to_capacity and (out.capacity_factor is None or out.hierarchical):
+            raise PassError(
+                "moe pad_to_capacity needs a capacity_factor and the one-hop all-to-all (hierarchical=False)"
+            )
         if out.capacity_factor is not None and out.capacity_factor <= 0:
             raise PassError(f"moe capacity_factor={out.capacity_factor}: use a positive factor, or None for dropless")
         if out.ep < 1 or out.etp < 1:
@@ -282,7 +293,7 @@ def with_spec(graph: ir.Graph, spec: MoeSpec) -> ir.Graph:
         hidden, idx, down = (op.operands[at + k].type for k in (0, 1, 4))
         assert isinstance(hidden, ir.TensorType) and isinstance(idx, ir.TensorType) and isinstance(down, ir.TensorType)
         cap = capacity_of(int(hidden.shape[0]), int(idx.shape[1]), int(down.shape[0]), spec.capacity_factor or 0.0)
-        ops.append(dataclasses.replace(op, args=(*op.args[: at + 6], cap, spec.drop_policy, dispatcher)))
+        ops.append(dataclasses.replace(op, args=(*op.args[: at + 6], cap, spec.policy, dispatcher)))
     return dataclasses.replace(graph, ops=tuple(ops))
 
 

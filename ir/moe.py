@@ -68,7 +68,7 @@ def kept(experts: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, capaci
     if capacity <= 0:
         return keep
     order = torch.argsort(pos, stable=True)
-    if policy == "probs":
+    if policy.split("+")[0] == "probs":
         order = order[torch.argsort(-weights[order], stable=True)]
     ranked = experts[order]
     # NOTE: rank of each pair among its expert's pairs in policy order
@@ -186,7 +186,9 @@ def experts_range_backward(
 # NOTE: the ops' non-tensor arguments, after the five tensors: activation, per-expert capacity
 # (0: dropless), drop policy ("probs" | "position") and the dispatcher the plan asked for
 # ("any" | "allgather" | "alltoall"; it only narrows the sharding choices, never the result).
-POLICIES = ("probs", "position")
+POLICIES = ("probs", "position", "probs+pad", "position+pad")
+"""``+pad``: the all-to-all moves every rank's pairs in buffers of exactly ``capacity`` rows per
+expert (static splits, no count exchange); results are the same."""
 
 
 @torch.library.custom_op("meshfold::moe_experts", mutates_args=())

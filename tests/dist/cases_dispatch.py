@@ -35,3 +35,27 @@ def dispatched(
         if op.target in at
     ]
     return out
+
+
+def padded_splits(
+    model: str, shape: tuple[int, ...], names: tuple[str, ...], plan: str, moe: dict[str, Any]
+) -> dict[str, Any]:
+    """``dispatched``, recording the split sizes of every all-to-all the step makes."""
+    import torch.distributed as dist
+
+    calls: list[tuple[Any, Any]] = []
+    real = dist.all_to_all_single
+
+    def recording(
+        output: Any, input: Any, output_split_sizes: Any = None, input_split_sizes: Any = None, **kw: Any
+    ) -> Any:
+        calls.append((output_split_sizes, input_split_sizes))
+        return real(output, input, output_split_sizes, input_split_sizes, **kw)
+
+    dist.all_to_all_single = recording  # type: ignore[assignment]
+    try:
+        out = dispatched(model, shape, names, plan, moe)
+    finally:
+        dist.all_to_all_single = real  # type: ignore[assignment]
+    out["splits"] = calls
+    return out

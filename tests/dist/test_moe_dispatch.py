@@ -78,3 +78,19 @@ def test_dispatcher_equals_single_device(rank_pools: RankPools, case: tuple[Any,
         # NOTE: the capacity really drops pairs here: the single-device loss changes with it
         r = results[0]
         assert r["dropless_loss"] != r["dropping_loss"], r
+
+
+@pytest.mark.hf
+def test_padded_exchange_uses_static_splits(rank_pools: RankPools) -> None:
+    moe = {"ep": 4, "dispatcher": "alltoall", "capacity_factor": 0.75, "pad_to_capacity": True}
+    results = rank_pools.get(4).run(
+        "tests.dist.cases_dispatch:padded_splits",
+        model="hf-mixtral",
+        shape=MESH[0],
+        names=MESH[1],
+        plan="fsdp+tp",
+        moe=moe,
+    )
+    # NOTE: 32 tokens x top-2 over 4 experts at 0.75: 12 rows per expert, one expert per rank
+    splits = results[0]["splits"]
+    assert splits and all(o == i == [12] * 4 for o, i in splits), splits[:4]

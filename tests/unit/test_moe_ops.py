@@ -136,6 +136,7 @@ def test_etp_takes_the_innermost_axis_and_splits_the_intermediate_dim() -> None:
         ({"ep": 2, "hierarchical": True, "dispatcher": "allgather"}, "form of the all-to-all dispatcher"),
         ({"ep": 2, "capacity_factor": 0.0}, "positive factor"),
         ({"ep": 2, "drop_policy": "random"}, "drop_policy"),
+        ({"ep": 2, "pad_to_capacity": True}, "pad_to_capacity needs a capacity_factor"),
         ({"ep": 2, "bogus": 1}, "unknown keys"),
         ({"ep": 2, "dispatcher": "teleport"}, "use one of"),
     ],
