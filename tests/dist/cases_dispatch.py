@@ -59,3 +59,36 @@ def padded_splits(
         dist.all_to_all_single = real  # type: ignore[assignment]
     out["splits"] = calls
     return out
+
+
+def skewed_exchange(pad: bool) -> float:
+    """The all-to-all on 2 ranks when every pair routes to rank 0's experts (rank 1 receives nothing),
+    with a capacity: forward and backward against the one-device op on all tokens. Returns the
+    largest difference."""
+    from backends.moe import exchange_backward, exchange_forward
+    from ir.moe import capacity_of, experts_range, experts_range_backward
+
+    rank = torch.distributed.get_rank()
+    group = torch.distributed.group.WORLD.group_name  # type: ignore[union-attr]
+    g = torch.Generator().manual_seed(0)
+    tokens, h, inter, n_exp, k = 8, 4, 3, 4, 2
+    hidden = torch.randn(2 * tokens, h, generator=g)
+    idx = torch.zeros(2 * tokens, k, dtype=torch.long)
+    idx[:, 1] = 1  # NOTE: experts 0 and 1 live on rank 0
+    weights = torch.rand(2 * tokens, k, generator=g)
+    gate_up, down = torch.randn(n_exp, 2, inter, h, generator=g), torch.randn(n_exp, h, inter, generator=g)
+    grad = torch.randn(2 * tokens, h, generator=g)
+    cap = capacity_of(2 * tokens, k, n_exp, 0.5)
+    policy = "probs+pad" if pad else "probs"
+    mine = slice(rank * tokens, (rank + 1) * tokens)
+    ex = slice(rank * 2, rank * 2 + 2)
+    peers = (((group, 2, 1),), rank, (0, 2), 2)
+    args = (hidden[mine], idx[mine], weights[mine], gate_up[ex], down[ex], "silu", cap, policy)
+    got = exchange_forward(*peers, *args)
+    want = experts_range(0, hidden, idx, weights, gate_up, down, "silu", cap, policy)[mine]
+    d_got = exchange_backward(*peers, grad[mine], *args)
+    d_all = experts_range_backward(0, grad, hidden, idx, weights, gate_up, down, "silu", cap, policy)
+    d_want = (d_all[0][mine], d_all[1][mine], d_all[2][ex], d_all[3][ex])
+    diffs = [float((got - want).abs().max())] + [float((a - b).abs().max()) for a, b in zip(d_got, d_want, strict=True)]
+    assert float(want.abs().max()) > 0 and float(d_all[2].abs().max()) > 0, "a trivial case"
+    return max(diffs)

@@ -108,3 +108,9 @@ def test_verify_names_the_experts_op_when_an_expert_shard_is_wrong(rank_pools: R
     # NOTE: every rank names the same first value; the size of the difference is each rank's own
     assert len({b.split("; largest")[0] for b in broken}) == 1, broken
     assert "computed by meshfold.moe_experts at layers.0.block_sparse_moe.experts" in broken[0], broken[0]
+
+
+@pytest.mark.parametrize("pad", [False, True], ids=["splits-from-counts", "padded"])
+def test_exchange_with_a_rank_receiving_nothing(rank_pools: RankPools, pad: bool) -> None:
+    worst = rank_pools.get(2).run("tests.dist.cases_dispatch:skewed_exchange", pad=pad)
+    assert max(worst) < 1e-5, worst
