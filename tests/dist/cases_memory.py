@@ -3,8 +3,11 @@ liveness estimate of ``passes.cost.memory`` for the same compiled graph."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import warnings
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,21 +26,43 @@ def _walk(nodes: list[Any]) -> Iterator[Any]:
         yield from _walk(n.children)
 
 
+@contextlib.contextmanager
+def allocator_accounting() -> Iterator[None]:
+    """Have the CPU allocator keep its live-byte count for frees on every thread.
+
+    Without this, only threads that carry the profiler's state report to it: a block whose last
+    reference a gloo worker thread drops (its ``Work`` object holds the collective's input and
+    output) is freed unseen, and the profile shows it live to the end of the step; how often that
+    happens depends on thread timing. c10's ``caffe2_report_cpu_memory_usage`` flag makes the
+    allocator count every allocation and free, whichever thread makes it, and each profiler event
+    then carries that global count as ``total_allocated``."""
+    lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
+    flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
+    before = flag.value
+    flag.value = True
+    try:
+        yield
+    finally:
+        flag.value = before
+
+
 def peak_new_bytes(fn: Callable[[], object]) -> int:
-    """Peak of the bytes the CPU allocator handed out while ``fn`` ran, above what was live before
-    (the profiler's allocation events, in time order; frees of older blocks do not count)."""
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    """Peak of the bytes the CPU allocator had handed out while ``fn`` ran, above what was live when it
+    began: the allocator's own live count at each allocation event, so frees on every thread count.
+    (A block allocated before ``fn`` and freed by another thread during it is counted only if it was
+    allocated under ``allocator_accounting`` too.)"""
+    with allocator_accounting(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    events = [
-        (n.start_time_ns, n.extra_fields.alloc_size)
+    events = sorted(
+        (n.start_time_ns, n.extra_fields.alloc_size, n.extra_fields.total_allocated)
         for n in _walk(prof.profiler.kineto_results.experimental_event_tree())
         if n.tag == _EventType.Allocation and str(n.extra_fields.device) == "cpu"
-    ]
-    live = peak = 0
-    for _, nbytes in sorted(events):
-        live += nbytes
-        peak = max(peak, live)
-    return peak
+    )
+    if not events:
+        return 0
+    _, size, total = events[0]
+    start = total - size  # the live count just before the first event
+    return max(0, max(total for _, _, total in events) - start)
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
@@ -56,6 +81,13 @@ def step_memory(
     """Compile a Llama-style model, take one AdamW step (so the optimizer state exists), then measure
     the next step's forward + backward: resident bytes (parameters, buffers, optimizer state) plus
     the allocator's peak on top of them. Returns measured and estimated figures on this rank."""
+    with allocator_accounting():
+        return _step_memory(shape, names, plan, hidden, batch, seq)
+
+
+def _step_memory(
+    shape: tuple[int, ...], names: tuple[str, ...], plan: str, hidden: int, batch: int, seq: int
+) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     mesh = device_mesh(tuple(shape), tuple(names))
