@@ -62,7 +62,7 @@ def peak_new_bytes(fn: Callable[[], object]) -> int:
         return 0
     _, size, total = events[0]
     start = total - size  # the live count just before the first event
-    return max(0, max(total for _, _, total in events) - start)
+    return max(0, int(max(total for _, _, total in events)) - int(start))
 
 
 def _storage_bytes(tensors: list[torch.Tensor]) -> int:
