@@ -28,7 +28,8 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 import ir
-from compiler.moe import MoeSpec, experts_as_ops
+from compiler.moe import MoeSpec, experts_as_ops, op_options
+from compiler.moe_lists import fold_expert_lists
 from ir import GraphBuilder, Provenance, Value, tensor_type
 from ir.types import type_of
 
@@ -71,12 +72,14 @@ def capture(
     value of every buffer the forward updates in place (e.g. running statistics). Runs on fake
     tensors. ``decompose`` applies :func:`sharding_decompositions` (numerically the same graph).
     Recognized MoE experts become ``meshfold.moe_experts`` ops, with ``moe``'s capacity and
-    dispatcher when given (``compiler.moe``).
+    dispatcher when given (``compiler.moe``); experts in an ``nn.ModuleList`` become one such op on
+    stacked parameters, listed in the graph's ``stacks`` (``compiler.moe_lists``).
     """
     graph_name = name or _snake(type(model).__name__)
     with _fake_copies(model, example_inputs) as (fake_mode, fake_inputs), experts_as_ops(model, moe):
         gm = _dynamo_capture(model, fake_inputs)
-        fqns = _flat_name_to_fqn(gm, model)
+        stacked, stacks = fold_expert_lists(gm, model, fake_mode, op_options(moe))
+        fqns = _flat_name_to_fqn(gm, model) | stacked
         with contextlib.ExitStack() as stack:
             with fake_mode:
                 try:
@@ -86,7 +89,7 @@ def capture(
                     raise _capture_error(e, "tracing the backward") from e
             arg_names = _forward_arg_names(model, len(fake_inputs))
             graph = _Lifter(graph_name, fqns, arg_names).lift(joint.graph_module.graph)
-    return _in_model_order(graph, model)
+    return dataclasses.replace(_in_model_order(graph, model), stacks=stacks)
 
 
 def _in_model_order(graph: ir.Graph, model: nn.Module) -> ir.Graph:

@@ -7,8 +7,9 @@ Detection walks the module tree before capture. An experts module in the transfo
 grouped GEMM): its routing stays ordinary ops, its experts become one op the sharding pass can
 split by expert. MoE code written against ``ir.moe.experts`` (exported as
 ``compiler.moe_experts``) arrives as that op already. An MoE layer whose experts are anything else
-(an ``nn.ModuleList`` run one by one, biases, a layout we do not know) is left as it is: its
-experts stay replicated, and a warning names the layer.
+(biases, a layout we do not know) is left as it is: its experts stay replicated, and a warning
+names the layer. Experts held in an ``nn.ModuleList`` are folded on dynamo's graph instead
+(``compiler.moe_lists``).
 
 ``MoeSpec`` is ``parallelize(..., moe={"ep": 4, "etp": 1})``: the experts' own factorization of the
 same ranks (ETP innermost, then EP, then EDP, as Megatron-Core orders them), mapped onto whole mesh
@@ -83,13 +84,7 @@ def _as_site(path: str, mod: nn.Module) -> tuple[ExpertsSite | None, str]:
             path, prefix + "gate_up_proj", prefix + "down_proj", act, int(gate_up.shape[0]), int(down.shape[2])
         )
         return site, ""
-    experts_list = getattr(mod, "experts", None)
-    if isinstance(experts_list, nn.ModuleList) and len(experts_list) > 1:
-        return None, (
-            f"{where}: its {len(experts_list)} experts are an nn.ModuleList run one by one, which meshfold does "
-            "not split by expert; they stay replicated (call compiler.moe_experts with stacked [E, ...] weights "
-            "to have them folded)"
-        )
+    # NOTE: experts in an nn.ModuleList are folded (or warned about) on the captured graph: compiler.moe_lists.
     return None, ""
 
 
@@ -98,10 +93,7 @@ def experts_as_ops(model: nn.Module, spec: MoeSpec | None = None) -> Iterator[li
     """For the duration of a capture, every recognized experts module runs ``meshfold.moe_experts``
     (with ``spec``'s capacity, drop policy and dispatcher); warnings name the MoE layers left as
     they are. The model is restored afterwards. Without ``spec``: dropless, any dispatcher."""
-    options: tuple[str, float, str] = ("any", 0.0, "probs")
-    if spec is not None:
-        dispatcher = "hierarchical" if spec.hierarchical else spec.dispatcher
-        options = (dispatcher, spec.capacity_factor or 0.0, spec.policy)
+    options = op_options(spec)
     sites, notes = find_experts(model)
     for note in notes:
         warnings.warn(note, stacklevel=3)
@@ -116,6 +108,14 @@ def experts_as_ops(model: nn.Module, spec: MoeSpec | None = None) -> Iterator[li
     finally:
         for mod in patched:
             del mod.forward
+
+
+def op_options(spec: MoeSpec | None) -> tuple[str, float, str]:
+    """The experts op's (dispatcher, capacity factor, drop policy) for ``spec``; without one: any
+    dispatcher, dropless."""
+    if spec is None:
+        return ("any", 0.0, "probs")
+    return ("hierarchical" if spec.hierarchical else spec.dispatcher, spec.capacity_factor or 0.0, spec.policy)
 
 
 def _folded_forward(act: str, dispatcher: str, capacity_factor: float, policy: str) -> Any:
@@ -315,6 +315,7 @@ __all__ = [
     "experts_as_ops",
     "experts_sites",
     "find_experts",
+    "op_options",
     "plan_with_experts",
     "with_spec",
 ]

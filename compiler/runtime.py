@@ -1,7 +1,10 @@
 """``ParallelModule``: runs one rank's lowered program under one ``autograd.Function``.
 
 Parameters are ``DTensor``s on the user's ``DeviceMesh`` under the model's own FQNs, so
-``torch.optim``, ``clip_grad_norm_`` and ``torch.distributed.checkpoint`` work unchanged. The
+``torch.optim``, ``clip_grad_norm_`` and ``torch.distributed.checkpoint`` work unchanged. (Experts
+folded from an ``nn.ModuleList`` are the exception: they are one stacked parameter per list and
+projection, ``<list>.gate_up_proj`` and ``<list>.down_proj``; ``model_state_dict`` gives them back
+under the model's FQNs.) The
 forward module returns the model's outputs plus the values the backward needs; the backward
 module returns each parameter's local gradient already in the parameter's own layout.
 """
@@ -18,6 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import ir
 from backends.eager import Lowered, RankContext
+from compiler.moe_lists import stack_tensors, unstack_tensors
 from compiler.verify import Verifier
 
 
@@ -100,6 +104,10 @@ class ParallelModule(nn.Module):
         self._mf_input_layouts = [layouts[n] for n in lowered.fwd_inputs]
         self._mf_kinds = {i.name: i.kind for i in graph.inputs}
         state = dict(model.named_parameters()) | dict(model.named_buffers())
+        # NOTE: experts folded from an nn.ModuleList run on stacked parameters built from the model's own.
+        with torch.no_grad():
+            stacked = stack_tensors(graph.stacks, state)
+        state |= {n: t.requires_grad_(True) for n, t in stacked.items()}
         # NOTE: verification compares against the single-device model as it was handed to us.
         self._mf_reference_state = {n: t.detach().clone() for n, t in state.items()} if verify_with else {}
         for name in lowered.fwd_inputs:
@@ -178,6 +186,17 @@ class ParallelModule(nn.Module):
     def graph(self) -> ir.Graph:
         """The compiled SPMD graph (layouts and collectives), for inspection and dumps."""
         return self._mf_graph
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every parameter and buffer, whole (gathered), under the single-device model's FQNs: stacked
+        experts are cut back into the model's per-expert weights. Collective: call it on every rank."""
+        whole = {
+            n: t.full_tensor() if isinstance(t, DTensor) else t
+            for n, t in [*self.named_parameters(), *self.named_buffers()]
+        }
+        stacked = {s.name for s in self._mf_graph.stacks}
+        out = {n: t for n, t in whole.items() if n not in stacked}
+        return out | unstack_tensors(self._mf_graph.stacks, whole)
 
 
 def named_placements(pm: ParallelModule) -> Sequence[tuple[str, str]]:

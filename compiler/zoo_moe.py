@@ -28,7 +28,8 @@ class LoopMoeBlock(nn.Module):
     """Sparse MoE the classic eager way: per expert, gather its tokens (``torch.where``), run, ``index_add_``.
 
     Takes over the router and experts of a :class:`SparseMoeBlock`, so FQNs and weights stay the same.
-    NOTE: the number of tokens routed to an expert depends on the data, so shapes are data-dependent.
+    NOTE: the number of tokens routed to an expert depends on the data, so shapes are data-dependent;
+    capture folds the loop into one experts op (``compiler.moe_lists``), which leaves none.
     """
 
     def __init__(self, dense: SparseMoeBlock) -> None:
@@ -58,8 +59,7 @@ class MoeLoopTiny(MixtralListTiny):
             layer.block_sparse_moe = LoopMoeBlock(layer.block_sparse_moe)
 
 
-# NOTE: not registered: capture cannot lift its unbacked sizes yet, and every registered model must
-# capture. Reach it as ``compiler.zoo_moe:moe_loop_tiny`` (e.g. ``pass-debug compiler.zoo_moe:moe_loop_tiny``).
+@register("moe-loop-tiny")
 def moe_loop_tiny() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """mixtral-list-tiny as a sparse per-expert loop (``torch.where`` + ``index_add``) on ``(input_ids, labels)``."""
     return _seeded(MoeLoopTiny), _token_inputs(256)

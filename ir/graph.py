@@ -137,6 +137,17 @@ class GraphOutput:
     value: Value
 
 
+@dataclass(frozen=True, slots=True)
+class ParamStack:
+    """A parameter input made of several model parameters: row ``e`` of ``name`` (dim 0) is
+    ``members[e]`` concatenated on their dim 0. Capture makes these when it folds experts held in an
+    ``nn.ModuleList`` into one experts op (``compiler.moe_lists``); the runtime builds them from, and
+    maps them back to, the model's own parameters."""
+
+    name: str
+    members: tuple[tuple[str, ...], ...]
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class Graph:
     """A whole program: inputs, ops in topological order, outputs, and the mesh it runs on."""
@@ -146,6 +157,8 @@ class Graph:
     ops: tuple[Op, ...]
     outputs: tuple[GraphOutput, ...]
     mesh: Mesh | None = None
+    stacks: tuple[ParamStack, ...] = ()
+    """Parameter inputs that stack model parameters (see ``ParamStack``)."""
 
     def __str__(self) -> str:
         from ir.printer import print_graph
@@ -185,12 +198,15 @@ class GraphBuilder:
         self._inputs: list[GraphInput] = []
         self._ops: list[Op] = []
         self._outputs: list[GraphOutput] = []
+        self.stacks: tuple[ParamStack, ...] = ()
 
     @staticmethod
     def like(graph: Graph) -> GraphBuilder:
-        """A builder with ``graph``'s name, mesh and inputs, for a pass writing a new version of it."""
+        """A builder with ``graph``'s name, mesh, inputs and parameter stacks, for a pass writing a new
+        version of it."""
         b = GraphBuilder(graph.name, graph.mesh)
         b._inputs.extend(graph.inputs)
+        b.stacks = graph.stacks
         return b
 
     def add_input(self, kind: InputKind, name: str, type_: Type, layout: Layout | None = None) -> Value:
@@ -219,4 +235,4 @@ class GraphBuilder:
         self._outputs.append(GraphOutput(kind, name, value))
 
     def build(self) -> Graph:
-        return Graph(self.name, tuple(self._inputs), tuple(self._ops), tuple(self._outputs), self.mesh)
+        return Graph(self.name, tuple(self._inputs), tuple(self._ops), tuple(self._outputs), self.mesh, self.stacks)

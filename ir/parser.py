@@ -8,7 +8,7 @@ import re
 
 import torch
 
-from ir.graph import INPUT_KINDS, OUTPUT_KINDS, Arg, Graph, GraphBuilder, Provenance, Value
+from ir.graph import INPUT_KINDS, OUTPUT_KINDS, Arg, Graph, GraphBuilder, ParamStack, Provenance, Value
 from ir.mesh import Mesh
 from ir.ops import resolve_target
 from ir.placement import Layout, Placement, R, parse_placement
@@ -204,6 +204,17 @@ class _Parser:
         for name, v in zip(names, results, strict=True):
             self.define(ln, name, v)
 
+    def stack(self, ln: _Line, name: str) -> ParamStack:
+        """``[["a.weight", "b.weight"], ...]``: the model parameters behind each row of ``name``."""
+        try:
+            rows = json.loads(ln.text[ln.pos :])
+        except json.JSONDecodeError as e:
+            raise ln.error(f"a stack's members must be a JSON list of lists of names ({e.msg})") from None
+        if not (isinstance(rows, list) and all(isinstance(r, list) and all(isinstance(m, str) for m in r) for r in rows)):
+            raise ln.error("a stack's members must be a JSON list of lists of names")
+        ln.pos = len(ln.text)
+        return ParamStack(name, tuple(tuple(r) for r in rows))
+
     def prov(self, ln: _Line) -> Provenance:
         if ln.at_end():
             return Provenance()
@@ -247,6 +258,11 @@ class _Parser:
                 t = self.type_(ln)
                 v = self.b.add_input(word, name, t, self.layout(ln, mesh))  # type: ignore[arg-type]
                 self.define(ln, name, v)
+            elif word == "stack":
+                ln.take("stack")
+                name = ln.match(_NAME, "a stacked parameter's name").group(1)
+                ln.take("=")
+                self.b.stacks += (self.stack(ln, name),)
             elif word == "output":
                 ln.take("output")
                 kind = ln.match(_IDENT, "out or grad").group(0)

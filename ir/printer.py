@@ -3,6 +3,7 @@
 graph @mlp mesh<dp=2> {
   param %l1.weight : f32[16, 8]
   input %x : f32[8, 8] {dp: S(0)}
+  stack %experts.down_proj = [["experts.0.w2.weight"], ["experts.1.w2.weight"]]
   %t = aten.t(%l1.weight) : f32[8, 16]  # l1 fwd @mlp.py:7
   output out(0) = %loss
 }
@@ -106,6 +107,8 @@ def print_graph(g: Graph) -> str:
     lines = [head]
     for i in g.inputs:
         lines.append(f"  {i.kind} %{names.add(i.value)} : {fmt_type(i.value.type, i.value.layout)}")
+    for st in g.stacks:
+        lines.append(f"  stack %{st.name} = {json.dumps([list(row) for row in st.members])}")
     for op in g.ops:
         lines.append("  " + fmt_op(op, names))
     for o in g.outputs:

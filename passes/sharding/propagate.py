@@ -145,6 +145,7 @@ class _Propagator:
 
     def run(self) -> Graph:
         self.b = GraphBuilder(self.graph.name, self.mesh)
+        self.b.stacks = self.graph.stacks
         compute: dict[Value, Layout] = {}
         for i in self.graph.inputs:
             lay = self.seeds.storage.get(i.name, Layout.replicated(self.mesh))

@@ -11,6 +11,8 @@ import torch
 
 from compiler.api import parallelize
 from compiler.moe import MoeSpec, experts_as_ops
+from compiler.moe_lists import stack_tensors
+from ir import ParamStack
 from compiler.zoo import build
 from tests.dist.pool import device_mesh
 
@@ -44,11 +46,15 @@ def equivalence(
     net, inputs = build(model)
     ref, _ = build(model)
     pm = parallelize(net, mesh, inputs, plan=plan, cluster=cluster, memory=memory, moe=moe)
+    stacks = pm.graph().stacks
     names_pm = [n for n, _ in pm.named_parameters()]
-    assert names_pm == [n for n, _ in ref.named_parameters()], "parameter FQNs differ from the model's"
+    # NOTE: stacked experts sit in the module tree where their list is, so only the set is compared for them.
+    stacked = {s.name for s in stacks}
+    want_names = list(_as_compiled(ref, stacks, "param"))
+    assert sorted(names_pm) == sorted(want_names), "parameter FQNs differ from the model's"
+    assert [n for n in names_pm if n not in stacked] == [n for n in want_names if n not in stacked]
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
-    ref_params = dict(ref.named_parameters())
     worst = 0.0
     for step in range(steps):
         opt.zero_grad()
@@ -61,21 +67,22 @@ def equivalence(
         torch.testing.assert_close(
             loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL, msg=lambda m, s=step: f"step {s} loss: {m}"
         )
+        ref_grads = _as_compiled(ref, stacks, "grad")
         for name, p in pm.named_parameters():
             assert p.grad is not None, f"{name} has no gradient"
             full = p.grad.full_tensor()
-            want = ref_params[name].grad
-            assert want is not None
+            want = ref_grads[name]
             torch.testing.assert_close(
                 full, want, rtol=RTOL, atol=ATOL, msg=lambda m, n=name, s=step: f"step {s} grad {n}: {m}"
             )
             worst = max(worst, float((full - want).abs().max()))
         opt.step()
         ref_opt.step()
+    ref_params = _as_compiled(ref, stacks, "param")
     for name, p in pm.named_parameters():
         torch.testing.assert_close(
             p.detach().full_tensor(),
-            ref_params[name].detach(),
+            ref_params[name],
             rtol=0,
             atol=PARAM_ATOL,
             msg=lambda m, n=name: f"param {n} after {steps} steps: {m}",
@@ -85,6 +92,18 @@ def equivalence(
     if keep_module:
         out["module"] = pm
     return out
+
+
+def _as_compiled(model: torch.nn.Module, stacks: tuple[ParamStack, ...], what: str) -> dict[str, torch.Tensor]:
+    """The single-device model's parameters (``what="param"``) or gradients (``"grad"``) as the compiled
+    model names them: the same FQNs, except experts folded from an nn.ModuleList, which are stacked."""
+    own: dict[str, torch.Tensor] = {}
+    for name, p in model.named_parameters():
+        t = p.detach() if what == "param" else p.grad
+        assert t is not None, f"the single-device model's {name} has no gradient"
+        own[name] = t
+    members = {m for s in stacks for row in s.members for m in row}
+    return {n: t for n, t in own.items() if n not in members} | stack_tensors(stacks, own)
 
 
 def _reference_experts(model: torch.nn.Module, moe: dict[str, Any] | None) -> contextlib.AbstractContextManager[Any]:

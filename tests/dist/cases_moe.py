@@ -21,9 +21,11 @@ def folded(
     from compiler.zoo import build
 
     sites, _ = find_experts(build(model)[0])
+    # NOTE: experts folded from an nn.ModuleList are the graph's stacked parameters.
     expert_fqns = {fqn for site in sites for fqn in (site.gate_up, site.down)}
     out = equivalence(model, shape, names, plan, moe=moe, keep_module=True)
     pm = out.pop("module")
+    expert_fqns |= {s.name for s in pm.graph().stacks}
     ops = [op for op in pm.graph().ops if op.target in (EXPERTS, EXPERTS_BACKWARD)]
     w_at = {EXPERTS: 3, EXPERTS_BACKWARD: 4}
     out["expert_ops"] = [str(op.operands[w_at[op.target]].layout) for op in ops]
@@ -33,6 +35,7 @@ def folded(
             assert isinstance(p, DTensor), f"{name} is not a DTensor"
             local += p.to_local().numel()
             total += p.numel()
-    assert total and len(expert_fqns) == 2 * len(sites), f"expert weights missing: {sorted(expert_fqns)}"
+    n_sites = len(sites) + len(pm.graph().stacks) // 2
+    assert total and len(expert_fqns) == 2 * n_sites, f"expert weights missing: {sorted(expert_fqns)}"
     out["expert_numel_local"], out["expert_numel_total"] = local, total
     return out
