@@ -89,12 +89,14 @@ def capture(
                     raise _capture_error(e, "tracing the backward") from e
             arg_names = _forward_arg_names(model, len(fake_inputs))
             graph = _Lifter(graph_name, fqns, arg_names).lift(joint.graph_module.graph)
-    return dataclasses.replace(_in_model_order(graph, model), stacks=stacks)
+    return _in_model_order(dataclasses.replace(graph, stacks=stacks), model)
 
 
 def _in_model_order(graph: ir.Graph, model: nn.Module) -> ir.Graph:
-    """Inputs ordered as the model declares them: parameters, buffers, user inputs, tangents."""
+    """Inputs ordered as the model declares them: parameters, buffers, user inputs, tangents (a
+    stacked parameter where its first member is)."""
     rank = {f"param:{n}": i for i, (n, _) in enumerate(model.named_parameters())}
+    rank |= {f"param:{s.name}": rank[f"param:{s.members[0][0]}"] for s in graph.stacks}
     rank |= {f"buffer:{n}": i for i, (n, _) in enumerate(model.named_buffers())}
     kinds = {k: i for i, k in enumerate(ir.graph.INPUT_KINDS)}
     order = sorted(graph.inputs, key=lambda i: (kinds[i.kind], rank.get(f"{i.kind}:{i.name}", len(rank))))
@@ -180,6 +182,13 @@ def _capture_error(e: Exception, stage: str) -> CaptureError:
     where = _user_frame_from_dynamo(e) or _user_frame_from_text(msg) or _user_frame_from_tb(e)
     first = msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
     hints = [
+        (
+            ("memo disaster", "unbacked", "Unbacked"),
+            "shapes that depend on the data (such as torch.where/nonzero selecting each expert's tokens in an "
+            "MoE loop meshfold could not fold)",
+            "if a warning named the MoE layer, write its experts as meshfold folds them (bias-free gated MLPs, "
+            "combined by index_add_ or a dense weighted stack) or call compiler.moe_experts; else keep shapes static",
+        ),
         (
             ("data-dependent", "data dependent", "GuardOnDataDependent", "Data-dependent", "generic_jump", "jump"),
             "data-dependent Python control flow (an `if`/`while` on a tensor's value)",

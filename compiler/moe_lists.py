@@ -21,6 +21,7 @@ in any other form is left as it is, replicated, and a warning names the layer.
 
 from __future__ import annotations
 
+import itertools
 import operator
 import warnings
 from collections.abc import Callable, Mapping
@@ -63,9 +64,7 @@ class _Folded:
 
 def stack_tensors(stacks: tuple[ir.ParamStack, ...], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every stack in ``stacks`` built from ``tensors`` by FQN (parameters, or their gradients)."""
-    return {
-        s.name: torch.stack([torch.cat([tensors[m] for m in row]) for row in s.members]) for s in stacks
-    }
+    return {s.name: torch.stack([torch.cat([tensors[m] for m in row]) for row in s.members]) for s in stacks}
 
 
 def unstack_tensors(stacks: tuple[ir.ParamStack, ...], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -107,6 +106,14 @@ def fold_expert_lists(
     from compiler.capture import module_path
 
     lists = expert_lists(model)
+    for path, mod in model.named_modules():
+        if path.rpartition(".")[2] == "experts" and isinstance(mod, nn.ModuleList) and path not in lists:
+            warnings.warn(
+                f"MoE layer {path.rpartition('.')[0] or '<root>'}: its {len(mod)} experts are an nn.ModuleList of "
+                "modules other than bias-free linear MLPs; they stay replicated (write the experts as stacked "
+                "[E, ...] weights, or call compiler.moe_experts, to have them split by expert)",
+                stacklevel=3,
+            )
     if not lists:
         return {}, ()
     regions: dict[str, dict[int, list[fx.Node]]] = {path: {} for path in lists}
@@ -193,7 +200,7 @@ def _fold_one(
         out = g.call_function(experts, args)
         new.append(out)
     # NOTE: inserting_after puts each node right after ``after``: put them back in creation order.
-    for a, b in zip(new, new[1:]):
+    for a, b in itertools.pairwise(new):
         a.append(b)
     out.meta["nn_module_stack"] = dict(body[0].y.meta.get("nn_module_stack") or {})
     with g.inserting_after(out):
@@ -224,16 +231,17 @@ def _fqn(weight: fx.Node) -> str:
 def _body(nodes: list[fx.Node]) -> _Expert | None:
     """The expert's gated MLP, if ``nodes`` (one expert's graph nodes) are exactly one."""
     linears = [x for x in nodes if x.op == "call_function" and x.target in _LINEAR]
-    acts = [x for x in nodes if x.op == "call_function" and x.target in _ACTS]
+    acts = [x for x in nodes if x.op == "call_function" and (x.target in _ACTS or x.target is F.gelu)]
     muls = [x for x in nodes if x.op == "call_function" and x.target in (operator.mul, torch.mul)]
     weights = [x for x in nodes if x.op == "get_attr"]
     if len(linears) != 3 or len(acts) != 1 or len(muls) != 1 or len(weights) != 3 or len(nodes) != 8:
         return None
-    if any(len(x.args) > 2 and x.args[2] is not None or x.kwargs.get("bias") is not None for x in linears):
+    if any((len(x.args) > 2 and x.args[2] is not None) or x.kwargs.get("bias") is not None for x in linears):
         return None
     mul, act = muls[0], acts[0]
     downs = [x for x in linears if x.args[0] is mul]
-    if len(downs) != 1 or len(mul.args) != 2 or act.kwargs or len(act.args) != 1:
+    act_name = _act_name(act)
+    if len(downs) != 1 or len(mul.args) != 2 or act_name is None or len(act.args) != 1:
         return None
     down = downs[0]
     a, b = mul.args
@@ -250,7 +258,17 @@ def _body(nodes: list[fx.Node]) -> _Expert | None:
     gw, uw, dw = (lin.args[1] for lin in (gate_lin, up_lin, down))
     if not all(isinstance(w, fx.Node) and w.op == "get_attr" for w in (gw, uw, dw)):
         return None
-    return _Expert(x, down, gw, uw, dw, _ACTS[act.target], list(nodes))  # type: ignore[arg-type,index]
+    return _Expert(x, down, gw, uw, dw, act_name, list(nodes))  # type: ignore[arg-type]
+
+
+def _act_name(act: fx.Node) -> str | None:
+    """ir.moe's name for the activation ``act`` calls, or None."""
+    if act.target is F.gelu:
+        approximate = act.kwargs.get("approximate", "none")
+        return (
+            {"none": "gelu", "tanh": "gelu_tanh"}.get(str(approximate)) if set(act.kwargs) <= {"approximate"} else None
+        )
+    return _ACTS.get(act.target) if not act.kwargs else None  # type: ignore[call-overload]
 
 
 @dataclass

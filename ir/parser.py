@@ -210,7 +210,9 @@ class _Parser:
             rows = json.loads(ln.text[ln.pos :])
         except json.JSONDecodeError as e:
             raise ln.error(f"a stack's members must be a JSON list of lists of names ({e.msg})") from None
-        if not (isinstance(rows, list) and all(isinstance(r, list) and all(isinstance(m, str) for m in r) for r in rows)):
+        if not (
+            isinstance(rows, list) and all(isinstance(r, list) and all(isinstance(m, str) for m in r) for r in rows)
+        ):
             raise ln.error("a stack's members must be a JSON list of lists of names")
         ln.pos = len(ln.text)
         return ParamStack(name, tuple(tuple(r) for r in rows))

@@ -11,6 +11,7 @@ import torch
 import ir
 from backends.interpret import interpret
 from compiler import CaptureError, capture
+from compiler.moe_lists import stack_tensors, unstack_tensors
 from compiler.zoo import build, zoo_names
 
 HF = {name for name in zoo_names() if name.startswith("hf-")}
@@ -53,7 +54,10 @@ def test_two_captures_print_identical_text(name: str) -> None:
 def test_inputs_and_grads_use_the_models_names(name: str) -> None:
     g, _ = _captured(name)
     model, _inputs = build(name)
-    params = [n for n, _ in model.named_parameters()]
+    # NOTE: experts folded from an nn.ModuleList are one stacked parameter each, where the first member was.
+    first = {s.members[0][0]: s.name for s in g.stacks}
+    members = {m for s in g.stacks for row in s.members for m in row}
+    params = [first.get(n, n) for n, _ in model.named_parameters() if n in first or n not in members]
     assert [i.name for i in g.inputs if i.kind == "param"] == params
     assert {o.name for o in g.outputs if o.kind == "grad"} == set(params)
     # NOTE: a buffer the forward never reads (HF's rotary `original_inv_freq`) is not an input.
@@ -85,18 +89,24 @@ def test_every_op_carries_phase_module_and_source(name: str) -> None:
 @pytest.mark.parametrize("name", CASES)
 def test_captured_graph_computes_the_models_loss_and_gradients(name: str) -> None:
     g, _ = _captured(name)
-    model, inputs = build(name)
+    assert_graph_matches_eager(g, *build(name))
+
+
+def assert_graph_matches_eager(g: ir.Graph, model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> None:
+    """``g``, interpreted, gives ``model``'s eager loss and every parameter's gradient (experts folded
+    from an nn.ModuleList run on stacks of the model's weights; their gradients are cut back out)."""
     loss = model(*inputs)
     loss.backward()
-    feeds = dict(model.named_parameters()) | dict(model.named_buffers())
+    feeds = {k: v.detach() for k, v in [*model.named_parameters(), *model.named_buffers()]}
+    feeds |= stack_tensors(g.stacks, feeds)
     feeds |= {i.name: x for i, x in zip((i for i in g.inputs if i.kind == "input"), inputs, strict=True)}
-    got = interpret(g, {k: v.detach() for k, v in feeds.items()})
+    got = interpret(g, feeds)
     torch.testing.assert_close(got[("out", "0")], loss.detach(), rtol=1e-5, atol=1e-6)
+    grads = {name: t for (kind, name), t in got.items() if kind == "grad"}
+    grads |= unstack_tensors(g.stacks, grads)
     for pname, p in model.named_parameters():
         assert p.grad is not None
-        torch.testing.assert_close(
-            got[("grad", pname)], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=pname: f"{n}: {m}"
-        )
+        torch.testing.assert_close(grads[pname], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=pname: f"{n}: {m}")
 
 
 def test_llama_tiny_module_paths_are_fqns() -> None:

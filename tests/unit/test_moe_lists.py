@@ -1,0 +1,116 @@
+"""Experts in an ``nn.ModuleList``: which forms capture folds into the experts op (and with what
+numbers), and which it leaves replicated with a warning naming the layer."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from backends.interpret import interpret
+from compiler import capture
+from compiler.moe_lists import stack_tensors, unstack_tensors
+from ir.moe import EXPERTS
+
+H, INTER, E, K, VOCAB = 16, 8, 4, 2, 32
+
+
+class Expert(nn.Module):
+    """A gated MLP with its own names; ``act`` and ``bias`` vary the form."""
+
+    def __init__(self, act: str = "silu", bias: bool = False) -> None:
+        super().__init__()
+        self.act = act
+        self.inp = nn.Linear(H, INTER, bias=bias)
+        self.gate = nn.Linear(H, INTER, bias=bias)
+        self.out = nn.Linear(INTER, H, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        g = self.gate(x)
+        g = F.gelu(g, approximate="tanh") if self.act == "gelu_tanh" else F.silu(g)
+        return self.out(self.inp(x) * g)  # NOTE: up first, gate second: roles come from the wiring
+
+
+class LoopMoe(nn.Module):
+    """An LM with one MoE layer in the per-expert loop form; ``combine`` picks how outputs are added."""
+
+    def __init__(self, act: str = "silu", bias: bool = False, combine: str = "index_add") -> None:
+        super().__init__()
+        self.combine = combine
+        self.embed = nn.Embedding(VOCAB, H)
+        self.router = nn.Linear(H, E, bias=False)
+        self.experts = nn.ModuleList(Expert(act, bias) for _ in range(E))
+        self.head = nn.Linear(H, VOCAB, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = self.embed(ids).reshape(-1, H)
+        top_w, top_i = torch.topk(F.softmax(self.router(flat), dim=-1), K, dim=-1)
+        if self.combine == "dense":
+            dense_w = torch.zeros_like(top_w.new_empty(flat.size(0), E)).scatter(1, top_i, top_w)
+            every = torch.stack([expert(flat) for expert in self.experts], dim=1)
+            return F.cross_entropy(self.head((dense_w.unsqueeze(-1) * every).sum(dim=1) + flat), ids.reshape(-1))
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = torch.where(top_i == e)
+            y = expert(flat[rows]) * top_w[rows, slot, None]
+            if self.combine == "index_add":
+                out.index_add_(0, rows, y)
+            else:
+                out = out.index_put((rows,), y, accumulate=True)
+        return F.cross_entropy(self.head(out + flat), ids.reshape(-1))
+
+
+def _ids() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+
+
+def _capture_recording(model: nn.Module) -> tuple[object, list[str]]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        g = capture(model, (_ids(),))
+    return g, [str(w.message) for w in caught if "MoE layer" in str(w.message)]
+
+
+@pytest.mark.parametrize(("act", "combine"), [("silu", "index_add"), ("gelu_tanh", "index_add"), ("silu", "dense")])
+def test_experts_with_their_own_names_fold_and_match_eager(act: str, combine: str) -> None:
+    torch.manual_seed(0)
+    model = LoopMoe(act, combine=combine)
+    g, notes = _capture_recording(model)
+    assert notes == []
+    (op,) = [op for op in g.ops if op.target == EXPERTS]  # type: ignore[attr-defined]
+    assert op.args[5] == act
+    (gate_up, down) = g.stacks  # type: ignore[attr-defined]
+    assert gate_up.members[2] == ("experts.2.gate.weight", "experts.2.inp.weight")
+    assert down.members[0] == ("experts.0.out.weight",)
+    ids = _ids()
+    loss = model(ids)
+    loss.backward()
+    feeds = {n: p.detach() for n, p in model.named_parameters()}
+    got = interpret(g, feeds | stack_tensors(g.stacks, feeds) | {"ids": ids})  # type: ignore[attr-defined]
+    torch.testing.assert_close(got[("out", "0")], loss.detach(), rtol=1e-5, atol=1e-6)
+    grads = unstack_tensors(g.stacks, {n: t for (k, n), t in got.items() if k == "grad"})  # type: ignore[attr-defined]
+    for name, p in model.named_parameters():
+        if name.startswith("experts."):
+            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_experts_with_biases_stay_replicated_with_a_warning() -> None:
+    g, notes = _capture_recording(LoopMoe(bias=True, combine="dense"))
+    assert len(notes) == 1 and "MoE layer <root>" in notes[0] and "stay replicated" in notes[0]
+    assert g.stacks == () and not any(op.target == EXPERTS for op in g.ops)  # type: ignore[attr-defined]
+
+
+def test_an_unknown_combine_stays_replicated_with_a_warning_naming_why() -> None:
+    """Outputs added with index_put(accumulate=True) are not a form the matcher knows: nothing is
+    folded, and the data-dependent loop then cannot be captured; the error says why and what to do."""
+    from compiler import CaptureError
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with pytest.raises(CaptureError, match=r"shapes that depend on the data.*test_moe_lists\.py:"):
+            capture(LoopMoe(combine="index_put"), (_ids(),))
+    notes = [str(w.message) for w in caught if "MoE layer" in str(w.message)]
+    assert len(notes) == 1 and "combined in a way meshfold does not recognize" in notes[0]
