@@ -22,6 +22,11 @@ CASES: list[Case] = [
     ("deepseek-tiny", (2, 2), ("dp", "tp"), "ddp+tp", {"ep": 4}, ("dp", "tp")),
     # 8 ranks: EP=4 over tp, EDP=2 over dp
     ("deepseek-tiny", (2, 4), ("dp", "tp"), "fsdp+tp", {"ep": 4}, ("tp",)),
+    # experts in an nn.ModuleList run by the data-dependent torch.where / index_add_ loop, folded
+    ("moe-loop-tiny", (2, 2), ("dp", "tp"), "fsdp+tp", {"ep": 4}, ("dp", "tp")),
+    ("moe-loop-tiny", (2, 4), ("dp", "tp"), "fsdp+tp", {"ep": 4}, ("tp",)),
+    # the dense form (every expert on every token, weighted stack), EP=2 with EDP=2
+    ("mixtral-list-tiny", (2, 2), ("dp", "tp"), "ddp+tp", {"ep": 2}, ("tp",)),
 ]
 HF_CASES: list[Case] = [
     # EP=4 folded over all four ranks: attention is fsdp over dp and tp over tp

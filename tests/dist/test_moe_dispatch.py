@@ -40,6 +40,15 @@ CASES: list[tuple[str, tuple[int, ...], tuple[str, ...], str, dict[str, Any]]] =
 ]
 
 
+# Experts written as an nn.ModuleList, folded by capture: the data-dependent loop and the dense stack.
+LIST_CASES: list[tuple[str, tuple[int, ...], tuple[str, ...], str, dict[str, Any]]] = [
+    ("moe-loop-tiny", *MESH, "fsdp+tp", {"ep": 4, "dispatcher": "alltoall"}),
+    ("moe-loop-tiny", *MESH, "fsdp+tp", {"ep": 2, "etp": 2, "dispatcher": "alltoall"}),
+    ("mixtral-list-tiny", *MESH, "ddp+tp", {"ep": 4, "dispatcher": "allgather"}),
+    ("mixtral-list-tiny", *MESH, "fsdp+tp", {"ep": 4, "dispatcher": "alltoall", "hierarchical": True}),
+]
+
+
 def _id(c: tuple[Any, ...]) -> str:
     m = c[4]
     cap = f"-cap{m['capacity_factor']}-{m.get('drop_policy', 'probs')}" if "capacity_factor" in m else ""
@@ -61,7 +70,17 @@ def _run(rank_pools: RankPools, case: tuple[Any, ...]) -> list[dict[str, Any]]:
 @pytest.mark.hf
 @pytest.mark.parametrize("case", CASES, ids=[_id(c) for c in CASES])
 def test_dispatcher_equals_single_device(rank_pools: RankPools, case: tuple[Any, ...]) -> None:
-    results = _run(rank_pools, case)
+    _check_dispatched(_run(rank_pools, case), case)
+
+
+@pytest.mark.parametrize("case", LIST_CASES, ids=[_id(c) for c in LIST_CASES])
+def test_modulelist_experts_dispatch_equals_single_device(rank_pools: RankPools, case: tuple[Any, ...]) -> None:
+    """The model's own loop (or dense stack) on one device; on ranks, one experts op per layer on
+    stacked weights split by expert, compared per expert weight after cutting the stacks back."""
+    _check_dispatched(_run(rank_pools, case), case)
+
+
+def _check_dispatched(results: list[dict[str, Any]], case: tuple[Any, ...]) -> None:
     ops = results[0]["experts_ops"]
     assert ops and len(ops) % 2 == 0, ops  # each MoE layer forward and backward
     for tokens, weights in ops:
