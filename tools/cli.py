@@ -21,6 +21,7 @@ ZOO = (
     "llama-tiny",
     "mixtral-list-tiny",
     "mixtral-tiny",
+    "moe-loop-tiny",
     "mlp",
 )
 

@@ -36,10 +36,13 @@ def default_moe(model_name: str, mesh: Any) -> dict[str, Any] | None:
     """``moe=`` for the demo: ``{"ep": auto_ep(...)}`` when the model has experts meshfold folds and
     that splits them (EP > 1), else None (the experts, if any, follow the plan)."""
     from compiler.moe import find_experts
+    from compiler.moe_lists import expert_lists
     from compiler.zoo import build
 
-    sites, _ = find_experts(build(model_name)[0])
-    ep = auto_ep(mesh, [s.num_experts for s in sites]) if sites else 1
+    model = build(model_name)[0]
+    sites, _ = find_experts(model)
+    counts = [s.num_experts for s in sites] + [len(experts) for experts in expert_lists(model).values()]
+    ep = auto_ep(mesh, counts) if counts else 1
     return {"ep": ep} if ep > 1 else None
 
 

@@ -26,7 +26,7 @@ from rich.console import Console
 from rich.table import Table
 
 import ir
-from compiler.moe import MoeSpec, plan_with_experts
+from compiler.moe import MoeSpec, plan_with_experts, with_spec
 from ir.moe import EXPERTS, EXPERTS_BACKWARD
 from passes import Pass, PassContext, PassError, PassFailure, PassPipeline, PassTiming, pass_spelling
 from passes.sharding.plans import Plan, axis_roles, default_preset
@@ -331,6 +331,9 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     mesh = mesh if mesh is not None else graph.mesh
     if spec is not None and (mesh is None or "sharding" not in names):
         raise CliError("--moe maps the experts onto a mesh: pass --mesh (e.g. --mesh dp=2,tp=2) and a sharding pass")
+    if spec is not None:
+        # NOTE: as parallelize does: every experts op takes the mapping's dispatcher and capacity
+        graph = with_spec(graph, spec)
     ctx = _context(spec, pipeline, graph, mesh)
     writer = DumpWriter(args.dump_dir, pipeline, title=label) if args.dump_dir is not None else None
     printing = bool(args.print_between_passes or args.print_after)

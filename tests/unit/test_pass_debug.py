@@ -342,11 +342,15 @@ def test_moe_shows_both_mappings_and_the_experts_layouts(moe_file: Path, capsys:
     out = capsys.readouterr().out
     assert _table_rows(out, "MoE mapping") == [["dp", "2", "fsdp", "EP"], ["tp", "2", "tp", "EP"]]
     assert "attention: fsdp over dp, tp over tp; experts: EP=4 over (dp, tp), EDP=1" in out
+    # NOTE: the all-to-all dispatcher (moe='s default, as in parallelize): tokens split like the experts
     experts = _table_rows(out, "experts ops (2)")
     assert [row[1:] for row in experts] == [
-        ["fwd", "replicated", "{dp: S(0), tp: S(0)}"],
-        ["bwd", "replicated", "{dp: S(0), tp: S(0)}"],
+        ["fwd", "{dp: S(0), tp: S(0)}", "{dp: S(0), tp: S(0)}"],
+        ["bwd", "{dp: S(0), tp: S(0)}", "{dp: S(0), tp: S(0)}"],
     ]
+    assert main([*argv[:-1], "--moe", "ep=4,dispatcher=allgather", "--no-color"]) == 0
+    gathered = _table_rows(capsys.readouterr().out, "experts ops (2)")
+    assert [row[2] for row in gathered] == ["replicated", "replicated"]
 
 
 def test_moe_on_the_inner_axis_leaves_the_outer_one_edp(moe_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
