@@ -87,6 +87,15 @@ def equivalence(
             atol=PARAM_ATOL,
             msg=lambda m, n=name: f"param {n} after {steps} steps: {m}",
         )
+    if stacks:
+        # NOTE: the model's own names and per-expert weights come back out of the stacks
+        own = pm.model_state_dict()
+        want = dict(ref.named_parameters()) | dict(ref.named_buffers())
+        assert sorted(own) == sorted(want), sorted(set(own) ^ set(want))
+        for name, t in own.items():
+            torch.testing.assert_close(
+                t, want[name].detach(), rtol=0, atol=PARAM_ATOL, msg=lambda m, n=name: f"{n}: {m}"
+            )
     layouts = {i.name: str(i.value.layout) for i in pm.graph().inputs if i.kind == "param"}
     out: dict[str, Any] = {"worst_grad_abs_diff": worst, "loss": float(loss), "layouts": layouts}
     if keep_module:
