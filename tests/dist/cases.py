@@ -12,8 +12,8 @@ import torch
 from compiler.api import parallelize
 from compiler.moe import MoeSpec, experts_as_ops
 from compiler.moe_lists import stack_tensors
-from ir import ParamStack
 from compiler.zoo import build
+from ir import ParamStack
 from tests.dist.pool import device_mesh
 
 RTOL, ATOL = 1e-5, 1e-6
