@@ -51,6 +51,9 @@ class ExpertsSite:
     act: str
     num_experts: int
     intermediate: int
+    gate_up_rank: int = 3
+    """3 for ``[E, 2I, H]``; 4 for ``[E, 2, I, H]`` (experts folded from an nn.ModuleList), which ETP
+    can split on I without separating an expert's gate rows from its up rows."""
 
 
 def find_experts(model: nn.Module) -> tuple[list[ExpertsSite], list[str]]:
@@ -226,10 +229,12 @@ def expert_overrides(spec: MoeSpec, sites: list[ExpertsSite], mesh: ir.Mesh) -> 
             )
         # NOTE: replicas over EDP, whatever the plan does there: their gradients are reduced over
         # the EDP axes only, and the experts are never gathered across EP. Over ETP the down weight
-        # is split on I; the gate/up weight [E, 2I, H] is kept whole there and each rank computes
-        # with its [E, 2, I/etp, H] slice (its gate and up rows are not one contiguous block).
+        # is split on I; a gate/up weight [E, 2I, H] is kept whole there and each rank computes
+        # with its [E, 2, I/etp, H] slice (its gate and up rows are not one contiguous block), one
+        # stored as [E, 2, I, H] is split on I too.
         base = {axis: "S(0)" for axis in ep_axes} | {axis: "R" for axis in edp_axes}
-        out[site.gate_up] = base | {axis: "R" for axis in etp_axes}
+        split_i = "S(2)" if site.gate_up_rank == 4 else "R"
+        out[site.gate_up] = base | {axis: split_i for axis in etp_axes}
         out[site.down] = base | {axis: "S(2)" for axis in etp_axes}
     return out
 
@@ -252,9 +257,11 @@ def experts_sites(graph: ir.Graph) -> list[ExpertsSite]:
             continue
         num, inter = down.type.shape[0], down.type.shape[2]
         act = op.args[5] if len(op.args) > 5 else op.kwarg("act", "silu")
-        if isinstance(num, int) and isinstance(inter, int):
+        if isinstance(num, int) and isinstance(inter, int) and isinstance(gate_up.type, ir.TensorType):
             where = {"path": op.prov.module, "gate_up": params[gate_up], "down": params[down]}
-            sites.append(ExpertsSite(**where, act=str(act), num_experts=num, intermediate=inter))
+            sites.append(
+                ExpertsSite(**where, act=str(act), num_experts=num, intermediate=inter, gate_up_rank=gate_up.type.rank)
+            )
     return sites
 
 

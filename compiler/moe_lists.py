@@ -13,8 +13,8 @@ experts' outputs in one of the two ways plain PyTorch MoE code does:
   ``zeros.scatter(1, top_k_index, top_k_weights)`` and summed over the experts.
 
 Both compute ``sum_j w[t, j] * expert_{i[t, j]}(hidden[t])``, which is the experts op. The folded
-layer reads two stacked parameters named after the list, ``<list>.gate_up_proj [E, 2I, H]`` (each
-expert's gate rows over its up rows) and ``<list>.down_proj [E, H, I]``, recorded in the graph as
+layer reads two stacked parameters named after the list, ``<list>.gate_up_proj [E, 2, I, H]`` (each
+expert's gate and up weights) and ``<list>.down_proj [E, H, I]``, recorded in the graph as
 ``ir.ParamStack`` so the runtime builds them from the model's per-expert parameters. An expert list
 in any other form is left as it is, replicated, and a warning names the layer.
 """
@@ -64,7 +64,11 @@ class _Folded:
 
 def stack_tensors(stacks: tuple[ir.ParamStack, ...], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Every stack in ``stacks`` built from ``tensors`` by FQN (parameters, or their gradients)."""
-    return {s.name: torch.stack([torch.cat([tensors[m] for m in row]) for row in s.members]) for s in stacks}
+    return {s.name: torch.stack([_row([tensors[m] for m in row]) for row in s.members]) for s in stacks}
+
+
+def _row(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.stack(parts)
 
 
 def unstack_tensors(stacks: tuple[ir.ParamStack, ...], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -73,8 +77,7 @@ def unstack_tensors(stacks: tuple[ir.ParamStack, ...], tensors: Mapping[str, tor
     for s in stacks:
         whole = tensors[s.name]
         for e, row in enumerate(s.members):
-            parts = whole[e].chunk(len(row))
-            out.update(zip(row, parts, strict=True))
+            out.update(zip(row, whole[e].unbind(0) if len(row) > 1 else (whole[e],), strict=True))
     return out
 
 
@@ -179,9 +182,10 @@ def _fold_one(
     params = [gm.get_parameter(str(b.gate.target)) for b in body]
     if len({tuple(p.shape) for p in params}) != 1:
         return None, "its experts differ in size"
+    # NOTE: gate/up as [E, 2, I, H]: splitting I (ETP) then keeps each rank's gate and up rows together.
     with fake_mode:
         gate_up = torch.stack(
-            [torch.cat([gm.get_parameter(str(b.gate.target)), gm.get_parameter(str(b.up.target))]) for b in body]
+            [torch.stack([gm.get_parameter(str(b.gate.target)), gm.get_parameter(str(b.up.target))]) for b in body]
         )
         down = torch.stack([gm.get_parameter(str(b.down.target)) for b in body])
     gm.register_parameter(attrs[0], nn.Parameter(gate_up))

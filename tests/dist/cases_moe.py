@@ -38,4 +38,6 @@ def folded(
     n_sites = len(sites) + len(pm.graph().stacks) // 2
     assert total and len(expert_fqns) == 2 * n_sites, f"expert weights missing: {sorted(expert_fqns)}"
     out["expert_numel_local"], out["expert_numel_total"] = local, total
+    # NOTE: stacked [E, 2, I, H] gate/up weights (ModuleList experts) are split by ETP as well
+    out["etp_splits_gate_up"] = bool(pm.graph().stacks) and not sites
     return out

@@ -27,6 +27,8 @@ CASES: list[Case] = [
     ("moe-loop-tiny", (2, 4), ("dp", "tp"), "fsdp+tp", {"ep": 4}, ("tp",)),
     # the dense form (every expert on every token, weighted stack), EP=2 with EDP=2
     ("mixtral-list-tiny", (2, 2), ("dp", "tp"), "ddp+tp", {"ep": 2}, ("tp",)),
+    # EP=2 over dp x ETP=2 over tp: stacked as [E, 2, I, H], both expert weights split four ways
+    ("moe-loop-tiny", (2, 2), ("dp", "tp"), "fsdp+tp", {"ep": 2, "etp": 2}, ("dp",)),
 ]
 HF_CASES: list[Case] = [
     # EP=4 folded over all four ranks: attention is fsdp over dp and tp over tp
@@ -39,7 +41,8 @@ HF_CASES: list[Case] = [
 
 
 def _id(c: Case) -> str:
-    return f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[3]}-ep{c[4]['ep']}"
+    etp = f"-etp{c[4]['etp']}" if "etp" in c[4] else ""
+    return f"{c[0]}-{'x'.join(map(str, c[1]))}-{c[3]}-ep{c[4]['ep']}{etp}"
 
 
 def _check_folded(rank_pools: RankPools, case: Case) -> None:
@@ -57,10 +60,12 @@ def _check_folded(rank_pools: RankPools, case: Case) -> None:
     for layout in first["expert_ops"]:
         for axis in ep_axes:
             assert f"{axis}: S(0)" in layout, f"experts not split over {axis}: {first['expert_ops']}"
-    # NOTE: whole on the EDP axes, so each rank keeps 1/ep of every layer's experts
+    # NOTE: whole on the EDP axes, so each rank keeps 1/ep of every layer's experts (1/(ep*etp) when
+    # ETP splits both weights)
     total = first["expert_numel_total"]
+    share = moe["ep"] * (moe.get("etp", 1) if first["etp_splits_gate_up"] else 1)
     assert all(r["expert_numel_total"] == total for r in results)
-    assert all(0 < r["expert_numel_local"] <= total // moe["ep"] for r in results), [
+    assert all(0 < r["expert_numel_local"] <= total // share for r in results), [
         r["expert_numel_local"] for r in results
     ]
 

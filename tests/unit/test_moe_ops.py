@@ -3,6 +3,8 @@ specs map onto meshes (and are refused, naming the rule)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -109,6 +111,10 @@ def test_etp_takes_the_innermost_axis_and_splits_the_intermediate_dim() -> None:
     out = expert_overrides(MoeSpec.of({"ep": 2, "etp": 2}), SITE, MESH)
     assert out["m.experts.down_proj"] == {"tp": "S(2)", "dp": "S(0)"}
     assert out["m.experts.gate_up_proj"] == {"tp": "R", "dp": "S(0)"}
+    # NOTE: a gate/up weight stored as [E, 2, I, H] (stacked from an nn.ModuleList) is split on I too
+    stacked = [dataclasses.replace(SITE[0], gate_up_rank=4)]
+    out = expert_overrides(MoeSpec.of({"ep": 2, "etp": 2}), stacked, MESH)
+    assert out["m.experts.gate_up_proj"] == {"tp": "S(2)", "dp": "S(0)"}
     odd = [ExpertsSite("m.experts", "a", "b", "silu", 4, 5)]
     with pytest.raises(PassError, match="intermediate % etp must be 0"):
         expert_overrides(MoeSpec.of({"ep": 2, "etp": 2}), odd, MESH)
