@@ -206,7 +206,12 @@ def _fold_one(
     # NOTE: inserting_after puts each node right after ``after``: put them back in creation order.
     for a, b in itertools.pairwise(new):
         a.append(b)
-    out.meta["nn_module_stack"] = dict(body[0].y.meta.get("nn_module_stack") or {})
+    # NOTE: the op runs in the list's module, and its source line is where the layer combines the experts
+    out.meta["nn_module_stack"] = dict(combine.after.meta.get("nn_module_stack") or {}) | {
+        f"meshfold_experts_{k}": (path, nn.ModuleList)
+    }
+    if "stack_trace" in combine.after.meta:
+        out.meta["stack_trace"] = combine.after.meta["stack_trace"]
     with g.inserting_after(out):
         combine.rewire(out)
     for node in reversed(combine.dead):
