@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 import ir
+from backends.interpret import runnable_target
 from backends.moe import exchange_backward, exchange_forward
 from ir import Graph, Layout, Op, OpDef, Shard, TensorType, Value
 from ir.graph import Arg
@@ -209,10 +210,9 @@ def _emit(g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext, tab
         loaded = tuple(_load(a, env) for a in args)
         node = g.call_function(ranged.impl, (*bounds, *loaded), {k: _load(v, env) for k, v in kwargs.items()})
         return _unpacked(g, op, node)
-    # NOTE: a view that is valid on the global tensor may not be on a local shard (other strides);
-    # in a functional graph reshape computes the same value and copies only when it must.
-    target = aten.reshape.default if op.target in (aten.view.default, aten._unsafe_view.default) else op.target
-    node = g.call_function(target, tuple(_load(a, env) for a in args), {k: _load(v, env) for k, v in kwargs.items()})
+    node = g.call_function(
+        runnable_target(op.target), tuple(_load(a, env) for a in args), {k: _load(v, env) for k, v in kwargs.items()}
+    )
     return _unpacked(g, op, node)
 
 

@@ -54,7 +54,7 @@ def run_values(graph: Graph, inputs: Mapping[str, torch.Tensor], *, global_view:
             args = [_load(a, env) for a in op.args]
             kwargs = {k: _load(v, env) for k, v in op.kwargs}
             try:
-                out = op.target(*args, **kwargs)
+                out = runnable_target(op.target)(*args, **kwargs)
             except Exception as e:
                 raise InterpretError(f"{op.describe()} failed: {e}") from e
             outs = list(out) if isinstance(out, (tuple, list)) else [out]
@@ -62,6 +62,19 @@ def run_values(graph: Graph, inputs: Mapping[str, torch.Tensor], *, global_view:
                 raise InterpretError(f"{op.describe()} returned {len(outs)} values for {len(op.results)} results")
             env.update(zip(op.results, outs, strict=True))
     return env
+
+
+def runnable_target(target: Any) -> Any:
+    """What runs ``target`` on real tensors: ``aten.view`` as ``aten.reshape``.
+
+    NOTE: a view valid on the strides seen while tracing may not be on the real tensor (a local
+    shard, or an op whose real output strides differ from its fake ones, such as the cat of
+    transposed gradients); the graph is functional, so reshape computes the same value and copies
+    only when it must."""
+    return torch.ops.aten.reshape.default if target in _VIEWS else target
+
+
+_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
 
 
 def _load(a: Arg, env: dict[Value, Any]) -> Any:

@@ -132,3 +132,35 @@ def test_own_ops_round_trip() -> None:
     text = str(b.build())
     assert 'comm.all_gather(%x, axis="tp", dim=0)' in text
     assert str(parse(text)) == text
+
+
+def test_stack_lines_round_trip_and_reject_bad_members() -> None:
+    text = (
+        "graph @g {\n"
+        "  param %e.down_proj : f32[2, 3, 4]\n"
+        '  stack %e.down_proj = [["e.0.w2.weight"], ["e.1.w2.weight"]]\n'
+        "  output out(0) = %e.down_proj\n"
+        "}\n"
+    )
+    g = parse(text)
+    assert g.stacks == (ir.ParamStack("e.down_proj", (("e.0.w2.weight",), ("e.1.w2.weight",))),)
+    assert str(g) == text
+    with pytest.raises(ir.ParseError, match="line 3, column 21: .*JSON list of lists of names"):
+        parse(text.replace('[["e.0.w2.weight"], ["e.1.w2.weight"]]', '["e.0.w2.weight"]'))
+
+
+def test_interpreted_views_run_on_real_strides() -> None:
+    """A view recorded on the strides seen while tracing runs as a reshape on real tensors, whose
+    strides may differ (here the input arrives transposed, which a plain view cannot flatten)."""
+    from backends.interpret import interpret
+
+    g = parse(
+        "graph @g {\n"
+        "  input %x : f32[2, 4]\n"
+        "  %y = aten.view(%x, [8]) : f32[8]\n"
+        "  output out(0) = %y\n"
+        "}\n"
+    )
+    x = torch.arange(8.0).reshape(4, 2).t()
+    assert not x.is_contiguous()
+    torch.testing.assert_close(interpret(g, {"x": x})[("out", "0")], x.reshape(8))
