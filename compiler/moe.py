@@ -77,7 +77,8 @@ def _as_site(path: str, mod: nn.Module) -> tuple[ExpertsSite | None, str]:
         wrong = [k for k, v in _HF_FLAGS.items() if flags[k] != v] + (
             ["has_post_expert_norm"] if getattr(mod, "has_post_expert_norm", False) else []
         )
-        act = _HF_ACTS.get(str(getattr(getattr(mod, "config", None), "hidden_act", "")))
+        hidden_act = getattr(getattr(mod, "config", None), "hidden_act", None)
+        act = _HF_ACTS.get(str(hidden_act)) if hidden_act is not None else _act_of(getattr(mod, "act_fn", None))
         shapes_ok = gate_up.shape[0] == down.shape[0] and gate_up.shape[1] == 2 * down.shape[2]
         if wrong or act is None or not shapes_ok:
             reason = f"unsupported experts layout ({', '.join(wrong)})" if wrong else "an unknown activation or shape"
@@ -89,6 +90,22 @@ def _as_site(path: str, mod: nn.Module) -> tuple[ExpertsSite | None, str]:
         return site, ""
     # NOTE: experts in an nn.ModuleList are folded (or warned about) on the captured graph: compiler.moe_lists.
     return None, ""
+
+
+def _act_of(fn: object) -> str | None:
+    """Which of ``ir.moe``'s activations the callable ``fn`` computes (checked on sample values), for
+    experts modules that name none in their config (transformers' LFM2-MoE hard-codes ``F.silu``)."""
+    if not callable(fn):
+        return None
+    x = torch.linspace(-4.0, 4.0, 33)
+    try:
+        with torch.no_grad():
+            y = fn(x)
+    except Exception:
+        return None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        return None
+    return next((name for name, f in ACTIVATIONS.items() if torch.allclose(y, f(x), rtol=1e-5, atol=1e-6)), None)
 
 
 @contextlib.contextmanager

@@ -550,5 +550,25 @@ def _hf_deepseek_v3() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return _seeded(lambda: cls(config)), _token_inputs(256)
 
 
+@register("hf-lfm2-moe")
+def _hf_lfm2_moe() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """transformers' Lfm2MoeForCausalLM (a short-convolution layer with a dense MLP, then attention with
+    8 experts top-2, sigmoid routing with a bias) with random weights. Its experts name no activation
+    in their config (they call ``F.silu``): meshfold reads it off the module."""
+    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+    config = Lfm2MoeConfig(
+        **_HF_COMMON,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_dense_layers=1,
+        num_experts=8,
+        num_experts_per_tok=2,
+        layer_types=["conv", "full_attention"],
+    )
+    cls = _hf_loss_cls(Lfm2MoeForCausalLM)
+    return _seeded(lambda: cls(config)), _token_inputs(256)
+
+
 # NOTE: imported last: the MoE entries build on the classes above and register themselves.
 from compiler import zoo_moe  # noqa: E402, F401

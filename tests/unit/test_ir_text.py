@@ -154,13 +154,7 @@ def test_interpreted_views_run_on_real_strides() -> None:
     strides may differ (here the input arrives transposed, which a plain view cannot flatten)."""
     from backends.interpret import interpret
 
-    g = parse(
-        "graph @g {\n"
-        "  input %x : f32[2, 4]\n"
-        "  %y = aten.view(%x, [8]) : f32[8]\n"
-        "  output out(0) = %y\n"
-        "}\n"
-    )
+    g = parse("graph @g {\n  input %x : f32[2, 4]\n  %y = aten.view(%x, [8]) : f32[8]\n  output out(0) = %y\n}\n")
     x = torch.arange(8.0).reshape(4, 2).t()
     assert not x.is_contiguous()
     torch.testing.assert_close(interpret(g, {"x": x})[("out", "0")], x.reshape(8))

@@ -148,3 +148,13 @@ def test_expert_count_must_divide_by_ep() -> None:
 def test_moe_without_foldable_experts_is_refused() -> None:
     with pytest.raises(PassError, match="no MoE layer meshfold can fold"):
         expert_overrides(MoeSpec.of({"ep": 2}), [], MESH)
+
+
+def test_an_activation_named_nowhere_is_read_off_the_function() -> None:
+    from torch import nn
+
+    from compiler.moe import _act_of
+
+    assert _act_of(torch.nn.functional.silu) == "silu"
+    assert _act_of(nn.GELU(approximate="tanh")) == "gelu_tanh" and _act_of(nn.GELU()) == "gelu"
+    assert _act_of(torch.tanh) is None and _act_of(None) is None
