@@ -145,7 +145,7 @@ def test_stack_lines_round_trip_and_reject_bad_members() -> None:
     g = parse(text)
     assert g.stacks == (ir.ParamStack("e.down_proj", (("e.0.w2.weight",), ("e.1.w2.weight",))),)
     assert str(g) == text
-    with pytest.raises(ir.ParseError, match="line 3, column 21: .*JSON list of lists of names"):
+    with pytest.raises(ir.ParseError, match=r"line 3, column 21: .*JSON list of lists of names"):
         parse(text.replace('[["e.0.w2.weight"], ["e.1.w2.weight"]]', '["e.0.w2.weight"]'))
 
 
