@@ -42,9 +42,13 @@ CASES: list[tuple[str, tuple[int, ...], tuple[str, ...], str, dict[str, Any]]] =
 ]
 
 
-# Experts written as an nn.ModuleList, folded by capture: the data-dependent loop and the dense stack.
+# The zoo's own forms: DeepSeek-V3-style stacked experts, and experts written as an nn.ModuleList,
+# folded by capture (the data-dependent loop and the dense stack).
 LIST_CASES: list[tuple[str, tuple[int, ...], tuple[str, ...], str, dict[str, Any]]] = [
+    ("deepseek-tiny", *MESH, "fsdp+tp", {"ep": 2, "etp": 2, "dispatcher": "alltoall"}),
+    ("deepseek-tiny", *MESH, "ddp+tp", {"ep": 4, "dispatcher": "allgather"}),
     ("moe-loop-tiny", *MESH, "fsdp+tp", {"ep": 4, "dispatcher": "alltoall"}),
+    ("moe-loop-tiny", *MESH, "ddp+tp", {"ep": 4, "dispatcher": "allgather"}),
     ("moe-loop-tiny", *MESH, "fsdp+tp", {"ep": 2, "etp": 2, "dispatcher": "alltoall"}),
     ("mixtral-list-tiny", *MESH, "ddp+tp", {"ep": 4, "dispatcher": "allgather"}),
     ("mixtral-list-tiny", *MESH, "fsdp+tp", {"ep": 4, "dispatcher": "alltoall", "hierarchical": True}),
@@ -76,9 +80,9 @@ def test_dispatcher_equals_single_device(rank_pools: RankPools, case: tuple[Any,
 
 
 @pytest.mark.parametrize("case", LIST_CASES, ids=[_id(c) for c in LIST_CASES])
-def test_modulelist_experts_dispatch_equals_single_device(rank_pools: RankPools, case: tuple[Any, ...]) -> None:
-    """The model's own loop (or dense stack) on one device; on ranks, one experts op per layer on
-    stacked weights split by expert, compared per expert weight after cutting the stacks back."""
+def test_zoo_experts_dispatch_equals_single_device(rank_pools: RankPools, case: tuple[Any, ...]) -> None:
+    """The model's own experts code on one device (for ModuleList experts, their loop or dense stack);
+    on ranks, one experts op per layer split by expert (for ModuleLists, on stacked weights)."""
     _check_dispatched(_run(rank_pools, case), case)
 
 
