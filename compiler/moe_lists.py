@@ -146,12 +146,14 @@ def fold_expert_lists(
     return names, tuple(stacks)
 
 
-def _list_member(node: fx.Node, lists: Mapping[str, nn.ModuleList], module_path: object) -> tuple[str, int] | None:
+def _list_member(
+    node: fx.Node, lists: Mapping[str, nn.ModuleList], module_path: Callable[[str], str]
+) -> tuple[str, int] | None:
     """(list FQN, member index) of the innermost candidate list member ``node`` runs in, if any."""
     stack = node.meta.get("nn_module_stack") or {}
     found = None
     for raw, _ in stack.values():
-        path = module_path(raw)  # type: ignore[operator]
+        path = module_path(raw)
         head, _, tail = path.rpartition(".")
         if head in lists and tail.isdigit():
             found = (head, int(tail))
@@ -179,8 +181,8 @@ def _fold_one(
     if combine is None:
         return None, "its experts' outputs are combined in a way meshfold does not recognize"
     attrs = (f"_mf_experts_{k}_gate_up", f"_mf_experts_{k}_down")
-    params = [gm.get_parameter(str(b.gate.target)) for b in body]
-    if len({tuple(p.shape) for p in params}) != 1:
+    shapes = {tuple(tuple(gm.get_parameter(str(w.target)).shape) for w in (b.gate, b.up, b.down)) for b in body}
+    if len(shapes) != 1:
         return None, "its experts differ in size"
     # NOTE: gate/up as [E, 2, I, H]: splitting I (ETP) then keeps each rank's gate and up rows together.
     with fake_mode:
