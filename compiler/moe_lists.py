@@ -81,6 +81,18 @@ def unstack_tensors(stacks: tuple[ir.ParamStack, ...], tensors: Mapping[str, tor
     return out
 
 
+def as_stacked(stacks: tuple[ir.ParamStack, ...], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` named as the compiled model names them: each stack's members replaced by the stack."""
+    members = {m for s in stacks for row in s.members for m in row}
+    return {n: t for n, t in tensors.items() if n not in members} | stack_tensors(stacks, tensors)
+
+
+def as_unstacked(stacks: tuple[ir.ParamStack, ...], tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` named as the model names them: each stack replaced by its members."""
+    stacked = {s.name for s in stacks}
+    return {n: t for n, t in tensors.items() if n not in stacked} | unstack_tensors(stacks, tensors)
+
+
 def expert_lists(model: nn.Module) -> dict[str, nn.ModuleList]:
     """``nn.ModuleList``s of two or more modules of one type, each holding two or three bias-free
     ``nn.Linear`` and no other parameters: the candidates for folding."""
@@ -448,4 +460,4 @@ def _dense(body: list[_Expert]) -> _Combine | None:
     return _Combine(hidden, index, weights, summed, rewire, sorted(dead, key=order.__getitem__), dtype)  # type: ignore[arg-type]
 
 
-__all__ = ["expert_lists", "fold_expert_lists", "stack_tensors", "unstack_tensors"]
+__all__ = ["as_stacked", "as_unstacked", "expert_lists", "fold_expert_lists", "stack_tensors", "unstack_tensors"]

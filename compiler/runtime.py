@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 
 import ir
 from backends.eager import Lowered, RankContext
-from compiler.moe_lists import stack_tensors, unstack_tensors
+from compiler.moe_lists import as_unstacked, stack_tensors
 from compiler.verify import Verifier
 
 
@@ -194,9 +194,7 @@ class ParallelModule(nn.Module):
             n: t.full_tensor() if isinstance(t, DTensor) else t
             for n, t in [*self.named_parameters(), *self.named_buffers()]
         }
-        stacked = {s.name for s in self._mf_graph.stacks}
-        out = {n: t for n, t in whole.items() if n not in stacked}
-        return out | unstack_tensors(self._mf_graph.stacks, whole)
+        return as_unstacked(self._mf_graph.stacks, whole)
 
 
 def named_placements(pm: ParallelModule) -> Sequence[tuple[str, str]]:

@@ -474,14 +474,22 @@ _HF_COMMON: dict[str, Any] = {
 }
 
 
+def _hf_causal_lm(
+    config_cls: Any, lm_cls: type[nn.Module], common: dict[str, Any] = _HF_COMMON, **fields: Any
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """``lm_cls`` (an HF ``*ForCausalLM``) on ``config_cls(**common, **fields)`` with seeded random
+    weights, returning its loss on ``(input_ids, labels)``."""
+    config = config_cls(**common, **fields)
+    cls = _hf_loss_cls(lm_cls)
+    return _seeded(lambda: cls(config)), _token_inputs(256)
+
+
 @register("hf-llama")
 def _hf_llama() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Build transformers' LlamaForCausalLM with random weights (needs the transformers extra)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(**_HF_COMMON, intermediate_size=128)
-    cls = _hf_loss_cls(LlamaForCausalLM)
-    return _seeded(lambda: cls(config)), _token_inputs(256)
+    return _hf_causal_lm(LlamaConfig, LlamaForCausalLM, intermediate_size=128)
 
 
 @register("hf-mixtral")
@@ -492,8 +500,9 @@ def _hf_mixtral() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     # NOTE: HF's default "eager" experts loop over `nonzero()` hits; batched_mm is static-shape. It is passed
     # through **kwargs because MixtralConfig's typed signature does not list it.
     static_experts: dict[str, Any] = {"experts_implementation": "batched_mm"}
-    config = MixtralConfig(
-        **_HF_COMMON,
+    return _hf_causal_lm(
+        MixtralConfig,
+        MixtralForCausalLM,
         **static_experts,
         intermediate_size=96,
         num_local_experts=4,
@@ -501,8 +510,6 @@ def _hf_mixtral() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
         output_router_logits=True,
         router_aux_loss_coef=0.01,
     )
-    cls = _hf_loss_cls(MixtralForCausalLM)
-    return _seeded(lambda: cls(config)), _token_inputs(256)
 
 
 @register("hf-qwen3-moe")
@@ -510,8 +517,9 @@ def _hf_qwen3_moe() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """transformers' Qwen3MoeForCausalLM (8 experts, top-2, QK-norm attention) with random weights."""
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
-    config = Qwen3MoeConfig(
-        **_HF_COMMON,
+    return _hf_causal_lm(
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
         head_dim=16,
         intermediate_size=128,
         moe_intermediate_size=32,
@@ -520,8 +528,6 @@ def _hf_qwen3_moe() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
         output_router_logits=True,
         router_aux_loss_coef=0.01,
     )
-    cls = _hf_loss_cls(Qwen3MoeForCausalLM)
-    return _seeded(lambda: cls(config)), _token_inputs(256)
 
 
 @register("hf-deepseek-v3")
@@ -530,8 +536,10 @@ def _hf_deepseek_v3() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     first layer; 8 routed experts, top-2) with random weights."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    config = DeepseekV3Config(
-        **(_HF_COMMON | {"num_key_value_heads": 4}),
+    return _hf_causal_lm(
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        _HF_COMMON | {"num_key_value_heads": 4},
         intermediate_size=128,
         moe_intermediate_size=32,
         n_routed_experts=8,
@@ -546,8 +554,6 @@ def _hf_deepseek_v3() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
         qk_nope_head_dim=8,
         v_head_dim=16,
     )
-    cls = _hf_loss_cls(DeepseekV3ForCausalLM)
-    return _seeded(lambda: cls(config)), _token_inputs(256)
 
 
 @register("hf-lfm2-moe")
@@ -557,8 +563,9 @@ def _hf_lfm2_moe() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     in their config (they call ``F.silu``): meshfold reads it off the module."""
     from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
 
-    config = Lfm2MoeConfig(
-        **_HF_COMMON,
+    return _hf_causal_lm(
+        Lfm2MoeConfig,
+        Lfm2MoeForCausalLM,
         intermediate_size=128,
         moe_intermediate_size=32,
         num_dense_layers=1,
@@ -566,8 +573,6 @@ def _hf_lfm2_moe() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
         num_experts_per_tok=2,
         layer_types=["conv", "full_attention"],
     )
-    cls = _hf_loss_cls(Lfm2MoeForCausalLM)
-    return _seeded(lambda: cls(config)), _token_inputs(256)
 
 
 # NOTE: imported last: the MoE entries build on the classes above and register themselves.

@@ -11,7 +11,7 @@ import torch
 
 from compiler.api import parallelize
 from compiler.moe import MoeSpec, experts_as_ops
-from compiler.moe_lists import stack_tensors
+from compiler.moe_lists import as_stacked
 from compiler.zoo import build
 from ir import ParamStack
 from tests.dist.pool import device_mesh
@@ -111,8 +111,7 @@ def _as_compiled(model: torch.nn.Module, stacks: tuple[ParamStack, ...], what: s
         t = p.detach() if what == "param" else p.grad
         assert t is not None, f"the single-device model's {name} has no gradient"
         own[name] = t
-    members = {m for s in stacks for row in s.members for m in row}
-    return {n: t for n, t in own.items() if n not in members} | stack_tensors(stacks, own)
+    return as_stacked(stacks, own)
 
 
 def _reference_experts(model: torch.nn.Module, moe: dict[str, Any] | None) -> contextlib.AbstractContextManager[Any]:

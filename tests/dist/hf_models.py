@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from compiler.zoo import _hf_loss_cls
+
 SMALL = dict(
     vocab_size=256,
     hidden_size=64,
@@ -16,15 +18,6 @@ SMALL = dict(
     num_key_value_heads=2,
     max_position_embeddings=64,
 )
-
-
-def _loss_model(base: type[nn.Module]) -> type[nn.Module]:
-    class WithLoss(base):  # type: ignore[misc, valid-type]
-        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-            return super().forward(input_ids=input_ids, labels=labels, use_cache=False).loss
-
-    WithLoss.__name__ = base.__name__
-    return WithLoss
 
 
 def build_hf(arch: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
@@ -54,7 +47,7 @@ def build_hf(arch: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     config._attn_implementation = "sdpa"
     with torch.random.fork_rng():
         torch.manual_seed(0)
-        model = _loss_model(cls)(config)
+        model = _hf_loss_cls(cls)(config)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 256, (4, 16), generator=gen)
     return model, (ids, ids.clone())

@@ -11,7 +11,7 @@ import torch
 import ir
 from backends.interpret import interpret
 from compiler import CaptureError, capture
-from compiler.moe_lists import stack_tensors, unstack_tensors
+from compiler.moe_lists import as_unstacked, stack_tensors
 from compiler.zoo import build, zoo_names
 
 HF = {name for name in zoo_names() if name.startswith("hf-")}
@@ -102,8 +102,7 @@ def assert_graph_matches_eager(g: ir.Graph, model: torch.nn.Module, inputs: tupl
     feeds |= {i.name: x for i, x in zip((i for i in g.inputs if i.kind == "input"), inputs, strict=True)}
     got = interpret(g, feeds)
     torch.testing.assert_close(got[("out", "0")], loss.detach(), rtol=1e-5, atol=1e-6)
-    grads = {name: t for (kind, name), t in got.items() if kind == "grad"}
-    grads |= unstack_tensors(g.stacks, grads)
+    grads = as_unstacked(g.stacks, {name: t for (kind, name), t in got.items() if kind == "grad"})
     for pname, p in model.named_parameters():
         assert p.grad is not None
         torch.testing.assert_close(grads[pname], p.grad, rtol=1e-5, atol=1e-6, msg=lambda m, n=pname: f"{n}: {m}")

@@ -10,10 +10,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.interpret import interpret
 from compiler import capture
-from compiler.moe_lists import stack_tensors, unstack_tensors
 from ir.moe import EXPERTS
+from tests.models.test_capture import assert_graph_matches_eager
 
 H, INTER, E, K, VOCAB = 16, 8, 4, 2, 32
 
@@ -85,16 +84,7 @@ def test_experts_with_their_own_names_fold_and_match_eager(act: str, combine: st
     (gate_up, down) = g.stacks  # type: ignore[attr-defined]
     assert gate_up.members[2] == ("experts.2.gate.weight", "experts.2.inp.weight")
     assert down.members[0] == ("experts.0.out.weight",)
-    ids = _ids()
-    loss = model(ids)
-    loss.backward()
-    feeds = {n: p.detach() for n, p in model.named_parameters()}
-    got = interpret(g, feeds | stack_tensors(g.stacks, feeds) | {"ids": ids})  # type: ignore[attr-defined]
-    torch.testing.assert_close(got[("out", "0")], loss.detach(), rtol=1e-5, atol=1e-6)
-    grads = unstack_tensors(g.stacks, {n: t for (k, n), t in got.items() if k == "grad"})  # type: ignore[attr-defined]
-    for name, p in model.named_parameters():
-        if name.startswith("experts."):
-            torch.testing.assert_close(grads[name], p.grad, rtol=1e-5, atol=1e-6)
+    assert_graph_matches_eager(g, model, (_ids(),))  # type: ignore[arg-type]
 
 
 def test_experts_with_biases_stay_replicated_with_a_warning() -> None:
