@@ -18,13 +18,13 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-import ir
-from backends.interpret import runnable_target
-from backends.moe import exchange_backward, exchange_forward
-from ir import Graph, Layout, Op, OpDef, Shard, TensorType, Value
-from ir.graph import Arg
-from ir.moe import EXPERTS, EXPERTS_BACKWARD
-from ir.ops import (
+from meshfold import ir
+from meshfold.backends.interpret import runnable_target
+from meshfold.backends.moe import exchange_backward, exchange_forward
+from meshfold.ir import Graph, Layout, Op, OpDef, Shard, TensorType, Value
+from meshfold.ir.graph import Arg
+from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
+from meshfold.ir.ops import (
     ALL_GATHER,
     ALL_GATHER_BUCKET,
     ALL_REDUCE,
@@ -35,7 +35,7 @@ from ir.ops import (
     REDUCE_SCATTER_BUCKET,
     SHARD,
 )
-from passes.sharding.rules import rule_table
+from meshfold.passes.sharding.rules import rule_table
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten

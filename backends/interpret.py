@@ -10,9 +10,9 @@ from typing import Any
 
 import torch
 
-import ir
-from ir import Graph, OpDef, Value
-from ir.graph import Arg
+from meshfold import ir
+from meshfold.ir import Graph, OpDef, Value
+from meshfold.ir.graph import Arg
 
 
 class InterpretError(RuntimeError):

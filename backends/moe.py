@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from ir.moe import kept, pair_grads, pair_outputs
+from meshfold.ir.moe import kept, pair_grads, pair_outputs
 
 Stage = tuple[str, int, int]
 """One hop of the exchange: (process group, its size, the stride of its digit in the peer slot)."""

@@ -1,19 +1,56 @@
-"""meshfold's front door: capture a model, run pass pipelines, execute on a mesh.
+"""meshfold: compile a single-device PyTorch model into a multi-device training program.
+
+This package is the front door (the ``compiler/`` folder); ``meshfold.ir``, ``meshfold.passes``,
+``meshfold.backends`` and ``meshfold.tools`` are its subpackages. Names load on first use, so that
+``meshfold plan`` (the pure-Python simulator) starts without importing torch.
 
 ``moe_experts`` is the marker for MoE code meshfold does not recognize: routed experts written as
-one call of it (stacked ``[E, ...]`` weights) are folded like the experts it finds itself."""
+one call of it (stacked ``[E, ...]`` weights) are folded like the experts it finds itself.
+"""
 
-from compiler.api import parallelize
-from compiler.capture import CaptureError, capture
-from compiler.pipeline import DEFAULT_PIPELINE, CompileResult, compile_model
-from compiler.verify import VerificationError
-from ir.moe import experts as moe_experts
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from meshfold.api import parallelize
+    from meshfold.ir.moe import experts as moe_experts
+    from meshfold.pipeline import DEFAULT_PIPELINE, CompileResult, compile_model
+    from meshfold.tracer import CaptureError, capture
+    from meshfold.verify import VerificationError
+
+try:
+    __version__ = version("meshfold")
+except PackageNotFoundError:  # NOTE: running from a source tree that was never installed
+    __version__ = "0+unknown"
+
+_HOME = {
+    "parallelize": ("meshfold.api", "parallelize"),
+    "CaptureError": ("meshfold.tracer", "CaptureError"),
+    "capture": ("meshfold.tracer", "capture"),
+    "moe_experts": ("meshfold.ir.moe", "experts"),
+    "DEFAULT_PIPELINE": ("meshfold.pipeline", "DEFAULT_PIPELINE"),
+    "CompileResult": ("meshfold.pipeline", "CompileResult"),
+    "compile_model": ("meshfold.pipeline", "compile_model"),
+    "VerificationError": ("meshfold.verify", "VerificationError"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    where = _HOME.get(name)
+    if where is None:
+        raise AttributeError(f"module 'meshfold' has no attribute {name!r}")
+    return getattr(importlib.import_module(where[0]), where[1])
+
 
 __all__ = [
     "DEFAULT_PIPELINE",
     "CaptureError",
     "CompileResult",
     "VerificationError",
+    "__version__",
     "capture",
     "compile_model",
     "moe_experts",

@@ -13,15 +13,15 @@ from rich.console import Console
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-import ir
-from backends.eager import RankContext, exchange_axes, lower
-from compiler.capture import capture
-from compiler.moe import MoeSpec, check_spec, plan_with_experts, with_spec
-from compiler.pipeline import DEFAULT_PIPELINE
-from compiler.runtime import ParallelModule
-from passes import PassContext, PassError, PassPipeline, parse_size
-from passes.cost.hardware import Cluster, parse_cluster
-from passes.sharding.plans import Plan, axis_roles, default_preset
+from meshfold import ir
+from meshfold.backends.eager import RankContext, exchange_axes, lower
+from meshfold.moe import MoeSpec, check_spec, plan_with_experts, with_spec
+from meshfold.passes import PassContext, PassError, PassPipeline, parse_size
+from meshfold.passes.cost.hardware import Cluster, parse_cluster
+from meshfold.passes.sharding.plans import Plan, axis_roles, default_preset
+from meshfold.pipeline import DEFAULT_PIPELINE
+from meshfold.runtime import ParallelModule
+from meshfold.tracer import capture
 
 PlanSpec = str | Plan | Mapping[str, Any]
 
@@ -82,7 +82,7 @@ def parallelize(
     ``memory`` bound (bytes or ``"40GiB"``; default: the cluster's device memory).
 
     ``moe={"ep": 4, "etp": 1}``: the routed experts of every MoE layer meshfold recognizes (see
-    ``compiler.moe``) get their own mapping of the same ranks: EP ranks split the experts (innermost
+    ``meshfold.moe``) get their own mapping of the same ranks: EP ranks split the experts (innermost
     mesh axes after ETP), the rest of the world (EDP) replicates them, whatever ``plan`` does with
     attention. Invalid mappings raise before anything runs, naming the rule.
     """
@@ -161,7 +161,7 @@ def _compile_once(
             graph = capture(model, example_inputs, moe=moe)
             if moe is not None:
                 # NOTE: the experts are found in the captured graph (modules meshfold recognizes, and
-                # code calling compiler.moe_experts alike)
+                # code calling meshfold.moe_experts alike)
                 assert ctx.mesh is not None and isinstance(ctx.plan, Plan)
                 graph = with_spec(graph, moe)
                 ctx.plan = plan_with_experts(ctx.plan, moe, graph, ctx.mesh)

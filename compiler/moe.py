@@ -6,10 +6,10 @@ Detection walks the module tree before capture. An experts module in the transfo
 ``meshfold.moe_experts`` (``ir.moe``), whatever kernel it would have run (eager loop, batched or
 grouped GEMM): its routing stays ordinary ops, its experts become one op the sharding pass can
 split by expert. MoE code written against ``ir.moe.experts`` (exported as
-``compiler.moe_experts``) arrives as that op already. An MoE layer whose experts are anything else
+``meshfold.moe_experts``) arrives as that op already. An MoE layer whose experts are anything else
 (biases, a layout we do not know) is left as it is: its experts stay replicated, and a warning
 names the layer. Experts held in an ``nn.ModuleList`` are folded on dynamo's graph instead
-(``compiler.moe_lists``).
+(``meshfold.moe_lists``).
 
 ``MoeSpec`` is ``parallelize(..., moe={"ep": 4, "etp": 1})``: the experts' own factorization of the
 same ranks (ETP innermost, then EP, then EDP, as Megatron-Core orders them), mapped onto whole mesh
@@ -29,10 +29,10 @@ from typing import Any
 import torch
 from torch import nn
 
-import ir
-from ir.moe import ACTIVATIONS, EXPERTS, EXPERTS_BACKWARD, capacity_of, experts
-from passes import PassError
-from passes.sharding.plans import AUTO, Plan
+from meshfold import ir
+from meshfold.ir.moe import ACTIVATIONS, EXPERTS, EXPERTS_BACKWARD, capacity_of, experts
+from meshfold.passes import PassError
+from meshfold.passes.sharding.plans import AUTO, Plan
 
 # NOTE: transformers' hidden_act names for the activations ir.moe implements.
 _HF_ACTS = {"silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu"}
@@ -88,7 +88,7 @@ def _as_site(path: str, mod: nn.Module) -> tuple[ExpertsSite | None, str]:
             path, prefix + "gate_up_proj", prefix + "down_proj", act, int(gate_up.shape[0]), int(down.shape[2])
         )
         return site, ""
-    # NOTE: experts in an nn.ModuleList are folded (or warned about) on the captured graph: compiler.moe_lists.
+    # NOTE: experts in an nn.ModuleList are folded (or warned about) on the captured graph: meshfold.moe_lists.
     return None, ""
 
 
@@ -230,7 +230,7 @@ def expert_overrides(spec: MoeSpec, sites: list[ExpertsSite], mesh: ir.Mesh) -> 
     if not sites:
         raise PassError(
             "moe= was given but the model has no MoE layer meshfold can fold (see the warnings naming its MoE "
-            "layers, or write the experts with compiler.moe_experts)"
+            "layers, or write the experts with meshfold.moe_experts)"
         )
     if spec.hierarchical and spec.dispatcher != "alltoall":
         raise PassError("moe hierarchical=True is a form of the all-to-all dispatcher; use dispatcher='alltoall'")
@@ -261,7 +261,7 @@ def experts_sites(graph: ir.Graph) -> list[ExpertsSite]:
     (directly or through views, such as the ``[E, 2I, H] -> [E, 2, I, H]`` view of the gate/up weight).
 
     NOTE: read off the captured graph rather than the model, so IR files and models that call
-    ``compiler.moe_experts`` themselves get their experts mapped too.
+    ``meshfold.moe_experts`` themselves get their experts mapped too.
     """
     params = {i.value: i.name for i in graph.inputs if i.kind == "param"}
     producers = graph.producers()

@@ -33,8 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-import ir
-from ir.moe import experts
+from meshfold import ir
+from meshfold.ir.moe import experts
 
 # NOTE: the activations ir.moe implements, as dynamo records the calls.
 _ACTS = {F.silu: "silu", F.relu: "relu", torch.relu: "relu"}
@@ -118,7 +118,7 @@ def fold_expert_lists(
     knows runs as one experts op on stacked parameters (``options``: dispatcher, capacity factor,
     drop policy). Returns the new parameters' FQNs by ``gm`` attribute, and their stacks; warns for
     each expert list left as it is."""
-    from compiler.capture import module_path
+    from meshfold.tracer import module_path
 
     lists = expert_lists(model)
     for path, mod in model.named_modules():
@@ -126,7 +126,7 @@ def fold_expert_lists(
             warnings.warn(
                 f"MoE layer {path.rpartition('.')[0] or '<root>'}: its {len(mod)} experts are an nn.ModuleList of "
                 "modules other than bias-free linear MLPs; they stay replicated (write the experts as stacked "
-                "[E, ...] weights, or call compiler.moe_experts, to have them split by expert)",
+                "[E, ...] weights, or call meshfold.moe_experts, to have them split by expert)",
                 stacklevel=3,
             )
     if not lists:
@@ -146,7 +146,7 @@ def fold_expert_lists(
             warnings.warn(
                 f"MoE layer {path.rsplit('.', 1)[0] or '<root>'}: its {len(lists[path])} experts are an nn.ModuleList "
                 f"that meshfold does not fold ({why}); they stay replicated (write the experts as stacked [E, ...] "
-                "weights, or call compiler.moe_experts, to have them split by expert)",
+                "weights, or call meshfold.moe_experts, to have them split by expert)",
                 stacklevel=4,
             )
             continue
@@ -244,7 +244,7 @@ def _fold_one(
 
 def _fqn(weight: fx.Node) -> str:
     """The model FQN of an expert's linear weight, from the module stack of the linear using it."""
-    from compiler.capture import module_path
+    from meshfold.tracer import module_path
 
     user = next(iter(weight.users))
     stack = user.meta.get("nn_module_stack") or {}

@@ -8,10 +8,10 @@ from typing import Any
 
 from torch import nn
 
-import ir
-from compiler.capture import capture
-from passes import Pass, PassContext, PassPipeline, PassTiming, parse_pipeline
-from passes.pipeline import Callback
+from meshfold import ir
+from meshfold.passes import Pass, PassContext, PassPipeline, PassTiming, parse_pipeline
+from meshfold.passes.pipeline import Callback
+from meshfold.tracer import capture
 
 # NOTE: grows with every pass that lands; `meshfold demo`, `pass-debug` and `parallelize` use it.
 # Without a mesh, sharding and boxing leave the single-device graph as it is.

@@ -19,10 +19,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
-import ir
-from backends.eager import Lowered, RankContext
-from compiler.moe_lists import as_unstacked, stack_tensors
-from compiler.verify import Verifier
+from meshfold import ir
+from meshfold.backends.eager import Lowered, RankContext
+from meshfold.moe_lists import as_unstacked, stack_tensors
+from meshfold.verify import Verifier
 
 
 def dtensor_placements(layout: ir.Layout) -> list[Any]:

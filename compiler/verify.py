@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-import ir
-from backends.eager import RankContext
-from backends.interpret import run_values
+from meshfold import ir
+from meshfold.backends.eager import RankContext
+from meshfold.backends.interpret import run_values
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 

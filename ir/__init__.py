@@ -3,8 +3,8 @@
 ``ir`` imports nothing else of meshfold's.
 """
 
-from ir import moe  # NOTE: registers the meshfold.moe_experts ops, so graphs with them parse
-from ir.graph import (
+from meshfold.ir import moe  # NOTE: registers the meshfold.moe_experts ops, so graphs with them parse
+from meshfold.ir.graph import (
     Arg,
     Graph,
     GraphBuilder,
@@ -17,14 +17,14 @@ from ir.graph import (
     Value,
     map_values,
 )
-from ir.mesh import Mesh
-from ir.ops import OpDef, Target, is_pure, own_ops, resolve_target, target_name
-from ir.parser import ParseError, parse
-from ir.placement import Layout, Partial, Placement, R, Replicate, Shard, parse_placement
-from ir.printer import print_graph
-from ir.rewrite import PatternTable, Rewriter, apply_patterns
-from ir.types import ScalarType, TensorType, Type, dtype_name, tensor_type, type_of
-from ir.verifier import VerifyError, verify
+from meshfold.ir.mesh import Mesh
+from meshfold.ir.ops import OpDef, Target, is_pure, own_ops, resolve_target, target_name
+from meshfold.ir.parser import ParseError, parse
+from meshfold.ir.placement import Layout, Partial, Placement, R, Replicate, Shard, parse_placement
+from meshfold.ir.printer import print_graph
+from meshfold.ir.rewrite import PatternTable, Rewriter, apply_patterns
+from meshfold.ir.types import ScalarType, TensorType, Type, dtype_name, tensor_type, type_of
+from meshfold.ir.verifier import VerifyError, verify
 
 __all__ = [
     "moe",

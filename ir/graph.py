@@ -12,10 +12,10 @@ from typing import Literal, TypeAlias
 import sympy
 import torch
 
-from ir.mesh import Mesh
-from ir.ops import Target, target_name
-from ir.placement import Layout
-from ir.types import Type
+from meshfold.ir.mesh import Mesh
+from meshfold.ir.ops import Target, target_name
+from meshfold.ir.placement import Layout
+from meshfold.ir.types import Type
 
 Phase = Literal["fwd", "bwd"]
 InputKind = Literal["param", "buffer", "input", "tangent"]
@@ -142,7 +142,7 @@ class ParamStack:
     """A parameter input made of several model parameters: row ``e`` of ``name`` (dim 0) is
     ``members[e]``, the one parameter itself or several stacked on a new dim 0 (an expert's gate and
     up weights as ``[2, I, H]``). Capture makes these when it folds experts held in an ``nn.ModuleList``
-    into one experts op (``compiler.moe_lists``); the runtime builds them from, and maps them back to,
+    into one experts op (``meshfold.moe_lists``); the runtime builds them from, and maps them back to,
     the model's own parameters."""
 
     name: str
@@ -162,7 +162,7 @@ class Graph:
     """Parameter inputs that stack model parameters (see ``ParamStack``)."""
 
     def __str__(self) -> str:
-        from ir.printer import print_graph
+        from meshfold.ir.printer import print_graph
 
         return print_graph(self)
 

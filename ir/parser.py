@@ -8,12 +8,12 @@ import re
 
 import torch
 
-from ir.graph import INPUT_KINDS, OUTPUT_KINDS, Arg, Graph, GraphBuilder, ParamStack, Provenance, Value
-from ir.mesh import Mesh
-from ir.ops import resolve_target
-from ir.placement import Layout, Placement, R, parse_placement
-from ir.symbolic import parse_dim
-from ir.types import DTYPES_BY_NAME, ScalarType, TensorType, Type
+from meshfold.ir.graph import INPUT_KINDS, OUTPUT_KINDS, Arg, Graph, GraphBuilder, ParamStack, Provenance, Value
+from meshfold.ir.mesh import Mesh
+from meshfold.ir.ops import resolve_target
+from meshfold.ir.placement import Layout, Placement, R, parse_placement
+from meshfold.ir.symbolic import parse_dim
+from meshfold.ir.types import DTYPES_BY_NAME, ScalarType, TensorType, Type
 
 _NAME = re.compile(r"%([A-Za-z0-9_.]+)")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")

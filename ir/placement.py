@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from ir.mesh import Mesh
+from meshfold.ir.mesh import Mesh
 
 ReduceOp = Literal["sum", "max", "avg"]
 REDUCE_OPS: tuple[ReduceOp, ...] = ("sum", "max", "avg")

@@ -17,11 +17,11 @@ import re
 import sympy
 import torch
 
-from ir.graph import Arg, Graph, Op, Provenance, Value
-from ir.ops import target_name
-from ir.placement import Layout
-from ir.symbolic import dim_str
-from ir.types import ScalarType, Type
+from meshfold.ir.graph import Arg, Graph, Op, Provenance, Value
+from meshfold.ir.ops import target_name
+from meshfold.ir.placement import Layout
+from meshfold.ir.symbolic import dim_str
+from meshfold.ir.types import ScalarType, Type
 
 NAME_RE = re.compile(r"[A-Za-z0-9_.]+")
 _BAD_CHARS = re.compile(r"[^A-Za-z0-9_.]")

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from ir.graph import Arg, Graph, GraphBuilder, Op, Provenance, Value, map_values
-from ir.ops import Target
+from meshfold.ir.graph import Arg, Graph, GraphBuilder, Op, Provenance, Value, map_values
+from meshfold.ir.ops import Target
 
 Pattern = Callable[["Rewriter", Op], Sequence[Value] | None]
 

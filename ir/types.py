@@ -8,7 +8,7 @@ from typing import Literal
 import sympy
 import torch
 
-from ir.symbolic import Dim, dim_str
+from meshfold.ir.symbolic import Dim, dim_str
 
 # NOTE: one short name per dtype; the printer and parser both read this table, so it is the
 # single source of the text spelling.

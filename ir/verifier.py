@@ -8,10 +8,10 @@ from collections.abc import Iterator
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ir.graph import Arg, Graph, Op, Value
-from ir.ops import OpDef
-from ir.placement import Layout, Shard
-from ir.types import TensorType, type_of
+from meshfold.ir.graph import Arg, Graph, Op, Value
+from meshfold.ir.ops import OpDef
+from meshfold.ir.placement import Layout, Shard
+from meshfold.ir.types import TensorType, type_of
 
 
 class VerifyError(ValueError):

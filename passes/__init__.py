@@ -10,18 +10,18 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from passes.base import CLEAN, JOINT, VERIFIED, Pass, PassContext, PassError, PassFailure
-    from passes.cleanup import Cleanup, eliminate_common_subexpressions, eliminate_dead_code
-    from passes.pipeline import PassPipeline, PassTiming, parse_pipeline, parse_size, pass_spelling
-    from passes.registry import default_registry
-    from passes.verify import Verify
+    from meshfold.passes.base import CLEAN, JOINT, VERIFIED, Pass, PassContext, PassError, PassFailure
+    from meshfold.passes.cleanup import Cleanup, eliminate_common_subexpressions, eliminate_dead_code
+    from meshfold.passes.pipeline import PassPipeline, PassTiming, parse_pipeline, parse_size, pass_spelling
+    from meshfold.passes.registry import default_registry
+    from meshfold.passes.verify import Verify
 
 _HOME = {
-    "passes.base": ("CLEAN", "JOINT", "VERIFIED", "Pass", "PassContext", "PassError", "PassFailure"),
-    "passes.cleanup": ("Cleanup", "eliminate_common_subexpressions", "eliminate_dead_code"),
-    "passes.pipeline": ("PassPipeline", "PassTiming", "parse_pipeline", "parse_size", "pass_spelling"),
-    "passes.registry": ("default_registry",),
-    "passes.verify": ("Verify",),
+    "meshfold.passes.base": ("CLEAN", "JOINT", "VERIFIED", "Pass", "PassContext", "PassError", "PassFailure"),
+    "meshfold.passes.cleanup": ("Cleanup", "eliminate_common_subexpressions", "eliminate_dead_code"),
+    "meshfold.passes.pipeline": ("PassPipeline", "PassTiming", "parse_pipeline", "parse_size", "pass_spelling"),
+    "meshfold.passes.registry": ("default_registry",),
+    "meshfold.passes.verify": ("Verify",),
 }
 _WHERE = {name: module for module, names in _HOME.items() for name in names}
 

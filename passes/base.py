@@ -8,7 +8,7 @@ from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from ir import Graph, Mesh
+from meshfold.ir import Graph, Mesh
 
 # NOTE: graph properties passes require and ensure. ``joint`` holds for a fresh capture.
 JOINT = "joint"

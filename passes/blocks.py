@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 
-from ir import Graph, Op
+from meshfold.ir import Graph, Op
 
 
 def block_of(path: str) -> str:

@@ -8,9 +8,9 @@ from typing import ClassVar
 
 import torch
 
-from ir import Graph, GraphBuilder, Op, PatternTable, Rewriter, Value, apply_patterns, is_pure
-from ir.graph import Arg, map_values
-from passes.base import CLEAN, JOINT, Pass, PassContext
+from meshfold.ir import Graph, GraphBuilder, Op, PatternTable, Rewriter, Value, apply_patterns, is_pure
+from meshfold.ir.graph import Arg, map_values
+from meshfold.passes.base import CLEAN, JOINT, Pass, PassContext
 
 aten = torch.ops.aten
 

@@ -10,9 +10,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, get_args, get_origin
 
-from ir import Graph
-from passes.base import JOINT, Pass, PassContext, PassError, PassFailure
-from passes.registry import default_registry
+from meshfold.ir import Graph
+from meshfold.passes.base import JOINT, Pass, PassContext, PassError, PassFailure
+from meshfold.passes.registry import default_registry
 
 Callback = Callable[[int, Pass, Graph], None]
 """Called as ``callback(index, pass_, graph_after)`` after each pass."""

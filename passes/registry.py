@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from passes.base import Pass
-from passes.cleanup import Cleanup
-from passes.schedule.bucket import Bucket
-from passes.sharding.boxing import Boxing
-from passes.sharding.propagate import Sharding
-from passes.verify import Verify
+from meshfold.passes.base import Pass
+from meshfold.passes.cleanup import Cleanup
+from meshfold.passes.schedule.bucket import Bucket
+from meshfold.passes.sharding.boxing import Boxing
+from meshfold.passes.sharding.propagate import Sharding
+from meshfold.passes.verify import Verify
 
 _PASSES: tuple[type[Pass], ...] = (Cleanup, Sharding, Boxing, Bucket, Verify)
 

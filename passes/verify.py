@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ir import Graph, verify
-from passes.base import VERIFIED, Pass, PassContext
-from passes.sharding.check import check_layouts
+from meshfold.ir import Graph, verify
+from meshfold.passes.base import VERIFIED, Pass, PassContext
+from meshfold.passes.sharding.check import check_layouts
 
 
 @dataclass(frozen=True)

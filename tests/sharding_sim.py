@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from ir import Op, Partial, Placement, Replicate, Shard, TensorType, Value
-from ir.graph import Arg
-from passes.sharding.rules import RuleTable
-from passes.sharding.strategy import Strategy
+from meshfold.ir import Op, Partial, Placement, Replicate, Shard, TensorType, Value
+from meshfold.ir.graph import Arg
+from meshfold.passes.sharding.rules import RuleTable
+from meshfold.passes.sharding.strategy import Strategy
 
 
 def is_float(x: Any) -> bool:

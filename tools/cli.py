@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
-from tools import plan_cli
+from meshfold.tools import plan_cli
 
 # NOTE: `meshfold plan` runs the pure-Python simulator; torch and the compiler load only for the
 # commands that need them (see _compiler()).
@@ -29,12 +29,12 @@ ZOO = (
 def write_dumps(model_name: str, mesh: Any, plan: str, dump_dir: Path, moe: dict[str, Any] | None = None) -> Path:
     """Compile ``model_name`` for ``mesh`` in this process and dump every pass (text, dot, html);
     ``moe`` is the expert mapping, as ``parallelize(..., moe=)`` takes it."""
-    from compiler import DEFAULT_PIPELINE, capture
-    from compiler.moe import MoeSpec, plan_with_experts, with_spec
-    from compiler.zoo import build
-    from passes import PassContext, PassPipeline
-    from passes.sharding.plans import Plan
-    from tools.dumps import DumpWriter
+    from meshfold import DEFAULT_PIPELINE, capture
+    from meshfold.moe import MoeSpec, plan_with_experts, with_spec
+    from meshfold.passes import PassContext, PassPipeline
+    from meshfold.passes.sharding.plans import Plan
+    from meshfold.tools.dumps import DumpWriter
+    from meshfold.tools.zoo import build
 
     pipeline = PassPipeline.parse(DEFAULT_PIPELINE)
     model, inputs = build(model_name)
@@ -77,12 +77,11 @@ def main(argv: list[str] | None = None) -> int:
         except ValueError as e:
             print(f"meshfold plan: {e}", file=sys.stderr)
             return 2
-    import ir
-    from compiler import CaptureError
-    from passes import PassError
-    from passes.sharding.plans import default_preset
-    from tools.demo import run_demo
-    from tools.pass_debug import CliError
+    from meshfold import CaptureError, ir
+    from meshfold.passes import PassError
+    from meshfold.passes.sharding.plans import default_preset
+    from meshfold.tools.demo import run_demo
+    from meshfold.tools.pass_debug import CliError
 
     try:
         mesh = ir.Mesh.parse(args.mesh)
@@ -98,8 +97,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _moe_option(text: str, model_name: str, mesh: Any) -> dict[str, Any] | None:
     """``--moe``: ``auto`` (see ``tools.demo.default_moe``), ``off``, or a spec such as ``ep=2``."""
-    from tools.demo import default_moe
-    from tools.pass_debug import moe_items, parse_moe
+    from meshfold.tools.demo import default_moe
+    from meshfold.tools.pass_debug import moe_items, parse_moe
 
     if text == "auto":
         return default_moe(model_name, mesh)

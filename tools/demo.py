@@ -23,7 +23,7 @@ DEFAULT_MESH = "dp=2,tp=2"
 
 def auto_ep(mesh: Any, expert_counts: list[int]) -> int:
     """The largest EP a run of innermost mesh axes gives that divides every layer's expert count
-    (``compiler.moe.MoeSpec`` maps EP onto whole axes, innermost first); 1 when none does."""
+    (``meshfold.moe.MoeSpec`` maps EP onto whole axes, innermost first); 1 when none does."""
     best, ranks = 1, 1
     for size in reversed(mesh.sizes):
         ranks *= size
@@ -35,9 +35,9 @@ def auto_ep(mesh: Any, expert_counts: list[int]) -> int:
 def default_moe(model_name: str, mesh: Any) -> dict[str, Any] | None:
     """``moe=`` for the demo: ``{"ep": auto_ep(...)}`` when the model has experts meshfold folds and
     that splits them (EP > 1), else None (the experts, if any, follow the plan)."""
-    from compiler.moe import find_experts
-    from compiler.moe_lists import expert_lists
-    from compiler.zoo import build
+    from meshfold.moe import find_experts
+    from meshfold.moe_lists import expert_lists
+    from meshfold.tools.zoo import build
 
     model = build(model_name)[0]
     sites, _ = find_experts(model)
@@ -53,7 +53,7 @@ def _free_port() -> int:
 
 
 def _reference_losses(model_name: str, steps: int, lr: float) -> list[float]:
-    from compiler.zoo import build
+    from meshfold.tools.zoo import build
 
     model, inputs = build(model_name)
     opt = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -75,9 +75,9 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: An
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
-        from compiler.api import parallelize
-        from compiler.zoo import build
-        from passes.sharding.report import comm_summary
+        from meshfold.api import parallelize
+        from meshfold.passes.sharding.report import comm_summary
+        from meshfold.tools.zoo import build
 
         names, sizes = args["names"], args["sizes"]
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
@@ -116,10 +116,10 @@ def run_demo(
     from rich.console import Console
     from rich.table import Table
 
-    import ir
-    from compiler.moe import MoeSpec
-    from passes.sharding.plans import Plan
-    from tools.pass_debug import mapping_line
+    from meshfold import ir
+    from meshfold.moe import MoeSpec
+    from meshfold.passes.sharding.plans import Plan
+    from meshfold.tools.pass_debug import mapping_line
 
     mesh = ir.Mesh.parse(mesh_text)
     console = Console()

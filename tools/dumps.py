@@ -18,9 +18,9 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from ir import Graph, Op, Value
-from ir.printer import Namer, fmt_type
-from passes import PassPipeline, pass_spelling
+from meshfold.ir import Graph, Op, Value
+from meshfold.ir.printer import Namer, fmt_type
+from meshfold.passes import PassPipeline, pass_spelling
 
 # NOTE: only files matching this pattern, and index.html, are ever removed from a dump directory.
 _STEP_FILE = re.compile(r"^\d{2,}-[a-z0-9-]+\.(?:txt|dot|svg|html)$")

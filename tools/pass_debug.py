@@ -25,12 +25,12 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-import ir
-from compiler.moe import MoeSpec, plan_with_experts, with_spec
-from ir.moe import EXPERTS, EXPERTS_BACKWARD
-from passes import Pass, PassContext, PassError, PassFailure, PassPipeline, PassTiming, pass_spelling
-from passes.sharding.plans import Plan, axis_roles, default_preset
-from tools.dumps import DumpWriter, phase_counts
+from meshfold import ir
+from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
+from meshfold.moe import MoeSpec, plan_with_experts, with_spec
+from meshfold.passes import Pass, PassContext, PassError, PassFailure, PassPipeline, PassTiming, pass_spelling
+from meshfold.passes.sharding.plans import Plan, axis_roles, default_preset
+from meshfold.tools.dumps import DumpWriter, phase_counts
 
 EXIT_ERROR = 2
 FALLBACK_PIPELINE = "cleanup,verify"
@@ -44,9 +44,9 @@ class CliError(Exception):
 def default_pipeline() -> str:
     """``compiler.pipeline.DEFAULT_PIPELINE`` when that module exists, else ``cleanup,verify``."""
     try:
-        module = importlib.import_module("compiler.pipeline")
+        module = importlib.import_module("meshfold.pipeline")
     except ModuleNotFoundError as e:
-        if e.name not in ("compiler.pipeline", "compiler"):
+        if e.name not in ("meshfold.pipeline", "compiler"):
             raise
         return FALLBACK_PIPELINE
     return str(getattr(module, "DEFAULT_PIPELINE", FALLBACK_PIPELINE))
@@ -83,7 +83,7 @@ def _load_ir_file(path: Path) -> ir.Graph:
 
 
 def _capture(model: Any, inputs: Any, what: str) -> ir.Graph:
-    from compiler.capture import CaptureError, capture
+    from meshfold.tracer import CaptureError, capture
 
     try:
         return capture(model, tuple(inputs))
@@ -129,9 +129,9 @@ def _load_factory(spec: str) -> ir.Graph:
 
 def _load_zoo(name: str) -> ir.Graph:
     try:
-        zoo = importlib.import_module("compiler.zoo")
+        zoo = importlib.import_module("meshfold.tools.zoo")
     except ModuleNotFoundError as e:
-        if e.name not in ("compiler.zoo", "compiler"):
+        if e.name not in ("meshfold.tools.zoo", "compiler"):
             raise
         raise CliError(f"model {name!r} is not a file or module:factory, and the model zoo is not available") from None
     if name not in zoo.zoo_names():

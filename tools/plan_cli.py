@@ -25,7 +25,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from passes.cost import (
+from meshfold.passes.cost import (
     Cluster,
     ModelSpec,
     ParallelConfig,
@@ -38,9 +38,9 @@ from passes.cost import (
     simulate,
     to_chrome_trace,
 )
-from passes.cost.model import PRESETS
-from passes.cost.parallel import ConfigError
-from passes.cost.result import SimResult
+from meshfold.passes.cost.model import PRESETS
+from meshfold.passes.cost.parallel import ConfigError
+from meshfold.passes.cost.result import SimResult
 
 GIB = 2**30
 
@@ -83,7 +83,7 @@ def load_model(text: str) -> ModelSpec:
         except (ImportError, AttributeError) as e:
             raise ValueError(f"--model {text}: cannot call {attr} from module {mod}: {e}") from e
         return _spec_of(made, text)
-    from compiler.zoo import build, zoo_names
+    from meshfold.tools.zoo import build, zoo_names
 
     if text in zoo_names():
         model, _ = build(text)

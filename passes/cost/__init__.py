@@ -9,16 +9,35 @@ over compiled graphs, ``passes.cost.memory`` (liveness of a rank's SPMD graph), 
 values and is imported by name only.
 """
 
-from passes.cost.comm import Group, all_gather, all_reduce, all_to_all, p2p, place_axes, place_axis, reduce_scatter
-from passes.cost.footprint import layer_activation_bytes, peak_memory
-from passes.cost.hardware import DEVICES, LINKS, Cluster, Device, Efficiency, Link, device, make_cluster, parse_cluster
-from passes.cost.model import PRESETS, Matmul, ModelSpec, from_hf_config, gpt, preset
-from passes.cost.opcost import attention_time, gemm_time, memory_time, roofline
-from passes.cost.parallel import MOE_MAPPINGS, RECOMPUTE, ConfigError, ParallelConfig, TrainSpec
-from passes.cost.result import MemoryBreakdown, MemoryPoint, SimResult, TimelineEvent
-from passes.cost.search import Ranked, candidates, search_configs
-from passes.cost.simulate import simulate
-from passes.cost.trace import plot_memory, to_chrome_trace
+from meshfold.passes.cost.comm import (
+    Group,
+    all_gather,
+    all_reduce,
+    all_to_all,
+    p2p,
+    place_axes,
+    place_axis,
+    reduce_scatter,
+)
+from meshfold.passes.cost.footprint import layer_activation_bytes, peak_memory
+from meshfold.passes.cost.hardware import (
+    DEVICES,
+    LINKS,
+    Cluster,
+    Device,
+    Efficiency,
+    Link,
+    device,
+    make_cluster,
+    parse_cluster,
+)
+from meshfold.passes.cost.model import PRESETS, Matmul, ModelSpec, from_hf_config, gpt, preset
+from meshfold.passes.cost.opcost import attention_time, gemm_time, memory_time, roofline
+from meshfold.passes.cost.parallel import MOE_MAPPINGS, RECOMPUTE, ConfigError, ParallelConfig, TrainSpec
+from meshfold.passes.cost.result import MemoryBreakdown, MemoryPoint, SimResult, TimelineEvent
+from meshfold.passes.cost.search import Ranked, candidates, search_configs
+from meshfold.passes.cost.simulate import simulate
+from meshfold.passes.cost.trace import plot_memory, to_chrome_trace
 
 __all__ = [
     "DEVICES",

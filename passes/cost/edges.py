@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import functools
 
-from passes.cost import comm, opcost
-from passes.cost.hardware import Cluster
-from passes.cost.layer import LayerBuilder, LayerPlan
-from passes.cost.model import Matmul, ModelSpec
-from passes.cost.streams import LayerCost, Streams
+from meshfold.passes.cost import comm, opcost
+from meshfold.passes.cost.hardware import Cluster
+from meshfold.passes.cost.layer import LayerBuilder, LayerPlan
+from meshfold.passes.cost.model import Matmul, ModelSpec
+from meshfold.passes.cost.streams import LayerCost, Streams
 
 CE_FWD_BYTES = 42.0
 CE_BWD_BYTES = 22.0

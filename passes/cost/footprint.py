@@ -16,10 +16,10 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
-from passes.cost.hardware import GIB, Cluster
-from passes.cost.model import Matmul, ModelSpec
-from passes.cost.parallel import ParallelConfig, TrainSpec
-from passes.cost.result import MemoryBreakdown
+from meshfold.passes.cost.hardware import GIB, Cluster
+from meshfold.passes.cost.model import Matmul, ModelSpec
+from meshfold.passes.cost.parallel import ParallelConfig, TrainSpec
+from meshfold.passes.cost.result import MemoryBreakdown
 
 # NOTE: CUDA/CANN context (~0.5 GiB on Hopper), cuBLAS/cuDNN workspaces and NCCL channel buffers
 # for a handful of communicators; PyTorch's caching allocator fragmentation is not modelled.

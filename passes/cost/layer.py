@@ -17,11 +17,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
-from passes.cost import comm, opcost
-from passes.cost.comm import Group
-from passes.cost.hardware import DTYPE_BYTES, Cluster
-from passes.cost.model import Matmul, ModelSpec
-from passes.cost.streams import LayerCost, Streams
+from meshfold.passes.cost import comm, opcost
+from meshfold.passes.cost.comm import Group
+from meshfold.passes.cost.hardware import DTYPE_BYTES, Cluster
+from meshfold.passes.cost.model import Matmul, ModelSpec
+from meshfold.passes.cost.streams import LayerCost, Streams
 
 SOLO = comm.local_group(1)  # the group of a size-1 axis
 

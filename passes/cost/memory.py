@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ir import Graph, Mesh, Op, OpDef, Shard, TensorType, Value
-from ir.ops import (
+from meshfold.ir import Graph, Mesh, Op, OpDef, Shard, TensorType, Value
+from meshfold.ir.ops import (
     ALL_GATHER,
     ALL_GATHER_BUCKET,
     ALL_REDUCE,

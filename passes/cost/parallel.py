@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from passes.cost.hardware import DTYPE_BYTES, Cluster
-from passes.cost.model import ModelSpec
+from meshfold.passes.cost.hardware import DTYPE_BYTES, Cluster
+from meshfold.passes.cost.model import ModelSpec
 
 RECOMPUTE = ("none", "selective", "full")
 AXES = ("tp", "cp", "ep", "dp", "pp")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from passes.cost.parallel import ParallelConfig
+from meshfold.passes.cost.parallel import ParallelConfig
 
 STREAMS = ("compute", "comm")
 

@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from passes.cost.footprint import peak_memory
-from passes.cost.hardware import Cluster
-from passes.cost.model import ModelSpec
-from passes.cost.parallel import MOE_MAPPINGS, RECOMPUTE, ConfigError, ParallelConfig, TrainSpec, divisors
-from passes.cost.result import SimResult
-from passes.cost.simulate import pipeline_time, simulate
+from meshfold.passes.cost.footprint import peak_memory
+from meshfold.passes.cost.hardware import Cluster
+from meshfold.passes.cost.model import ModelSpec
+from meshfold.passes.cost.parallel import MOE_MAPPINGS, RECOMPUTE, ConfigError, ParallelConfig, TrainSpec, divisors
+from meshfold.passes.cost.result import SimResult
+from meshfold.passes.cost.simulate import pipeline_time, simulate
 
 MIN_CP_TOKENS = 256
 MICRO_BATCHES = (1, 2, 4, 8)

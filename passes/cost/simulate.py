@@ -16,10 +16,10 @@ import functools
 import math
 from dataclasses import dataclass, replace
 
-from passes.cost import comm, opcost
-from passes.cost.comm import Group
-from passes.cost.edges import embedding_cost, head_cost
-from passes.cost.footprint import (
+from meshfold.passes.cost import comm, opcost
+from meshfold.passes.cost.comm import Group
+from meshfold.passes.cost.edges import embedding_cost, head_cost
+from meshfold.passes.cost.footprint import (
     BUCKET_MIN,
     StageParams,
     layer_activation_bytes,
@@ -27,14 +27,14 @@ from passes.cost.footprint import (
     peak_memory,
     stage_params,
 )
-from passes.cost.hardware import Cluster
-from passes.cost.layer import LayerPlan, layer_cost
-from passes.cost.model import ModelSpec
-from passes.cost.parallel import ConfigError, ParallelConfig, TrainSpec
-from passes.cost.result import SimResult
-from passes.cost.streams import LayerCost
-from passes.cost.timeline import StageSchedule, build_timeline
-from passes.cost.trace import plot_memory, to_chrome_trace
+from meshfold.passes.cost.hardware import Cluster
+from meshfold.passes.cost.layer import LayerPlan, layer_cost
+from meshfold.passes.cost.model import ModelSpec
+from meshfold.passes.cost.parallel import ConfigError, ParallelConfig, TrainSpec
+from meshfold.passes.cost.result import SimResult
+from meshfold.passes.cost.streams import LayerCost
+from meshfold.passes.cost.timeline import StageSchedule, build_timeline
+from meshfold.passes.cost.trace import plot_memory, to_chrome_trace
 
 __all__ = ["ConfigError", "ParallelConfig", "SimResult", "TrainSpec", "plot_memory", "simulate", "to_chrome_trace"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from passes.cost.result import TimelineEvent
+from meshfold.passes.cost.result import TimelineEvent
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from passes.cost.model import ModelSpec
-from passes.cost.parallel import ParallelConfig, TrainSpec
-from passes.cost.result import MemoryPoint, TimelineEvent
-from passes.cost.streams import LayerCost
+from meshfold.passes.cost.model import ModelSpec
+from meshfold.passes.cost.parallel import ParallelConfig, TrainSpec
+from meshfold.passes.cost.result import MemoryPoint, TimelineEvent
+from meshfold.passes.cost.streams import LayerCost
 
 
 @dataclass(frozen=True, slots=True)

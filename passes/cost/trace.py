@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from passes.cost.result import STREAMS, SimResult
+from meshfold.passes.cost.result import STREAMS, SimResult
 
 
 def to_chrome_trace(result: SimResult) -> dict[str, Any]:

@@ -22,13 +22,13 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ir import Graph, GraphBuilder, Op, TensorType, Value
-from ir.graph import Provenance
-from ir.ops import ALL_GATHER, ALL_GATHER_BUCKET, REDUCE_SCATTER, REDUCE_SCATTER_BUCKET
-from passes.base import Pass, PassContext, PassError
-from passes.blocks import block_of
-from passes.sharding.boxing import BOXED
-from passes.sharding.cost import nbytes
+from meshfold.ir import Graph, GraphBuilder, Op, TensorType, Value
+from meshfold.ir.graph import Provenance
+from meshfold.ir.ops import ALL_GATHER, ALL_GATHER_BUCKET, REDUCE_SCATTER, REDUCE_SCATTER_BUCKET
+from meshfold.passes.base import Pass, PassContext, PassError
+from meshfold.passes.blocks import block_of
+from meshfold.passes.sharding.boxing import BOXED
+from meshfold.passes.sharding.cost import nbytes
 
 BUCKETED = "bucketed"
 

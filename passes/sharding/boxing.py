@@ -11,11 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from ir import Graph, Layout, Op, Partial, Placement, R, Replicate, Shard, Value, apply_patterns
-from ir.ops import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, PARTIAL, REDISTRIBUTE, REDUCE_SCATTER, SHARD
-from ir.rewrite import PatternTable, Rewriter
-from passes.base import Pass, PassContext
-from passes.sharding.propagate import SHARDED
+from meshfold.ir import Graph, Layout, Op, Partial, Placement, R, Replicate, Shard, Value, apply_patterns
+from meshfold.ir.ops import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, PARTIAL, REDISTRIBUTE, REDUCE_SCATTER, SHARD
+from meshfold.ir.rewrite import PatternTable, Rewriter
+from meshfold.passes.base import Pass, PassContext
+from meshfold.passes.sharding.propagate import SHARDED
 
 BOXED = "boxed"
 BOXING = PatternTable("boxing")

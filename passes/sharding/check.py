@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import cast
 
-from ir import Graph, Op, OpDef, Partial, Placement, Replicate, Shard, VerifyError
-from ir.ops import (
+from meshfold.ir import Graph, Op, OpDef, Partial, Placement, Replicate, Shard, VerifyError
+from meshfold.ir.ops import (
     ALL_GATHER,
     ALL_GATHER_BUCKET,
     ALL_REDUCE,
@@ -18,8 +18,8 @@ from ir.ops import (
     REDUCE_SCATTER_BUCKET,
     SHARD,
 )
-from ir.placement import ReduceOp
-from passes.sharding.rules import rule_table, strategies_for
+from meshfold.ir.placement import ReduceOp
+from meshfold.passes.sharding.rules import rule_table, strategies_for
 
 
 def check_layouts(graph: Graph, *, allow_redistribute: bool = True) -> None:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 
-from ir import Partial, Placement, Replicate, Shard, TensorType
+from meshfold.ir import Partial, Placement, Replicate, Shard, TensorType
 
 # NOTE: slicing a replicated value is free of communication but not of consequence (it commits
 # the value to a sharding); a tiny cost keeps Replicate preferred when all else is equal.

@@ -10,8 +10,8 @@ from typing import Any
 
 from torch.utils.flop_counter import flop_registry
 
-from ir import Op, TensorType, Value
-from ir.graph import Arg
+from meshfold.ir import Op, TensorType, Value
+from meshfold.ir.graph import Arg
 
 
 def _numel(t: TensorType) -> int:

@@ -12,9 +12,9 @@ import fnmatch
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ir import Graph, Layout, Mesh, Placement, R, Shard, TensorType, parse_placement
-from passes.base import PassError
-from passes.sharding.tp import megatron_roles
+from meshfold.ir import Graph, Layout, Mesh, Placement, R, Shard, TensorType, parse_placement
+from meshfold.passes.base import PassError
+from meshfold.passes.sharding.tp import megatron_roles
 
 PRESETS = ("ddp", "fsdp", "tp")
 AUTO = "auto"

@@ -16,16 +16,16 @@ from typing import ClassVar
 
 import torch
 
-from ir import Graph, GraphBuilder, Layout, Mesh, Op, Partial, Placement, Provenance, Shard, TensorType, Value
-from ir.graph import Arg
-from ir.ops import REDISTRIBUTE
-from passes.base import JOINT, Pass, PassContext, PassError
-from passes.cost.hardware import Cluster
-from passes.sharding.cost import IMPOSSIBLE, nbytes, transition_cost
-from passes.sharding.plans import AUTO, Plan, Seeds, default_preset, resolve
-from passes.sharding.rules import RuleTable, rule_table, strategies_for
-from passes.sharding.solve import Problem, machines_for, solve
-from passes.sharding.strategy import Strategy
+from meshfold.ir import Graph, GraphBuilder, Layout, Mesh, Op, Partial, Placement, Provenance, Shard, TensorType, Value
+from meshfold.ir.graph import Arg
+from meshfold.ir.ops import REDISTRIBUTE
+from meshfold.passes.base import JOINT, Pass, PassContext, PassError
+from meshfold.passes.cost.hardware import Cluster
+from meshfold.passes.sharding.cost import IMPOSSIBLE, nbytes, transition_cost
+from meshfold.passes.sharding.plans import AUTO, Plan, Seeds, default_preset, resolve
+from meshfold.passes.sharding.rules import RuleTable, rule_table, strategies_for
+from meshfold.passes.sharding.solve import Problem, machines_for, solve
+from meshfold.passes.sharding.strategy import Strategy
 
 SHARDED = "sharded"
 

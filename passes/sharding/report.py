@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ir import Graph, OpDef, Shard, TensorType
-from passes.sharding.cost import comm_volume, nbytes
+from meshfold.ir import Graph, OpDef, Shard, TensorType
+from meshfold.passes.sharding.cost import comm_volume, nbytes
 
 
 @dataclass(frozen=True)

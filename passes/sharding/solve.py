@@ -30,13 +30,13 @@ import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
 from scipy.sparse import coo_array
 
-from ir import Graph, Layout, Mesh, Op, Placement, Replicate, Shard, TensorType, Value
-from passes.base import PassError, quiet
-from passes.blocks import mirrored_blocks, mirrored_inputs, mirrored_ops
-from passes.cost.hardware import Cluster
-from passes.sharding.cost import nbytes
-from passes.sharding.opwork import op_bytes, op_flops
-from passes.sharding.strategy import Strategy
+from meshfold.ir import Graph, Layout, Mesh, Op, Placement, Replicate, Shard, TensorType, Value
+from meshfold.passes.base import PassError, quiet
+from meshfold.passes.blocks import mirrored_blocks, mirrored_inputs, mirrored_ops
+from meshfold.passes.cost.hardware import Cluster
+from meshfold.passes.sharding.cost import nbytes
+from meshfold.passes.sharding.opwork import op_bytes, op_flops
+from meshfold.passes.sharding.strategy import Strategy
 
 
 @dataclass(frozen=True, slots=True)

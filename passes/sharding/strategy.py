@@ -18,8 +18,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ir import Partial, Placement, R, Shard
-from ir.placement import ReduceOp
+from meshfold.ir import Partial, Placement, R, Shard
+from meshfold.ir.placement import ReduceOp
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ from collections import deque
 
 import torch
 
-from ir import Graph, Op, Value
+from meshfold.ir import Graph, Op, Value
 
 aten = torch.ops.aten
 

@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from compiler.api import parallelize
-from compiler.moe import MoeSpec, experts_as_ops
-from compiler.moe_lists import as_stacked
-from compiler.zoo import build
-from ir import ParamStack
+from meshfold.api import parallelize
+from meshfold.moe import MoeSpec, experts_as_ops
+from meshfold.moe_lists import as_stacked
+from meshfold.tools.zoo import build
+from meshfold.ir import ParamStack
 from tests.dist.pool import device_mesh
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -127,7 +127,7 @@ def verify_mode(
 ) -> str:
     """``verify=True`` on a correct compilation passes; with one rank's shard of ``corrupt`` perturbed,
     every rank raises the same error naming the first value that differs. Returns the error text."""
-    from compiler.verify import VerificationError
+    from meshfold.verify import VerificationError
 
     warnings.filterwarnings("ignore")
     mesh = device_mesh(tuple(shape), tuple(names))
@@ -147,8 +147,8 @@ def verify_mode(
 
 def decorated(plan: str = "fsdp") -> float:
     """``@parallelize(mesh=..., plan=...)`` on a subclass: FQNs, loss and gradients as single device."""
-    from compiler import parallelize as par
-    from compiler.zoo import MLP
+    from meshfold import parallelize as par
+    from meshfold.tools.zoo.models import MLP
 
     warnings.filterwarnings("ignore")
     mesh = device_mesh((2,), ("dp",))

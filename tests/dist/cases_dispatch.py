@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from compiler.moe import MoeSpec, experts_as_ops
-from compiler.zoo import build
-from ir.moe import EXPERTS, EXPERTS_BACKWARD
+from meshfold.moe import MoeSpec, experts_as_ops
+from meshfold.tools.zoo import build
+from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
 from tests.dist.cases import equivalence
 
 
@@ -65,8 +65,8 @@ def skewed_exchange(pad: bool) -> float:
     """The all-to-all on 2 ranks when every pair routes to rank 0's experts (rank 1 receives nothing),
     with a capacity: forward and backward against the one-device op on all tokens. Returns the
     largest difference."""
-    from backends.moe import exchange_backward, exchange_forward
-    from ir.moe import capacity_of, experts_range, experts_range_backward
+    from meshfold.backends.moe import exchange_backward, exchange_forward
+    from meshfold.ir.moe import capacity_of, experts_range, experts_range_backward
 
     rank = torch.distributed.get_rank()
     group = torch.distributed.group.WORLD.group_name  # type: ignore[union-attr]

@@ -9,9 +9,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from compiler.api import parallelize
-from compiler.zoo import build
-from passes import PassError
+from meshfold.api import parallelize
+from meshfold.tools.zoo import build
+from meshfold.passes import PassError
 from tests.dist.pool import device_mesh
 
 

@@ -14,9 +14,9 @@ import torch
 from torch._C._profiler import _EventType
 from torch.profiler import ProfilerActivity, profile
 
-from compiler.api import parallelize
-from compiler.zoo import LlamaTiny
-from passes.cost.memory import rank_memory
+from meshfold.api import parallelize
+from meshfold.tools.zoo.models import LlamaTiny
+from meshfold.passes.cost.memory import rank_memory
 from tests.dist.pool import device_mesh
 
 

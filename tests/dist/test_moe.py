@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-import ir
+from meshfold import ir
 from tests.dist.conftest import RankPools
-from tools.demo import auto_ep
+from meshfold.tools.demo import auto_ep
 
 Case = tuple[str, tuple[int, ...], tuple[str, ...], str, dict[str, Any], tuple[str, ...]]
 
@@ -91,7 +91,7 @@ def test_demo_splits_experts_over_the_most_ranks_that_divide_them(mesh: str, exp
 
 @pytest.mark.slow
 def test_demo_trains_mixtral_tiny_with_experts_folded(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tools.cli import main
+    from meshfold.tools.cli import main
 
     assert main(["demo", "--model", "mixtral-tiny", "--steps", "2", "--dump-dir", str(tmp_path)]) == 0
     out = capsys.readouterr().out

@@ -34,7 +34,7 @@ CASES: list[tuple[str, tuple[int, ...], tuple[str, ...], str, dict[str, Any]]] =
     ("hf-deepseek-v3", *MESH, "fsdp+tp", {"ep": 4, "dispatcher": "alltoall"}),
     # experts whose config names no activation (read off the module), beside short-convolution layers
     ("hf-lfm2-moe", *MESH, "fsdp+tp", {"ep": 4, "dispatcher": "alltoall"}),
-    # experts code meshfold does not recognize, marked with compiler.moe_experts (its own weight names)
+    # experts code meshfold does not recognize, marked with meshfold.moe_experts (its own weight names)
     ("marked-moe-tiny", *MESH, "fsdp+tp", {"ep": 4, "dispatcher": "alltoall"}),
     # EP x ETP: each expert's intermediate dim split over tp, the experts over dp
     ("hf-mixtral", *MESH, "fsdp+tp", {"ep": 2, "etp": 2, "dispatcher": "alltoall"}),

@@ -23,7 +23,7 @@ def test_verify_names_the_first_value_that_differs(rank_pools: RankPools) -> Non
     msg = errors[0]
     assert msg.startswith("forward: the first value that differs from the single-device model is %")
     # NOTE: fc2 is row-parallel; the first value computed from the corrupted shard is fc2's matmul.
-    assert "at fc2 (fwd, zoo.py:" in msg and "{tp: S(1)}" in msg
+    assert "at fc2 (fwd, models.py:" in msg and "{tp: S(1)}" in msg
 
 
 def test_decorator_form(rank_pools: RankPools) -> None:

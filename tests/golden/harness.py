@@ -14,11 +14,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-import ir
-from compiler.moe import plan_with_experts
-from passes import JOINT, PassContext, PassPipeline
-from passes.sharding.plans import Plan
-from tools.pass_debug import parse_moe, sharding_preset
+from meshfold import ir
+from meshfold.moe import plan_with_experts
+from meshfold.passes import JOINT, PassContext, PassPipeline
+from meshfold.passes.sharding.plans import Plan
+from meshfold.tools.pass_debug import parse_moe, sharding_preset
 
 GOLDEN_DIR = Path(__file__).parent
 UPDATE = os.environ.get("MESHFOLD_UPDATE_GOLDEN") == "1"

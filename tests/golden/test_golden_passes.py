@@ -17,7 +17,7 @@ def test_pass_golden(path: Path) -> None:
 
 
 def test_there_are_golden_cases_for_every_registered_pass() -> None:
-    from passes import default_registry
+    from meshfold.passes import default_registry
 
     have = {p.parent.name for p in CASES}
     assert set(default_registry()) <= have, f"passes without golden tests: {set(default_registry()) - have}"

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-import ir
-from compiler import compile_model
-from compiler.zoo import build
+from meshfold import compile_model, ir
+from meshfold.tools.zoo import build
 from tests.golden.harness import GOLDEN_DIR, expect_text
 from tests.models.test_capture import assert_graph_matches_eager
 

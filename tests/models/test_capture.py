@@ -8,11 +8,10 @@ from functools import cache
 import pytest
 import torch
 
-import ir
-from backends.interpret import interpret
-from compiler import CaptureError, capture
-from compiler.moe_lists import as_unstacked, stack_tensors
-from compiler.zoo import build, zoo_names
+from meshfold import CaptureError, capture, ir
+from meshfold.backends.interpret import interpret
+from meshfold.moe_lists import as_unstacked, stack_tensors
+from meshfold.tools.zoo import build, zoo_names
 
 HF = {name for name in zoo_names() if name.startswith("hf-")}
 NAMES = zoo_names()
@@ -82,7 +81,7 @@ def test_every_op_carries_phase_module_and_source(name: str) -> None:
     with_source = [op for op in g.ops if op.prov.source]
     assert len(with_source) >= 0.9 * len(g.ops)
     if name not in HF:
-        ours = ("zoo.py:", "zoo_moe.py:")
+        ours = ("models.py:", "moe.py:")
         assert all(op.prov.source.startswith(ours) for op in with_source if op.prov.phase == "fwd")
 
 
@@ -207,7 +206,7 @@ def test_capture_leaves_the_model_untouched() -> None:
 
 
 def test_meta_device_model_captures_without_allocating() -> None:
-    from compiler.zoo import LlamaTiny
+    from meshfold.tools.zoo.models import LlamaTiny
 
     with torch.device("meta"):
         model = LlamaTiny()

@@ -8,10 +8,9 @@ from collections.abc import Callable
 import pytest
 import torch
 
-import ir
-from backends.interpret import interpret
-from compiler import capture
-from passes import PassContext, PassPipeline
+from meshfold import capture, ir
+from meshfold.backends.interpret import interpret
+from meshfold.passes import PassContext, PassPipeline
 from tests.models import extra
 
 FACTORIES: dict[str, Callable[[], tuple[torch.nn.Module, tuple[torch.Tensor, ...]]]] = {

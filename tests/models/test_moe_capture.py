@@ -11,12 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-import ir
-from compiler import capture
-from compiler.moe import find_experts
-from compiler.zoo import MoeExpert, StackedExperts, build
-from compiler.zoo_moe import GroupLimitedRouter, moe_loop_tiny, sequence_balance_loss
-from ir.moe import EXPERTS, experts
+from meshfold import capture, ir
+from meshfold.ir.moe import EXPERTS, experts
+from meshfold.moe import find_experts
+from meshfold.tools.zoo import build
+from meshfold.tools.zoo.models import MoeExpert, StackedExperts
+from meshfold.tools.zoo.moe import GroupLimitedRouter, moe_loop_tiny, sequence_balance_loss
 from tests.golden import test_golden_zoo as golden_zoo
 from tests.models.test_capture import assert_graph_matches_eager
 

@@ -17,10 +17,10 @@ from collections.abc import Mapping, Sequence
 import torch
 import torch.distributed as dist
 
-import ir
-from backends.eager import RankContext, lower
-from backends.interpret import interpret
-from ir import Layout, Mesh, Partial, Shard, TensorType
+from meshfold import ir
+from meshfold.backends.eager import RankContext, lower
+from meshfold.backends.interpret import interpret
+from meshfold.ir import Layout, Mesh, Partial, Shard, TensorType
 from tests.dist.pool import device_mesh
 from tests.sharding_sim import split
 

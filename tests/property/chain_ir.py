@@ -14,8 +14,8 @@ import torch
 from hypothesis import strategies as st
 from torch import nn
 
-import ir
-from ir import resolve_target, tensor_type
+from meshfold import ir
+from meshfold.ir import resolve_target, tensor_type
 
 MESH_HEADER = "graph @chain mesh<dp=2, tp=2> {"
 MAX_PARAMS = 4
@@ -185,7 +185,7 @@ def _load(t: Template, env: list[Any]) -> Any:
 
 def joint_text(chain: Chain) -> str:
     """The captured joint forward+backward graph of ``chain`` (as a :class:`ChainModule`), as text."""
-    from compiler.capture import capture
+    from meshfold.tracer import capture
 
     graph = capture(ChainModule(ir.parse(chain.text)), [], name="chain")
     return str(graph)

@@ -9,9 +9,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ir import Layout, Mesh, Partial, Placement, R, Shard
-from ir.ops import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, PARTIAL, REDUCE_SCATTER, SHARD
-from passes.sharding.boxing import Emitter, plan_steps
+from meshfold.ir import Layout, Mesh, Partial, Placement, R, Shard
+from meshfold.ir.ops import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, PARTIAL, REDUCE_SCATTER, SHARD
+from meshfold.passes.sharding.boxing import Emitter, plan_steps
 
 Coord = tuple[int, ...]
 

@@ -25,10 +25,10 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
-import ir
-from ir.ops import REDISTRIBUTE
-from passes import PassContext, PassPipeline
-from passes.sharding.plans import Plan
+from meshfold import ir
+from meshfold.ir.ops import REDISTRIBUTE
+from meshfold.passes import PassContext, PassPipeline
+from meshfold.passes.sharding.plans import Plan
 from tests.dist.pool import RankPool
 from tests.property.chain_cases import combine, local_pieces
 from tests.property.chain_gen import chains

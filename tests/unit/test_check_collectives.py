@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-import ir
-from passes.sharding.check import check_layouts
+from meshfold import ir
+from meshfold.passes.sharding.check import check_layouts
 
 GOOD = """graph @g mesh<dp=2, tp=2> {
   input %x : f32[8, 16] {tp: P(sum)}

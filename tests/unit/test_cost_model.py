@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from passes.cost import (
+from meshfold.passes.cost import (
     Group,
     all_gather,
     all_reduce,
@@ -23,7 +23,7 @@ from passes.cost import (
     preset,
     reduce_scatter,
 )
-from passes.cost.opcost import attention_time, flops_efficiency
+from meshfold.passes.cost.opcost import attention_time, flops_efficiency
 
 LLAMA3_8B_HF = {
     "model_type": "llama",

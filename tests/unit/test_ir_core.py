@@ -6,9 +6,9 @@ import pytest
 import sympy
 import torch
 
-import ir
-from ir import GraphBuilder, Layout, Mesh, Partial, R, Shard, TensorType, parse_placement, verify
-from ir.symbolic import parse_dim
+from meshfold import ir
+from meshfold.ir import GraphBuilder, Layout, Mesh, Partial, R, Shard, TensorType, parse_placement, verify
+from meshfold.ir.symbolic import parse_dim
 
 aten = torch.ops.aten
 F32 = torch.float32

@@ -6,8 +6,8 @@ import pytest
 import sympy
 import torch
 
-import ir
-from ir import GraphBuilder, Layout, Mesh, Partial, Provenance, Shard, TensorType, parse
+from meshfold import ir
+from meshfold.ir import GraphBuilder, Layout, Mesh, Partial, Provenance, Shard, TensorType, parse
 
 aten = torch.ops.aten
 F32 = torch.float32
@@ -152,7 +152,7 @@ def test_stack_lines_round_trip_and_reject_bad_members() -> None:
 def test_interpreted_views_run_on_real_strides() -> None:
     """A view recorded on the strides seen while tracing runs as a reshape on real tensors, whose
     strides may differ (here the input arrives transposed, which a plain view cannot flatten)."""
-    from backends.interpret import interpret
+    from meshfold.backends.interpret import interpret
 
     g = parse("graph @g {\n  input %x : f32[2, 4]\n  %y = aten.view(%x, [8]) : f32[8]\n  output out(0) = %y\n}\n")
     x = torch.arange(8.0).reshape(4, 2).t()

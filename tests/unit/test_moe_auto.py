@@ -8,13 +8,12 @@ import warnings
 import pytest
 import torch
 
-import ir
-from compiler import capture
-from ir.moe import EXPERTS, EXPERTS_BACKWARD
-from passes import PassContext, parse_pipeline
-from passes.cost.hardware import parse_cluster
-from passes.sharding.opwork import op_flops
-from passes.sharding.plans import Plan
+from meshfold import capture, ir
+from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
+from meshfold.passes import PassContext, parse_pipeline
+from meshfold.passes.cost.hardware import parse_cluster
+from meshfold.passes.sharding.opwork import op_flops
+from meshfold.passes.sharding.plans import Plan
 
 
 @pytest.mark.hf
@@ -22,7 +21,7 @@ def test_auto_plan_splits_experts_by_expert() -> None:
     pytest.importorskip("transformers")
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from compiler.zoo import _hf_loss_cls
+    from meshfold.tools.zoo.hf import _hf_loss_cls
 
     config = MixtralConfig(
         vocab_size=1024,

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compiler import capture
-from ir.moe import EXPERTS
+from meshfold import capture
+from meshfold.ir.moe import EXPERTS
 from tests.models.test_capture import assert_graph_matches_eager
 
 H, INTER, E, K, VOCAB = 16, 8, 4, 2, 32
@@ -96,7 +96,7 @@ def test_experts_with_biases_stay_replicated_with_a_warning() -> None:
 def test_an_unknown_combine_stays_replicated_with_a_warning_naming_why() -> None:
     """Outputs added with index_put(accumulate=True) are not a form the matcher knows: nothing is
     folded, and the data-dependent loop then cannot be captured; the error says why and what to do."""
-    from compiler import CaptureError
+    from meshfold import CaptureError
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

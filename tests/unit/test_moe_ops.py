@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import ir
-from compiler.moe import ExpertsSite, MoeSpec, expert_overrides, find_experts
-from compiler.zoo import build
-from ir.moe import EXPERTS, experts, experts_range
-from passes import PassError
+from meshfold import ir
+from meshfold.ir.moe import EXPERTS, experts, experts_range
+from meshfold.moe import ExpertsSite, MoeSpec, expert_overrides, find_experts
+from meshfold.passes import PassError
+from meshfold.tools.zoo import build
 
 T, H, INTER, E, K = 12, 8, 6, 4, 2
 
@@ -153,7 +153,7 @@ def test_moe_without_foldable_experts_is_refused() -> None:
 def test_an_activation_named_nowhere_is_read_off_the_function() -> None:
     from torch import nn
 
-    from compiler.moe import _act_of
+    from meshfold.moe import _act_of
 
     assert _act_of(torch.nn.functional.silu) == "silu"
     assert _act_of(nn.GELU(approximate="tanh")) == "gelu_tanh" and _act_of(nn.GELU()) == "gelu"

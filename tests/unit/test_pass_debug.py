@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-import ir
-from tools import dumps
-from tools.pass_debug import main
+from meshfold import ir
+from meshfold.tools import dumps
+from meshfold.tools.pass_debug import main
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -263,7 +263,7 @@ def test_module_factory_model(
     sys.modules.pop("pd_tiny_factory", None)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("compiler.zoo") is None, reason="compiler.zoo is not written yet")
+@pytest.mark.skipif(importlib.util.find_spec("meshfold.tools.zoo") is None, reason="compiler.zoo is not written yet")
 def test_zoo_mlp_dumps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "mlp"
     assert main(["mlp", "-p", "cleanup,verify", "--verify", "--dump-dir", str(out), "--no-color"]) == 0
@@ -277,7 +277,7 @@ def test_zoo_mlp_dumps(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
 
 def test_runs_as_a_module(ir_file: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "tools.pass_debug", str(ir_file), "-p", "cleanup", "--print-after", "cleanup"],
+        [sys.executable, "-m", "meshfold.tools.pass_debug", str(ir_file), "-p", "cleanup", "--print-after", "cleanup"],
         cwd=REPO,
         capture_output=True,
         text=True,
@@ -393,9 +393,9 @@ def test_bad_moe_options_exit_2(
 
 
 def test_moe_spec_and_mapping_line() -> None:
-    from compiler.moe import MoeSpec
-    from passes.sharding.plans import Plan
-    from tools.pass_debug import mapping_line, parse_moe
+    from meshfold.moe import MoeSpec
+    from meshfold.passes.sharding.plans import Plan
+    from meshfold.tools.pass_debug import mapping_line, parse_moe
 
     assert parse_moe("ep=4, etp=1") == MoeSpec(ep=4, etp=1)
     assert parse_moe("ep=2,dispatcher=allgather,hierarchical=false") == MoeSpec(ep=2, dispatcher="allgather")
@@ -404,7 +404,7 @@ def test_moe_spec_and_mapping_line() -> None:
     assert line == "attention: fsdp over dp, tp over tp; experts: EP=4 over tp, EDP=2 over dp"
 
 
-@pytest.mark.skipif(importlib.util.find_spec("compiler.zoo") is None, reason="compiler.zoo is not written yet")
+@pytest.mark.skipif(importlib.util.find_spec("meshfold.tools.zoo") is None, reason="compiler.zoo is not written yet")
 def test_zoo_moe_model_maps_its_experts(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["mixtral-tiny", "-p", "cleanup,sharding{mode=greedy},boxing,verify", "--mesh", "dp=2,tp=2", "--moe", "ep=4"]
     assert main([*argv, "--no-color"]) == 0

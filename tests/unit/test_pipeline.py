@@ -7,8 +7,8 @@ from typing import ClassVar, Literal
 
 import pytest
 
-import ir
-from passes import (
+from meshfold import ir
+from meshfold.passes import (
     CLEAN,
     Cleanup,
     Pass,

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tools.cli import main
+from meshfold.tools.cli import main
 
 LLAMA_8B_CONFIG = {
     "hidden_size": 4096,

@@ -6,12 +6,11 @@ from functools import cache
 
 import pytest
 
-import ir
-from compiler import DEFAULT_PIPELINE, capture
-from compiler.zoo import build
-from passes import PassContext, PassError, PassPipeline
-from passes.sharding.plans import Plan, default_preset, resolve
-from passes.sharding.tp import megatron_roles
+from meshfold import DEFAULT_PIPELINE, capture, ir
+from meshfold.passes import PassContext, PassError, PassPipeline
+from meshfold.passes.sharding.plans import Plan, default_preset, resolve
+from meshfold.passes.sharding.tp import megatron_roles
+from meshfold.tools.zoo import build
 
 
 @cache

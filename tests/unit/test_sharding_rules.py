@@ -14,16 +14,16 @@ from typing import Any
 import pytest
 import torch
 
-import ir
-from backends.interpret import run_values
-from compiler.capture import capture
-from compiler.zoo import build
-from ir import Op, Partial, R, Shard, Value
-from passes.sharding.rules import RuleError, rule_coverage, rule_table, strategies_for
-from passes.sharding.rules.common import view_dim_map
-from passes.sharding.rules.fallback import fallback_strategies
-from passes.sharding.rules.registry import RuleTable
-from passes.sharding.strategy import Einsum, Strategy, einsum_strategies
+from meshfold import ir
+from meshfold.backends.interpret import run_values
+from meshfold.ir import Op, Partial, R, Shard, Value
+from meshfold.passes.sharding.rules import RuleError, rule_coverage, rule_table, strategies_for
+from meshfold.passes.sharding.rules.common import view_dim_map
+from meshfold.passes.sharding.rules.fallback import fallback_strategies
+from meshfold.passes.sharding.rules.registry import RuleTable
+from meshfold.passes.sharding.strategy import Einsum, Strategy, einsum_strategies
+from meshfold.tools.zoo import build
+from meshfold.tracer import capture
 from tests.sharding_sim import check_strategy, runnable
 
 aten = torch.ops.aten

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from passes.cost import (
+from meshfold.passes.cost import (
     ConfigError,
     ParallelConfig,
     TrainSpec,
@@ -21,11 +21,11 @@ from passes.cost import (
     simulate,
     to_chrome_trace,
 )
-from passes.cost.footprint import layer_activation_bytes
-from passes.cost.layer import layer_cost
-from passes.cost.simulate import layer_plan
-from passes.cost.streams import LayerCost
-from tools.bench.simulator_vs_published import ROWS, Row, published_config
+from meshfold.passes.cost.footprint import layer_activation_bytes
+from meshfold.passes.cost.layer import layer_cost
+from meshfold.passes.cost.simulate import layer_plan
+from meshfold.passes.cost.streams import LayerCost
+from meshfold.tools.bench.simulator_vs_published import ROWS, Row, published_config
 
 GPT_16B = gpt("gpt-16b", 32, 6144, 48)
 NODE = parse_cluster("h100:8x1")

@@ -10,11 +10,10 @@ import pytest
 import torch
 from torch import nn
 
-import ir
-from compiler import capture
-from passes import PassContext, PassError, parse_pipeline
-from passes.cost.hardware import parse_cluster
-from passes.sharding.plans import Plan
+from meshfold import capture, ir
+from meshfold.passes import PassContext, PassError, parse_pipeline
+from meshfold.passes.cost.hardware import parse_cluster
+from meshfold.passes.sharding.plans import Plan
 
 
 class _MLP(nn.Module):

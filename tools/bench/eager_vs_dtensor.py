@@ -1,7 +1,7 @@
 """meshfold vs. the torchtitan way (DTensor eager TP + FSDP2): step time and bytes per step, one run.
 
-    python -m tools.bench.eager_vs_dtensor                      # 4 gloo CPU ranks, mesh (dp=2, tp=2)
-    python -m tools.bench.eager_vs_dtensor --layers 2 --steps 5 --profile
+    python -m meshfold.tools.bench.eager_vs_dtensor                      # 4 gloo CPU ranks, mesh (dp=2, tp=2)
+    python -m meshfold.tools.bench.eager_vs_dtensor --layers 2 --steps 5 --profile
 
 Spawns ``--world`` local CPU ranks (gloo, one thread each) and trains the same Llama-style model
 (GQA + RoPE + SwiGLU, untied LM head; same weights, inputs and global batch) two ways:
@@ -47,8 +47,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from compiler.zoo import LlamaAttention, LlamaMLP, RMSNorm, Rotary, _apply_rope, _shifted_ce, _small_init
-from tools.demo import _free_port
+from meshfold.tools.demo import _free_port
+from meshfold.tools.zoo import _shifted_ce, _small_init
+from meshfold.tools.zoo.models import LlamaAttention, LlamaMLP, RMSNorm, Rotary, _apply_rope
 
 LOSS_TOL = 1e-4
 WIRE_OPS = ("comm.all_gather", "comm.all_reduce", "comm.reduce_scatter", "comm.all_to_all")
@@ -289,8 +290,8 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.parallel import loss_parallel
 
-        from compiler.api import parallelize
-        from passes.sharding.report import comm_summary
+        from meshfold.api import parallelize
+        from meshfold.passes.sharding.report import comm_summary
 
         loss_ctx = loss_parallel if opts["lm_head"] == "loss-parallel" else contextlib.nullcontext
 

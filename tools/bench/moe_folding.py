@@ -1,6 +1,6 @@
 """MoE parallel folding (Megatron-Core): folded vs unfolded expert mappings, simulated.
 
-    python -m tools.bench.moe_folding
+    python -m meshfold.tools.bench.moe_folding
 
 Attention layers run on ``tp x cp x dp x pp`` and expert layers on ``etp x ep x edp x pp`` of the
 same ranks. *Unfolded* is the classic layout: experts reuse the attention tensor-parallel group
@@ -37,11 +37,11 @@ from dataclasses import dataclass, replace
 from rich.console import Console
 from rich.table import Table
 
-from passes.cost import ParallelConfig, TrainSpec, parse_cluster, preset, search_configs, simulate
-from passes.cost.hardware import Cluster
-from passes.cost.model import ModelSpec
-from passes.cost.result import SimResult
-from passes.cost.simulate import layer_plan
+from meshfold.passes.cost import ParallelConfig, TrainSpec, parse_cluster, preset, search_configs, simulate
+from meshfold.passes.cost.hardware import Cluster
+from meshfold.passes.cost.model import ModelSpec
+from meshfold.passes.cost.result import SimResult
+from meshfold.passes.cost.simulate import layer_plan
 
 GIB = 2**30
 

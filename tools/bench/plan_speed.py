@@ -1,6 +1,6 @@
 """How long the whole ``meshfold plan`` process takes (start-up included), as a user runs it.
 
-    python -m tools.bench.plan_speed
+    python -m meshfold.tools.bench.plan_speed
 
 Times, each as a fresh process (median of ``--repeat`` runs):
 
@@ -45,7 +45,10 @@ def _time(args: list[str], repeat: int) -> tuple[float, str]:
     for _ in range(repeat):
         start = time.perf_counter()
         proc = subprocess.run(
-            [sys.executable, "-m", "tools.cli", "plan", *args, "--json"], capture_output=True, text=True, check=False
+            [sys.executable, "-m", "meshfold.tools.cli", "plan", *args, "--json"],
+            capture_output=True,
+            text=True,
+            check=False,
         )
         times.append(time.perf_counter() - start)
         if proc.returncode:

@@ -1,6 +1,6 @@
 """meshfold's cluster simulator against the published Megatron-Core H100 weak-scaling table.
 
-    python -m tools.bench.simulator_vs_published
+    python -m meshfold.tools.bench.simulator_vs_published
 
 For every row of the table in /work/shared/REFERENCES.md (Megatron-LM README, "Training Speed and
 Scalability"), the simulator predicts MFU and TFLOP/s per GPU of the published configuration and
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from rich.console import Console
 from rich.table import Table
 
-from passes.cost import ParallelConfig, TrainSpec, gpt, parse_cluster, search_configs, simulate
+from meshfold.passes.cost import ParallelConfig, TrainSpec, gpt, parse_cluster, search_configs, simulate
 
 TOLERANCE = 0.15
 SEQ = 4096

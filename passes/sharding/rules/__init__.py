@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from ir import Op, Partial, Placement, R, Shard, TensorType
-from passes.sharding.rules import (
+from meshfold.ir import Op, Partial, Placement, R, Shard, TensorType
+from meshfold.passes.sharding.rules import (
     attention,
     creation,
     embedding,
@@ -22,10 +22,10 @@ from passes.sharding.rules import (
     shape,
     softmax,
 )
-from passes.sharding.rules.common import is_float
-from passes.sharding.rules.fallback import dtensor_ops, fallback_strategies
-from passes.sharding.rules.registry import RuleSet, RuleTable, rule_table
-from passes.sharding.strategy import Strategy, replicate_only
+from meshfold.passes.sharding.rules.common import is_float
+from meshfold.passes.sharding.rules.fallback import dtensor_ops, fallback_strategies
+from meshfold.passes.sharding.rules.registry import RuleSet, RuleTable, rule_table
+from meshfold.passes.sharding.strategy import Strategy, replicate_only
 
 # NOTE: every family module is listed here once; rule_table() reads this tuple.
 FAMILIES: tuple[RuleSet, ...] = (

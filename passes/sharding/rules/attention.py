@@ -17,16 +17,16 @@ from typing import Literal
 import torch
 from torch._ops import OpOverload
 
-from ir import Op, Partial, TensorType
-from passes.sharding.rules.common import (
+from meshfold.ir import Op, Partial, TensorType
+from meshfold.passes.sharding.rules.common import (
     einsum_of,
     letters,
     operand_names,
     replicate_non_tensor_results,
     tensor_type_of,
 )
-from passes.sharding.rules.registry import RuleSet
-from passes.sharding.strategy import Strategy, einsum_strategies
+from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.strategy import Strategy, einsum_strategies
 
 aten = torch.ops.aten
 RULES = RuleSet("attention")

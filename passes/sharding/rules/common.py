@@ -7,11 +7,11 @@ from collections.abc import Sequence
 
 from torch._ops import OpOverload
 
-from ir import Arg, Op, Partial, R, TensorType, Value
-from ir.graph import freeze_arg
-from ir.placement import ReduceOp
-from ir.symbolic import Dim
-from passes.sharding.strategy import Einsum, Strategy, einsum_strategies
+from meshfold.ir import Arg, Op, Partial, R, TensorType, Value
+from meshfold.ir.graph import freeze_arg
+from meshfold.ir.placement import ReduceOp
+from meshfold.ir.symbolic import Dim
+from meshfold.passes.sharding.strategy import Einsum, Strategy, einsum_strategies
 
 
 def tensor_operands(op: Op) -> list[TensorType]:

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import torch
 
-from ir import Partial, Placement, R, Shard
-from ir.graph import Op
-from passes.sharding.rules.common import einsum_of, letters, result_type, tensor_type_of
-from passes.sharding.rules.registry import RuleSet
-from passes.sharding.strategy import Strategy, einsum_strategies
+from meshfold.ir import Partial, Placement, R, Shard
+from meshfold.ir.graph import Op
+from meshfold.passes.sharding.rules.common import einsum_of, letters, result_type, tensor_type_of
+from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.strategy import Strategy, einsum_strategies
 
 aten = torch.ops.aten
 RULES = RuleSet("creation")

@@ -11,10 +11,10 @@ from typing import Any
 
 import torch
 
-from ir import Op, Partial, R, Shard
-from passes.sharding.rules.common import einsum_of, letters, op_arg, result_type, tensor_type_of
-from passes.sharding.rules.registry import RuleSet
-from passes.sharding.strategy import Strategy, einsum_strategies
+from meshfold.ir import Op, Partial, R, Shard
+from meshfold.passes.sharding.rules.common import einsum_of, letters, op_arg, result_type, tensor_type_of
+from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.strategy import Strategy, einsum_strategies
 
 aten = torch.ops.aten
 RULES = RuleSet("embedding")

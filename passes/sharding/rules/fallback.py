@@ -20,9 +20,9 @@ from typing import Any
 import torch
 from torch._ops import OpOverload
 
-from ir import Arg, Op, Partial, Placement, R, Shard, TensorType, Value
-from ir.placement import REDUCE_OPS
-from passes.sharding.strategy import Strategy
+from meshfold.ir import Arg, Op, Partial, Placement, R, Shard, TensorType, Value
+from meshfold.ir.placement import REDUCE_OPS
+from meshfold.passes.sharding.strategy import Strategy
 
 MESH_SIZE = 2
 

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from ir import Op, Partial, R, Shard, TensorType, Value
-from ir.placement import ReduceOp
-from ir.symbolic import Dim
-from passes.sharding.rules.common import (
+from meshfold.ir import Op, Partial, R, Shard, TensorType, Value
+from meshfold.ir.placement import ReduceOp
+from meshfold.ir.symbolic import Dim
+from meshfold.passes.sharding.rules.common import (
     einsum_of,
     int_arg,
     letters,
@@ -25,8 +25,8 @@ from passes.sharding.rules.common import (
     tensor_type_of,
     with_partials,
 )
-from passes.sharding.rules.registry import RuleSet
-from passes.sharding.strategy import Strategy, einsum_strategies, replicate_only
+from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.strategy import Strategy, einsum_strategies, replicate_only
 
 aten = torch.ops.aten
 RULES = RuleSet("indexing")

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from ir import Op, Partial, Shard
-from passes.sharding.rules.common import broadcast_groups, einsum_of, result_type, with_partials
-from passes.sharding.rules.registry import RuleSet
-from passes.sharding.strategy import Strategy, einsum_strategies
+from meshfold.ir import Op, Partial, Shard
+from meshfold.passes.sharding.rules.common import broadcast_groups, einsum_of, result_type, with_partials
+from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.strategy import Strategy, einsum_strategies
 
 aten = torch.ops.aten
 RULES = RuleSet("matmul")

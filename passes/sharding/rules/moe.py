@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from ir import Op, Partial, R, Shard, TensorType
-from ir.moe import EXPERTS, EXPERTS_BACKWARD, experts_range, experts_range_backward
-from passes.sharding.rules.registry import RuleSet
-from passes.sharding.strategy import Strategy
+from meshfold.ir import Op, Partial, R, Shard, TensorType
+from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, experts_range, experts_range_backward
+from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.strategy import Strategy
 
 RULES = RuleSet("moe")
 S0, S2, P = Shard(0), Shard(2), Partial("sum")

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from ir import Op, Value
-from passes.sharding.rules.common import (
+from meshfold.ir import Op, Value
+from meshfold.passes.sharding.rules.common import (
     einsum_of,
     letters,
     op_arg,
@@ -19,8 +19,8 @@ from passes.sharding.rules.common import (
     replicate_non_tensor_results,
     tensor_type_of,
 )
-from passes.sharding.rules.registry import RuleSet
-from passes.sharding.strategy import Strategy, einsum_strategies, replicate_only
+from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.strategy import Strategy, einsum_strategies, replicate_only
 
 aten = torch.ops.aten
 RULES = RuleSet("norm")

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import torch
 
-from ir import Op
-from ir.placement import ReduceOp
-from passes.sharding.rules.common import broadcast_einsum, is_float, op_arg, tensor_type_of, with_partials
-from passes.sharding.rules.registry import RuleSet
-from passes.sharding.strategy import Strategy, einsum_strategies
+from meshfold.ir import Op
+from meshfold.ir.placement import ReduceOp
+from meshfold.passes.sharding.rules.common import broadcast_einsum, is_float, op_arg, tensor_type_of, with_partials
+from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.strategy import Strategy, einsum_strategies
 
 aten = torch.ops.aten
 RULES = RuleSet("pointwise")

@@ -7,8 +7,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ir import Op, Target, target_name
-from passes.sharding.strategy import Strategy
+from meshfold.ir import Op, Target, target_name
+from meshfold.passes.sharding.strategy import Strategy
 
 RuleFn = Callable[[Op], list[Strategy]]
 """Given an op (with global operand and result types), its single-axis strategies."""
@@ -102,7 +102,7 @@ class RuleTable:
 
 def rule_table() -> RuleTable:
     """Build the table from every family module (a fresh dict each call)."""
-    from passes.sharding.rules import FAMILIES
+    from meshfold.passes.sharding.rules import FAMILIES
 
     rules: dict[Target, RuleFn] = {}
     family: dict[Target, str] = {}

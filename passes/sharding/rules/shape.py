@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from ir import Op
-from ir.placement import ReduceOp
-from passes.sharding.rules.common import (
+from meshfold.ir import Op
+from meshfold.ir.placement import ReduceOp
+from meshfold.passes.sharding.rules.common import (
     einsum_of,
     int_arg,
     letters,
@@ -22,8 +22,8 @@ from passes.sharding.rules.common import (
     view_dim_map,
     with_partials,
 )
-from passes.sharding.rules.registry import RuleSet
-from passes.sharding.strategy import Strategy, einsum_strategies, replicate_only
+from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.strategy import Strategy, einsum_strategies, replicate_only
 
 aten = torch.ops.aten
 RULES = RuleSet("shape")

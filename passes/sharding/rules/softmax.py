@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from ir import Op
-from passes.sharding.rules.common import einsum_of, int_arg, letters, norm_dim, result_type
-from passes.sharding.rules.registry import RuleSet
-from passes.sharding.strategy import Strategy, einsum_strategies
+from meshfold.ir import Op
+from meshfold.passes.sharding.rules.common import einsum_of, int_arg, letters, norm_dim, result_type
+from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.strategy import Strategy, einsum_strategies
 
 aten = torch.ops.aten
 RULES = RuleSet("softmax")

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from compiler.zoo import (
+from meshfold.tools.zoo import _seeded, _shifted_ce, _small_init, _token_inputs, register
+from meshfold.tools.zoo.models import (
     LlamaAttention,
     LlamaMLP,
     MixtralListTiny,
@@ -16,11 +17,6 @@ from compiler.zoo import (
     Rotary,
     SparseMoeBlock,
     StackedExperts,
-    _seeded,
-    _shifted_ce,
-    _small_init,
-    _token_inputs,
-    register,
 )
 
 
@@ -29,7 +25,7 @@ class LoopMoeBlock(nn.Module):
 
     Takes over the router and experts of a :class:`SparseMoeBlock`, so FQNs and weights stay the same.
     NOTE: the number of tokens routed to an expert depends on the data, so shapes are data-dependent;
-    capture folds the loop into one experts op (``compiler.moe_lists``), which leaves none.
+    capture folds the loop into one experts op (``meshfold.moe_lists``), which leaves none.
     """
 
     def __init__(self, dense: SparseMoeBlock) -> None:
@@ -178,7 +174,7 @@ def _deepseek_tiny() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 
 class MarkedMoe(nn.Module):
     """An MoE language model whose experts code meshfold cannot recognize by itself (its own weight
-    names, top-1 routing) but marks with ``compiler.moe_experts``."""
+    names, top-1 routing) but marks with ``meshfold.moe_experts``."""
 
     def __init__(self, vocab: int = 256, hidden: int = 64, inter: int = 32, experts: int = 4) -> None:
         super().__init__()
@@ -190,7 +186,7 @@ class MarkedMoe(nn.Module):
         self.head = nn.Linear(hidden, vocab, bias=False)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        from compiler import moe_experts
+        from meshfold import moe_experts
 
         x = self.embed(input_ids)
         flat = x.reshape(-1, x.size(-1))
@@ -202,5 +198,5 @@ class MarkedMoe(nn.Module):
 
 @register("marked-moe-tiny")
 def _marked_moe_tiny() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
-    """A top-1 MoE written against ``compiler.moe_experts`` (weights ``w_in``/``w_out``)."""
+    """A top-1 MoE written against ``meshfold.moe_experts`` (weights ``w_in``/``w_out``)."""
     return _seeded(MarkedMoe), _token_inputs(256)

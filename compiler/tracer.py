@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import inspect
 import operator
 import re
@@ -27,11 +28,11 @@ from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-import ir
-from compiler.moe import MoeSpec, experts_as_ops, op_options
-from compiler.moe_lists import fold_expert_lists
-from ir import GraphBuilder, Provenance, Value, tensor_type
-from ir.types import type_of
+from meshfold import ir
+from meshfold.ir import GraphBuilder, Provenance, Value, tensor_type
+from meshfold.ir.types import type_of
+from meshfold.moe import MoeSpec, experts_as_ops, op_options
+from meshfold.moe_lists import fold_expert_lists
 
 
 class CaptureError(RuntimeError):
@@ -72,8 +73,8 @@ def capture(
     value of every buffer the forward updates in place (e.g. running statistics). Runs on fake
     tensors. ``decompose`` applies :func:`sharding_decompositions` (numerically the same graph).
     Recognized MoE experts become ``meshfold.moe_experts`` ops, with ``moe``'s capacity and
-    dispatcher when given (``compiler.moe``); experts in an ``nn.ModuleList`` become one such op on
-    stacked parameters, listed in the graph's ``stacks`` (``compiler.moe_lists``).
+    dispatcher when given (``meshfold.moe``); experts in an ``nn.ModuleList`` become one such op on
+    stacked parameters, listed in the graph's ``stacks`` (``meshfold.moe_lists``).
     """
     graph_name = name or _snake(type(model).__name__)
     with _fake_copies(model, example_inputs) as (fake_mode, fake_inputs), experts_as_ops(model, moe):
@@ -187,7 +188,7 @@ def _capture_error(e: Exception, stage: str) -> CaptureError:
             "shapes that depend on the data (such as torch.where/nonzero selecting each expert's tokens in an "
             "MoE loop meshfold could not fold)",
             "if a warning named the MoE layer, write its experts as meshfold folds them (bias-free gated MLPs, "
-            "combined by index_add_ or a dense weighted stack) or call compiler.moe_experts; else keep shapes static",
+            "combined by index_add_ or a dense weighted stack) or call meshfold.moe_experts; else keep shapes static",
         ),
         (
             ("data-dependent", "data dependent", "GuardOnDataDependent", "Data-dependent", "generic_jump", "jump"),
@@ -219,16 +220,23 @@ def _capture_error(e: Exception, stage: str) -> CaptureError:
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+)')
 
 
-_OWN_ROOT = str(Path(__file__).resolve().parent.parent).replace("\\", "/") + "/"
+def _package_dir(name: str) -> str:
+    spec = importlib.util.find_spec(name)
+    assert spec is not None and spec.submodule_search_locations, name
+    return str(Path(next(iter(spec.submodule_search_locations))).resolve()).replace("\\", "/") + "/"
+
+
+# NOTE: read off the import system, so a source checkout and an installed wheel answer alike
+_MACHINERY = tuple(_package_dir(f"meshfold.{sub}") for sub in ("passes", "ir", "backends"))
 _THIS_FILE = str(Path(__file__).resolve()).replace("\\", "/")
+_FORWARDER = str(Path(__file__).resolve().with_name("moe.py")).replace("\\", "/")
 
 
 def _is_user_file(path: str) -> bool:
     """False for torch's frames and meshfold's own machinery (the zoo's models count as user code)."""
     p = path.replace("\\", "/")
-    own = p[len(_OWN_ROOT) :] if p.startswith(_OWN_ROOT) else ""
-    # NOTE: compiler/moe.py only forwards a model's experts call to the experts op: the user's line is the caller's
-    if p == _THIS_FILE or own.split("/", 1)[0] in ("passes", "ir", "backends") or own == "compiler/moe.py":
+    # NOTE: meshfold/moe.py only forwards a model's experts call to the experts op: the user's line is the caller's
+    if p in (_THIS_FILE, _FORWARDER) or p.startswith(_MACHINERY):
         return False
     return not any(s in p for s in ("/torch/", "/torch_npu/", "/functorch/", "<"))
 

@@ -1,0 +1,148 @@
+"""Zoo entries built from transformers' config classes with random weights (the ``hf`` extra)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshfold.tools.zoo import _seeded, _token_inputs, register
+
+
+@functools.cache
+def _hf_loss_cls(base: type[nn.Module]) -> type[nn.Module]:
+    """Subclass an HF ``*ForCausalLM`` so forward(input_ids, labels) returns the loss, keeping HF FQNs."""
+
+    class HFLoss(base):  # type: ignore[misc, valid-type]
+        """HF causal LM returning only its (aux-inclusive) training loss."""
+
+        def __init__(self, config: object) -> None:
+            super().__init__(config)
+            if getattr(config, "output_router_logits", False):
+                from transformers.utils.output_capturing import maybe_install_capturing_hooks
+
+                # NOTE: HF installs router-logit capture hooks lazily under a threading.Lock, which dynamo
+                # cannot trace; installing them eagerly here keeps the forward capturable.
+                maybe_install_capturing_hooks(self.model)
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            return super().forward(input_ids=input_ids, labels=labels, use_cache=False).loss
+
+    HFLoss.__name__ = HFLoss.__qualname__ = f"{base.__name__}Loss"
+    return HFLoss
+
+
+# NOTE: sizes mirror llama-tiny / mixtral-tiny so HF and hand-written entries are directly comparable.
+_HF_COMMON: dict[str, Any] = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "attn_implementation": "sdpa",
+    "loss_type": "ForCausalLM",
+}
+
+
+def _hf_causal_lm(
+    config_cls: Any, lm_cls: type[nn.Module], common: dict[str, Any] = _HF_COMMON, **fields: Any
+) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """``lm_cls`` (an HF ``*ForCausalLM``) on ``config_cls(**common, **fields)`` with seeded random
+    weights, returning its loss on ``(input_ids, labels)``."""
+    config = config_cls(**common, **fields)
+    cls = _hf_loss_cls(lm_cls)
+    return _seeded(lambda: cls(config)), _token_inputs(256)
+
+
+@register("hf-llama")
+def _hf_llama() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Build transformers' LlamaForCausalLM with random weights (needs the transformers extra)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _hf_causal_lm(LlamaConfig, LlamaForCausalLM, intermediate_size=128)
+
+
+@register("hf-mixtral")
+def _hf_mixtral() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """Build transformers' MixtralForCausalLM with random weights (needs the transformers extra)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    # NOTE: HF's default "eager" experts loop over `nonzero()` hits; batched_mm is static-shape. It is passed
+    # through **kwargs because MixtralConfig's typed signature does not list it.
+    static_experts: dict[str, Any] = {"experts_implementation": "batched_mm"}
+    return _hf_causal_lm(
+        MixtralConfig,
+        MixtralForCausalLM,
+        **static_experts,
+        intermediate_size=96,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.01,
+    )
+
+
+@register("hf-qwen3-moe")
+def _hf_qwen3_moe() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """transformers' Qwen3MoeForCausalLM (8 experts, top-2, QK-norm attention) with random weights."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    return _hf_causal_lm(
+        Qwen3MoeConfig,
+        Qwen3MoeForCausalLM,
+        head_dim=16,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        output_router_logits=True,
+        router_aux_loss_coef=0.01,
+    )
+
+
+@register("hf-deepseek-v3")
+def _hf_deepseek_v3() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """transformers' DeepseekV3ForCausalLM (MLA, group-limited sigmoid routing, a shared expert, dense
+    first layer; 8 routed experts, top-2) with random weights."""
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
+    return _hf_causal_lm(
+        DeepseekV3Config,
+        DeepseekV3ForCausalLM,
+        _HF_COMMON | {"num_key_value_heads": 4},
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        q_lora_rank=None,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+    )
+
+
+@register("hf-lfm2-moe")
+def _hf_lfm2_moe() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """transformers' Lfm2MoeForCausalLM (a short-convolution layer with a dense MLP, then attention with
+    8 experts top-2, sigmoid routing with a bias) with random weights. Its experts name no activation
+    in their config (they call ``F.silu``): meshfold reads it off the module."""
+    from transformers import Lfm2MoeConfig, Lfm2MoeForCausalLM
+
+    return _hf_causal_lm(
+        Lfm2MoeConfig,
+        Lfm2MoeForCausalLM,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_dense_layers=1,
+        num_experts=8,
+        num_experts_per_tok=2,
+        layer_types=["conv", "full_attention"],
+    )
