@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from meshfold.api import parallelize
     from meshfold.ir.moe import experts as moe_experts
-    from meshfold.pipeline import DEFAULT_PIPELINE, CompileResult, compile_model
+    from meshfold.session import DEFAULT_PIPELINE, CompileOptions, CompileResult, compile_model
     from meshfold.tracer import CaptureError, capture
     from meshfold.verify import VerificationError
 
@@ -31,9 +31,10 @@ _HOME = {
     "CaptureError": ("meshfold.tracer", "CaptureError"),
     "capture": ("meshfold.tracer", "capture"),
     "moe_experts": ("meshfold.ir.moe", "experts"),
-    "DEFAULT_PIPELINE": ("meshfold.pipeline", "DEFAULT_PIPELINE"),
-    "CompileResult": ("meshfold.pipeline", "CompileResult"),
-    "compile_model": ("meshfold.pipeline", "compile_model"),
+    "DEFAULT_PIPELINE": ("meshfold.session", "DEFAULT_PIPELINE"),
+    "CompileOptions": ("meshfold.session", "CompileOptions"),
+    "CompileResult": ("meshfold.session", "CompileResult"),
+    "compile_model": ("meshfold.session", "compile_model"),
     "VerificationError": ("meshfold.verify", "VerificationError"),
 }
 
@@ -48,6 +49,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "DEFAULT_PIPELINE",
     "CaptureError",
+    "CompileOptions",
     "CompileResult",
     "VerificationError",
     "__version__",

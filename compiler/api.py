@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import functools
-import sys
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import torch.distributed as dist
-from rich.console import Console
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshfold import ir
 from meshfold.backends.eager import RankContext, exchange_axes, lower
-from meshfold.moe import MoeSpec, check_spec, plan_with_experts, with_spec
-from meshfold.passes import PassContext, PassError, PassPipeline, parse_size
-from meshfold.passes.cost.hardware import Cluster, parse_cluster
-from meshfold.passes.sharding.plans import Plan, axis_roles, default_preset
-from meshfold.pipeline import DEFAULT_PIPELINE
+from meshfold.passes import PassError
+from meshfold.passes.cost.hardware import Cluster
 from meshfold.runtime import ParallelModule
-from meshfold.tracer import capture
-
-PlanSpec = str | Plan | Mapping[str, Any]
+from meshfold.session import DEFAULT_PIPELINE, CompileOptions, PlanSpec, compile_model
 
 
 def ir_mesh(mesh: DeviceMesh) -> ir.Mesh:
@@ -37,23 +28,6 @@ def ir_mesh(mesh: DeviceMesh) -> ir.Mesh:
     return ir.Mesh(tuple(names), tuple(int(s) for s in mesh.mesh.shape))
 
 
-def to_plan(plan: PlanSpec, mesh: ir.Mesh) -> Plan:
-    """A preset string, a ``Plan``, or a user dict ``{fqn_glob: {axis: "S(d)"|"R"|"P"}}`` with an
-    optional ``"preset"`` key (default: from the mesh's axis names, see ``default_preset``)."""
-    if isinstance(plan, Plan):
-        return plan
-    if isinstance(plan, str):
-        return Plan.of(plan)
-    entries = dict(plan)
-    preset = entries.pop("preset", None)
-    if preset is None:
-        preset = default_preset(mesh)
-    for glob, axes in entries.items():
-        if not isinstance(axes, Mapping):
-            raise PassError(f"plan entry {glob!r} must map mesh axes to placements, e.g. {{'tp': 'S(0)'}}")
-    return Plan.of(str(preset), entries)
-
-
 def parallelize(
     model: nn.Module | None = None,
     mesh: DeviceMesh | None = None,
@@ -65,6 +39,7 @@ def parallelize(
     cluster: str | Cluster | None = None,
     memory: int | str | None = None,
     moe: Mapping[str, Any] | None = None,
+    backend: str = "eager",
 ) -> Any:
     """Compile ``model`` for ``mesh`` with ``plan`` and return this rank's ``ParallelModule``.
 
@@ -73,9 +48,9 @@ def parallelize(
     ``verify``: the first step also checks every value on every rank against the single-device
     model and raises ``VerificationError`` naming the first that differs (op, module path, layouts).
 
-    Without a model, ``@parallelize(mesh=..., plan=...)`` decorates an ``nn.Module`` subclass:
-    constructing it builds the model, its first call compiles it for those inputs (create the
-    optimizer after that call: the parameters are the compiled module's DTensors).
+    Without a model, ``@parallelize(mesh=..., plan=...)`` decorates an ``nn.Module`` subclass: its
+    instances are instances of that class, compiled at construction when ``example_inputs`` are
+    given (so ``AdamW(net.parameters())`` right after works), else on their first call.
 
     ``plan="auto"``: the sharding solve chooses every parameter's and input's layout as well, for
     the hardware ``cluster`` (``"h100:8x1"``; default: gloo ranks on this CPU) under a per-device
@@ -86,37 +61,27 @@ def parallelize(
     mesh axes after ETP), the rest of the world (EDP) replicates them, whatever ``plan`` does with
     attention. Invalid mappings raise before anything runs, naming the rule.
     """
-    target = Target(
-        parse_cluster(cluster) if isinstance(cluster, str) else cluster,
-        parse_size(memory) if isinstance(memory, str) else memory,
-        MoeSpec.of(moe) if moe is not None else None,
+    if mesh is None:
+        raise PassError("parallelize needs a mesh: parallelize(model, init_device_mesh(...), example_inputs, plan=...)")
+    options = CompileOptions.of(
+        mesh=ir_mesh(mesh),
+        plan=plan,
+        moe=moe,
+        cluster=cluster,
+        memory=memory,
+        pipeline=pipeline,
+        verify=verify,
+        backend=backend,
     )
     if model is None:
-        if mesh is None:
-            raise PassError("parallelize needs a mesh: @parallelize(mesh=init_device_mesh(...), plan='fsdp+tp')")
-        return _decorator(mesh, plan, verify, pipeline, target)
-    if mesh is None or example_inputs is None:
-        raise PassError("parallelize(model, mesh, example_inputs, plan=...) needs the mesh and example inputs")
-    return _compile(model, mesh, example_inputs, plan, verify, pipeline, target)
-
-
-@dataclass(frozen=True)
-class Target:
-    """The hardware a plan is made for and the per-device memory bound (None: defaults)."""
-
-    cluster: Cluster | None = None
-    memory: int | None = None
-    moe: MoeSpec | None = None
+        return _decorator(mesh, options, example_inputs)
+    if example_inputs is None:
+        raise PassError("parallelize(model, mesh, example_inputs, plan=...) needs the example inputs")
+    return _compile(model, mesh, example_inputs, options)
 
 
 def _compile(
-    model: nn.Module,
-    mesh: DeviceMesh,
-    example_inputs: Sequence[Any],
-    plan: PlanSpec,
-    verify: bool,
-    pipeline: str,
-    target: Target = Target(),
+    model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], options: CompileOptions
 ) -> ParallelModule:
     if not dist.is_initialized():
         raise PassError("parallelize needs torch.distributed initialized (run under torchrun or spawn ranks)")
@@ -126,29 +91,22 @@ def _compile(
             f"the mesh has {mesh.size()} ranks {tuple(mesh.mesh.shape)} but the world has {world}; "
             f"build the mesh over all {world} ranks"
         )
-    imesh = ir_mesh(mesh)
-    the_plan = to_plan(plan, imesh)
-    if target.moe is not None:
-        check_spec(the_plan, target.moe, imesh)
-    axis_roles(the_plan, imesh)  # NOTE: a bad preset or axis fails here, before the capture
-    ctx = PassContext(mesh=imesh, plan=the_plan, cluster=target.cluster, memory=target.memory)
-    compiled = _compile_once(model, example_inputs, pipeline, ctx, target.moe)
+    compiled = _compile_once(model, example_inputs, options)
     coordinate = mesh.get_coordinate()
     assert coordinate is not None, "this rank is not in the mesh"
+    assert options.mesh is not None
     groups = tuple(mesh.get_group(i).group_name for i in range(mesh.ndim))
     # NOTE: every rank compiled the same graph, so all create the same groups in the same order
     flat = tuple((axes, mesh[axes]._flatten().get_group().group_name) for axes in exchange_axes(compiled))
-    rank = RankContext(imesh, tuple(coordinate), groups, flat)
+    rank = RankContext(options.mesh, tuple(coordinate), groups, flat)
     lowered = lower(compiled, rank)
-    checked = (lower(compiled, rank, record=True), rank) if verify else None
+    checked = (lower(compiled, rank, record=True), rank) if options.verify else None
     n_out = sum(1 for o in compiled.outputs if o.kind == "out")
     return ParallelModule(model, mesh, compiled, lowered, output_is_tuple=n_out > 1, verify_with=checked)
 
 
-def _compile_once(
-    model: nn.Module, example_inputs: Sequence[Any], pipeline: str, ctx: PassContext, moe: MoeSpec | None = None
-) -> ir.Graph:
-    """Capture and run the pipeline on rank 0 only; every rank gets the graph as IR text.
+def _compile_once(model: nn.Module, example_inputs: Sequence[Any], options: CompileOptions) -> ir.Graph:
+    """Compile on rank 0 only; every rank gets the graph as IR text.
 
     NOTE: one plan for all ranks by construction (the sharding solve may stop at a time limit,
     where results depend on machine speed), and the other ranks do not repeat the work. A failure
@@ -156,16 +114,7 @@ def _compile_once(
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            if sys.stderr.isatty():
-                ctx.status = Console(stderr=True).status
-            graph = capture(model, example_inputs, moe=moe)
-            if moe is not None:
-                # NOTE: the experts are found in the captured graph (modules meshfold recognizes, and
-                # code calling meshfold.moe_experts alike)
-                assert ctx.mesh is not None and isinstance(ctx.plan, Plan)
-                graph = with_spec(graph, moe)
-                ctx.plan = plan_with_experts(ctx.plan, moe, graph, ctx.mesh)
-            compiled, _ = PassPipeline.parse(pipeline).run(ctx, graph)
+            compiled = compile_model(model, example_inputs, options).graph
             payload[0] = ("ok", str(compiled))
         except Exception as e:
             payload[0] = ("error", f"{type(e).__name__}: {e}")
@@ -182,42 +131,55 @@ M = TypeVar("M", bound=nn.Module)
 
 
 def _decorator(
-    mesh: DeviceMesh, plan: PlanSpec, verify: bool, pipeline: str, target: Target
+    mesh: DeviceMesh, options: CompileOptions, example_inputs: Sequence[Any] | None
 ) -> Callable[[type[M]], type[M]]:
     def deco(cls: type[M]) -> type[M]:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise PassError(f"@parallelize(...) decorates nn.Module subclasses, not {cls!r}")
-
-        def make(*args: Any, **kwargs: Any) -> LazyParallel:
-            return LazyParallel(cls(*args, **kwargs), mesh, plan, verify, pipeline, target)
-
-        functools.update_wrapper(make, cls, updated=())
-        return make  # type: ignore[return-value]
+        return _parallel_class(cls, mesh, options, example_inputs)
 
     return deco
 
 
-class LazyParallel(nn.Module):
-    """A decorated model: compiled on its first call, then that call's ``ParallelModule`` runs it.
+def _parallel_class(
+    cls: type[M], mesh: DeviceMesh, options: CompileOptions, example_inputs: Sequence[Any] | None
+) -> type[M]:
+    """A subclass of ``cls`` whose instances build the model with ``cls``'s constructor, then hold
+    its compiled form: the compiled module's parameters (DTensors) under the model's own FQNs."""
 
-    After compilation the compiled module's parameters appear here under the model's own FQNs.
-    """
-
-    def __init__(
-        self, model: nn.Module, mesh: DeviceMesh, plan: PlanSpec, verify: bool, pipeline: str, target: Target
-    ) -> None:
-        super().__init__()
-        self._mf_model = [model]  # NOTE: a list, so the uncompiled model is not a submodule
-        self._mf_args = (mesh, plan, verify, pipeline, target)
+    def __init__(self: nn.Module, *args: Any, **kwargs: Any) -> None:
+        model = cls(*args, **kwargs)
+        nn.Module.__init__(self)  # NOTE: not cls.__init__: self holds only the compiled module's state
+        self._mf_model = [model]  # NOTE: a list, so the single-device model is not a submodule
         self._mf_compiled: list[ParallelModule] = []
+        if example_inputs is not None:
+            _adopt(self, _compile(model, mesh, example_inputs, options))
 
-    def forward(self, *inputs: Any) -> Any:
+    def forward(self: nn.Module, *inputs: Any) -> Any:
         if not self._mf_compiled:
-            mesh, plan, verify, pipeline, target = self._mf_args
-            pm = _compile(self._mf_model[0], mesh, inputs, plan, verify, pipeline, target)
-            self._mf_compiled.append(pm)
-            for name, child in pm._modules.items():
-                self.add_module(name, child)
-            for name, p in pm._parameters.items():
-                self.register_parameter(name, p)
+            _adopt(self, _compile(self._mf_model[0], mesh, inputs, options))
         return self._mf_compiled[0](*inputs)
+
+    def parameters(self: nn.Module, recurse: bool = True) -> Any:
+        if not self._mf_compiled:
+            raise PassError(
+                f"{cls.__name__} is compiled on its first call, so it has no parameters yet; give "
+                "@parallelize(..., example_inputs=...) to compile at construction, or create the optimizer "
+                "after the first call"
+            )
+        return nn.Module.parameters(self, recurse)
+
+    body = {"__init__": __init__, "forward": forward, "parameters": parameters, "__module__": cls.__module__}
+    parallel = type(cls.__name__, (cls,), body)
+    parallel.__qualname__ = cls.__qualname__
+    parallel.__doc__ = cls.__doc__
+    return parallel  # type: ignore[return-value]
+
+
+def _adopt(host: nn.Module, pm: ParallelModule) -> None:
+    """Make ``pm``'s modules and parameters ``host``'s, under the model's own names."""
+    host._mf_compiled.append(pm)  # type: ignore[operator]
+    for name, child in pm._modules.items():
+        host.add_module(name, child)
+    for name, p in pm._parameters.items():
+        host.register_parameter(name, p)

@@ -104,6 +104,15 @@ class ParallelModule(nn.Module):
         self._mf_input_layouts = [layouts[n] for n in lowered.fwd_inputs]
         self._mf_kinds = {i.name: i.kind for i in graph.inputs}
         state = dict(model.named_parameters()) | dict(model.named_buffers())
+        self._mf_state_keys = _state_dict_names(model)
+        # NOTE: a model's non-persistent buffers (rotary tables) stay out of every state dict, ours too.
+        non_persistent = _non_persistent_buffers(model)
+        # NOTE: what the graph never reads (an unused parameter) still belongs in the model's state dict.
+        self._mf_unread = {
+            key: state[name].detach().clone()
+            for key, name in self._mf_state_keys.items()
+            if name not in lowered.fwd_inputs and not any(name in row for s in graph.stacks for row in s.members)
+        }
         # NOTE: experts folded from an nn.ModuleList run on stacked parameters built from the model's own.
         with torch.no_grad():
             stacked = stack_tensors(graph.stacks, state)
@@ -120,7 +129,7 @@ class ParallelModule(nn.Module):
             if kind == "param":
                 parent.register_parameter(leaf, nn.Parameter(dt, requires_grad=state[name].requires_grad))
             else:
-                parent.register_buffer(leaf, dt)
+                parent.register_buffer(leaf, dt, persistent=name not in non_persistent)
 
     def _mf_parent(self, fqn: str) -> tuple[nn.Module, str]:
         *path, leaf = fqn.split(".")
@@ -188,13 +197,34 @@ class ParallelModule(nn.Module):
         return self._mf_graph
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every parameter and buffer, whole (gathered), under the single-device model's FQNs: stacked
-        experts are cut back into the model's per-expert weights. Collective: call it on every rank."""
+        """The single-device model's ``state_dict()``, whole (gathered): the same keys in the same order
+        (persistent buffers only; both names of a tied weight), so ``model.load_state_dict(...,
+        strict=True)`` takes it. Stacked experts are cut back into the model's per-expert weights.
+        Collective: call it on every rank."""
         whole = {
             n: t.full_tensor() if isinstance(t, DTensor) else t
             for n, t in [*self.named_parameters(), *self.named_buffers()]
         }
-        return as_unstacked(self._mf_graph.stacks, whole)
+        own = as_unstacked(self._mf_graph.stacks, whole) | self._mf_unread
+        return {key: own[name].detach() for key, name in self._mf_state_keys.items()}
+
+
+def _state_dict_names(model: nn.Module) -> dict[str, str]:
+    """Each key of ``model.state_dict()`` → the name ``named_parameters``/``named_buffers`` give that
+    tensor (they list a tied weight once, the state dict under every name)."""
+    first: dict[int, str] = {}
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        first.setdefault(id(t), name)
+    return {key: first[id(t)] for key, t in model.state_dict(keep_vars=True).items()}
+
+
+def _non_persistent_buffers(model: nn.Module) -> set[str]:
+    """FQNs of the buffers ``model`` registered with ``persistent=False``."""
+    return {
+        f"{path}.{leaf}" if path else leaf
+        for path, mod in model.named_modules(remove_duplicate=False)
+        for leaf in mod._non_persistent_buffers_set
+    }
 
 
 def named_placements(pm: ParallelModule) -> Sequence[tuple[str, str]]:

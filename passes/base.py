@@ -6,9 +6,14 @@ import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from meshfold.ir import Graph, Mesh
+
+if TYPE_CHECKING:
+    from meshfold.passes.cost.hardware import Cluster
+    from meshfold.passes.moe.spec import MoeSpec
+    from meshfold.passes.sharding.plans import Plan
 
 # NOTE: graph properties passes require and ensure. ``joint`` holds for a fresh capture.
 JOINT = "joint"
@@ -36,23 +41,26 @@ class PassFailure(PassError):
 
 @dataclass
 class PassContext:
-    """Everything a pass may read besides the graph: the target mesh and collected diagnostics.
+    """Everything a pass may read besides the graph: what the compilation targets (set by the caller,
+    read by passes, never reassigned by them) and what passes report back (diagnostics, stats).
 
     A fresh context per compilation; passes never keep state elsewhere.
     """
 
     mesh: Mesh | None = None
-    plan: object | None = None
-    """A ``passes.sharding.plans.Plan`` chosen by the caller (a user plan); overrides pass options."""
-    cluster: object | None = None
-    """A ``passes.cost.hardware.Cluster`` the program is planned for (None: gloo ranks on this CPU)."""
-    memory: float | None = None
+    plan: Plan | None = None
+    """The plan the sharding pass follows (None: the preset the mesh's axis names imply)."""
+    moe: MoeSpec | None = None
+    """The expert mapping ``moe-fold`` applies and the sharding pass lays the expert weights out by."""
+    cluster: Cluster | None = None
+    """The cluster the program is planned for (None: gloo ranks on this CPU)."""
+    memory: int | None = None
     """Per-device memory bound in bytes for the sharding solve (None: the cluster's HBM, or none)."""
     diagnostics: list[str] = field(default_factory=list)
     stats: dict[str, object] = field(default_factory=dict)
-    status: Callable[[str], AbstractContextManager[object]] = quiet
-    """Shows what a long step is doing while it runs (``rich``'s ``Console.status`` on a terminal)."""
     """Figures passes report about their own work (e.g. ``sharding.solve``: per-axis program size)."""
+    status: Callable[[str], AbstractContextManager[object]] = quiet
+    """Shows what a long step is doing while it runs (see ``meshfold.session.Progress``)."""
 
     def warn(self, message: str) -> None:
         """Record a diagnostic and surface it as a Python warning."""

@@ -97,10 +97,12 @@ class PassPipeline:
         """Check the order, then apply every pass; return the final graph and per-pass times."""
         self.check(initial)
         timings: list[PassTiming] = []
+        n = len(self.passes)
         for i, p in enumerate(self.passes):
             start = time.perf_counter()
             try:
-                graph = p.apply(ctx, graph)
+                with ctx.status(f"pass {i + 1} of {n}: {pass_spelling(p)}"):
+                    graph = p.apply(ctx, graph)
             except Exception as e:
                 raise PassFailure(i, pass_spelling(p), e) from e
             timings.append(PassTiming(p.name, time.perf_counter() - start))

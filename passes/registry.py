@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from meshfold.passes.base import Pass
 from meshfold.passes.cleanup import Cleanup
+from meshfold.passes.moe.fold import MoeFold
 from meshfold.passes.schedule.bucket import Bucket
 from meshfold.passes.sharding.boxing import Boxing
 from meshfold.passes.sharding.propagate import Sharding
 from meshfold.passes.verify import Verify
 
-_PASSES: tuple[type[Pass], ...] = (Cleanup, Sharding, Boxing, Bucket, Verify)
+_PASSES: tuple[type[Pass], ...] = (Cleanup, MoeFold, Sharding, Boxing, Bucket, Verify)
 
 
 def default_registry() -> dict[str, type[Pass]]:

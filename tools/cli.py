@@ -9,66 +9,65 @@ from typing import Any
 
 from rich.console import Console
 
+from meshfold import __version__
 from meshfold.tools import plan_cli
 
 # NOTE: `meshfold plan` runs the pure-Python simulator; torch and the compiler load only for the
-# commands that need them (see _compiler()).
-ZOO = (
-    "deepseek-tiny",
-    "gpt2-tiny",
-    "hf-llama",
-    "hf-mixtral",
-    "llama-tiny",
-    "mixtral-list-tiny",
-    "mixtral-tiny",
-    "moe-loop-tiny",
-    "mlp",
-)
+# commands that need them.
 
 
 def write_dumps(model_name: str, mesh: Any, plan: str, dump_dir: Path, moe: dict[str, Any] | None = None) -> Path:
-    """Compile ``model_name`` for ``mesh`` in this process and dump every pass (text, dot, html);
-    ``moe`` is the expert mapping, as ``parallelize(..., moe=)`` takes it."""
-    from meshfold import DEFAULT_PIPELINE, capture
-    from meshfold.moe import MoeSpec, plan_with_experts, with_spec
-    from meshfold.passes import PassContext, PassPipeline
-    from meshfold.passes.sharding.plans import Plan
+    """Compile ``model_name`` for ``mesh`` in this process (the one compile path, as ``parallelize``
+    does on rank 0) and dump every step (text, dot, html); ``moe`` is the expert mapping, as
+    ``parallelize(..., moe=)`` takes it."""
+    from meshfold.session import CompileOptions, compile_model
     from meshfold.tools.dumps import DumpWriter
     from meshfold.tools.zoo import build
 
-    pipeline = PassPipeline.parse(DEFAULT_PIPELINE)
+    options = CompileOptions.of(mesh=mesh, plan=plan, moe=moe)
     model, inputs = build(model_name)
-    spec = MoeSpec.of(moe) if moe is not None else None
-    graph = capture(model, inputs, moe=spec)
-    the_plan = Plan.of(plan)
-    if spec is not None:
-        graph = with_spec(graph, spec)
-        the_plan = plan_with_experts(the_plan, spec, graph, mesh)
-    writer = DumpWriter(dump_dir, pipeline, title=f"{model_name} on {mesh}, plan {plan}")
-    writer.write_step(graph)
+    writer = DumpWriter(dump_dir, options.check(), title=f"{model_name} on {mesh}, plan {plan}")
     try:
-        pipeline.run(PassContext(mesh=mesh, plan=the_plan), graph, lambda i, p, g: writer.write_step(g))
+        compile_model(model, inputs, options, before=writer.write_step, callback=lambda i, p, g: writer.write_step(g))
     finally:
         index = writer.write_index()
     return index
 
 
+def _zoo_names() -> list[str]:
+    """The zoo's models (reading the registry imports torch, so only the commands that run one ask)."""
+    from meshfold.tools.zoo import zoo_names
+
+    return zoo_names()
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``meshfold`` console script."""
     ap = argparse.ArgumentParser(prog="meshfold", description="Compile single-device PyTorch models for meshes.")
+    ap.add_argument("--version", action="version", version=f"meshfold {__version__}")
     sub = ap.add_subparsers(dest="command", required=True)
-    d = sub.add_parser("demo", help="train a built-in model on local CPU ranks beside the single-device model")
-    d.add_argument("--model", default="llama-tiny", choices=ZOO)
+    d = sub.add_parser(
+        "demo",
+        help="train a built-in model on local CPU ranks beside the single-device model",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    d.add_argument("--model", default="llama-tiny", help="a zoo model (`pass-debug --help` lists them)")
     d.add_argument("--mesh", default="dp=2,tp=2", help="named mesh, e.g. dp=2,tp=2 (its size = number of ranks)")
-    d.add_argument("--plan", default=None, help="preset such as fsdp+tp (default: from the mesh's axis names)")
-    d.add_argument("--steps", type=int, default=20)
-    d.add_argument("--dump-dir", type=Path, default=Path("dumps"))
+    d.add_argument("--plan", default=None, help="preset such as fsdp+tp; None: the one the mesh's axis names imply")
+    d.add_argument("--steps", type=int, default=20, help="training steps")
+    d.add_argument("--dump-dir", type=Path, default=Path("dumps"), help="where the pass dumps go")
     d.add_argument(
         "--moe",
         default="auto",
         help="expert mapping for MoE models: auto (EP over the most ranks that divide the experts), off, or ep=N",
     )
-    plan_cli.add_arguments(sub.add_parser("plan", help="rank parallel plans for a model on a cluster (simulated)"))
+    plan_cli.add_arguments(
+        sub.add_parser(
+            "plan",
+            help="rank parallel plans for a model on a cluster (simulated)",
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+    )
     args = ap.parse_args(argv)
     console = Console()
     if args.command == "plan":
@@ -81,9 +80,12 @@ def main(argv: list[str] | None = None) -> int:
     from meshfold.passes import PassError
     from meshfold.passes.sharding.plans import default_preset
     from meshfold.tools.demo import run_demo
-    from meshfold.tools.pass_debug import CliError
+    from meshfold.tools.pass_debug import CliError, show_progress
 
+    show_progress()
     try:
+        if args.model not in _zoo_names():
+            raise CliError(f"unknown model {args.model!r}; zoo models: {', '.join(_zoo_names())}")
         mesh = ir.Mesh.parse(args.mesh)
         plan = args.plan or default_preset(mesh)
         moe = _moe_option(args.moe, args.model, mesh)

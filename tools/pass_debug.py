@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
 import sys
 from collections.abc import Sequence
@@ -27,13 +28,14 @@ from rich.table import Table
 
 from meshfold import ir
 from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
-from meshfold.moe import MoeSpec, plan_with_experts, with_spec
-from meshfold.passes import Pass, PassContext, PassError, PassFailure, PassPipeline, PassTiming, pass_spelling
-from meshfold.passes.sharding.plans import Plan, axis_roles, default_preset
+from meshfold.passes import Pass, PassError, PassFailure, PassPipeline, PassTiming, pass_spelling
+from meshfold.passes.moe.spec import MoeSpec
+from meshfold.passes.sharding.plans import Plan, axis_roles
+from meshfold.session import DEFAULT_PIPELINE, CompileOptions, compile_model, progress
 from meshfold.tools.dumps import DumpWriter, phase_counts
+from meshfold.tracer import CaptureError
 
 EXIT_ERROR = 2
-FALLBACK_PIPELINE = "cleanup,verify"
 _IR_SUFFIXES = (".mlir", ".ir", ".txt")
 
 
@@ -41,34 +43,39 @@ class CliError(Exception):
     """A user error: shown as one line on stderr, exit code 2."""
 
 
-def default_pipeline() -> str:
-    """``compiler.pipeline.DEFAULT_PIPELINE`` when that module exists, else ``cleanup,verify``."""
-    try:
-        module = importlib.import_module("meshfold.pipeline")
-    except ModuleNotFoundError as e:
-        if e.name not in ("meshfold.pipeline", "compiler"):
-            raise
-        return FALLBACK_PIPELINE
-    return str(getattr(module, "DEFAULT_PIPELINE", FALLBACK_PIPELINE))
-
-
 def _arg_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="pass-debug", description="Run a meshfold pass pipeline and show the graph between passes."
+        prog="pass-debug",
+        description="Run a meshfold pass pipeline and show the graph between passes. Every option "
+        "parallelize() takes is a flag here, so any compilation can be replayed from the shell.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("model", metavar="MODEL", help="zoo model name, module:factory, or a path to an IR text file")
-    p.add_argument("-p", "--pipeline", help="pass pipeline, e.g. 'cleanup,verify' (default: the compiler's)")
+    from meshfold.tools.zoo import zoo_names
+
+    p.add_argument(
+        "model",
+        metavar="MODEL",
+        help=f"a zoo model ({', '.join(zoo_names())}), module:factory, or a path to an IR text file",
+    )
+    p.add_argument("-p", "--pipeline", default=DEFAULT_PIPELINE, help="pass pipeline")
+    p.add_argument("--mesh", metavar="MESH", help="device mesh, e.g. dp=2,tp=2 (an IR file may declare its own)")
+    p.add_argument("--plan", help="preset such as fsdp+tp, or auto; None: the one the mesh's axis names imply")
+    p.add_argument("--moe", metavar="SPEC", help="expert mapping for the routed experts, e.g. ep=4 or ep=2,etp=1")
+    p.add_argument("--cluster", help="cluster the plan is made for, e.g. h100:8x1; None: gloo ranks on this CPU")
+    p.add_argument("--memory", help="per-device memory bound for the sharding solve, e.g. 40GiB; None: the cluster's")
+    p.add_argument("--backend", default="eager", help="backend the program is lowered for")
+    p.add_argument(
+        "--assume",
+        default="",
+        metavar="PROPS",
+        help="graph properties an IR file already has, e.g. sharded or boxed (comma-separated)",
+    )
     p.add_argument("--print-after", action="append", default=[], metavar="NAME", help="print the IR after pass NAME")
     p.add_argument("--print-between-passes", action="store_true", help="print the input IR and the IR after each pass")
+    p.add_argument("--print-result", action="store_true", help="print only the IR the pipeline ends with")
     p.add_argument("--time-passes", action="store_true", help="print per-pass wall time to stderr")
     p.add_argument("--verify", action="store_true", help="run the IR verifier on the input and after every pass")
     p.add_argument("--dump-dir", type=Path, metavar="DIR", help="write txt/dot/svg/html dumps of every step to DIR")
-    p.add_argument("--mesh", metavar="MESH", help="device mesh for the passes, e.g. dp=2,tp=2")
-    p.add_argument(
-        "--moe",
-        metavar="SPEC",
-        help="expert mapping for the routed experts, e.g. ep=4 or ep=2,etp=1 (needs --mesh)",
-    )
     p.add_argument("--no-color", action="store_true", help="plain output without colour")
     return p
 
@@ -82,16 +89,11 @@ def _load_ir_file(path: Path) -> ir.Graph:
         raise CliError(f"{path}: cannot read IR text ({e}); pass a file written by the IR printer") from None
 
 
-def _capture(model: Any, inputs: Any, what: str) -> ir.Graph:
-    from meshfold.tracer import CaptureError, capture
-
-    try:
-        return capture(model, tuple(inputs))
-    except CaptureError as e:
-        raise CliError(f"cannot capture {what}: {e}") from None
+Source = tuple[ir.Graph | Any, tuple[Any, ...] | None]
+"""An IR graph (no inputs), or a model and its example inputs."""
 
 
-def _load_factory(spec: str) -> ir.Graph:
+def _load_factory(spec: str) -> Source:
     module_name, _, attr_path = spec.partition(":")
     if not module_name or not attr_path:
         raise CliError(f"model {spec!r} must look like module:factory, e.g. my_models:make_mlp")
@@ -124,10 +126,10 @@ def _load_factory(spec: str) -> ir.Graph:
         raise CliError(f"factory {spec!r} raised {type(e).__name__}: {e}") from None
     if not (isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[1], (tuple, list))):
         raise CliError(f"factory {spec!r} returned {type(result).__name__}; it must return (model, example_inputs)")
-    return _capture(result[0], result[1], f"model from {spec!r}")
+    return result[0], tuple(result[1])
 
 
-def _load_zoo(name: str) -> ir.Graph:
+def _load_zoo(name: str) -> Source:
     try:
         zoo = importlib.import_module("meshfold.tools.zoo")
     except ModuleNotFoundError as e:
@@ -143,14 +145,15 @@ def _load_zoo(name: str) -> ir.Graph:
         model, inputs = zoo.build(name)
     except ImportError as e:
         raise CliError(f"zoo model {name!r} needs a missing package ({e}); for hf-* install meshfold[hf]") from None
-    return _capture(model, inputs, f"zoo model {name!r}")
+    return model, tuple(inputs)
 
 
-def load_model(spec: str) -> tuple[ir.Graph, str]:
-    """Resolve MODEL (IR file, ``module:factory`` or zoo name) to a graph and a one-line description."""
+def load_model(spec: str) -> tuple[Source, str]:
+    """Resolve MODEL (IR file, ``module:factory`` or zoo name) to what ``compile_model`` takes and a
+    one-line description."""
     path = Path(spec)
     if path.is_file():
-        return _load_ir_file(path), f"IR file {spec}"
+        return (_load_ir_file(path), None), f"IR file {spec}"
     if path.suffix in _IR_SUFFIXES:
         raise CliError(f"IR file {spec!r} does not exist")
     if ":" in spec:
@@ -257,31 +260,6 @@ def _layout_text(value: ir.Value) -> str:
     return text if text != "{}" else "replicated"
 
 
-def _context(spec: MoeSpec | None, pipeline: PassPipeline, graph: ir.Graph, mesh: ir.Mesh | None) -> PassContext:
-    """The passes' context: the mesh, and with an expert mapping the plan that carries it."""
-    if spec is None or mesh is None:
-        return PassContext(mesh=mesh)
-    return PassContext(mesh=mesh, plan=plan_with_experts(Plan.of(sharding_preset(pipeline, mesh)), spec, graph, mesh))
-
-
-def _shown_plan(ctx: PassContext, pipeline: PassPipeline) -> Plan | None:
-    """The plan the sharding pass used (None without a mesh or a sharding pass)."""
-    if isinstance(ctx.plan, Plan):
-        return ctx.plan
-    if ctx.mesh is None or "sharding" not in [p.name for p in pipeline.passes]:
-        return None
-    return Plan.of(sharding_preset(pipeline, ctx.mesh))
-
-
-def sharding_preset(pipeline: PassPipeline, mesh: ir.Mesh) -> str:
-    """The ``sharding`` pass's ``plan`` option, else the preset the mesh's axis names imply."""
-    for p in pipeline.passes:
-        preset = getattr(p, "plan", "") if p.name == "sharding" else ""
-        if preset:
-            return str(preset)
-    return default_preset(mesh)
-
-
 def _verify(graph: ir.Graph, where: str) -> None:
     try:
         ir.verify(graph)
@@ -314,31 +292,53 @@ def _summary(title: str, steps: Sequence[tuple[str, int, int]]) -> Table:
     return table
 
 
-def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
+def options_from(args: argparse.Namespace, graph_mesh: ir.Mesh | None) -> CompileOptions:
+    """The ``CompileOptions`` the flags spell (``--mesh`` defaults to the mesh an IR file declares)."""
     mesh = _parse_mesh(args.mesh)
-    pipeline = PassPipeline.parse(args.pipeline if args.pipeline is not None else default_pipeline())
-    pipeline.check()
+    if mesh is not None and graph_mesh is not None and mesh != graph_mesh:
+        raise CliError(f"--mesh {mesh} differs from the {graph_mesh} the IR file declares; drop --mesh or match it")
+    return CompileOptions.of(
+        mesh=mesh if mesh is not None else graph_mesh,
+        plan=args.plan,
+        moe=moe_items(args.moe) if args.moe is not None else None,
+        cluster=args.cluster,
+        memory=args.memory,
+        pipeline=args.pipeline,
+        backend=args.backend,
+    )
+
+
+def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    assume = frozenset(filter(None, (a.strip() for a in args.assume.split(","))))
+    pipeline = PassPipeline.parse(args.pipeline)
     names = [p.name for p in pipeline.passes]
     for name in args.print_after:
         if name not in names:
             raise CliError(f"--print-after {name}: pipeline {pipeline} has no pass named {name!r}")
     if args.dump_dir is not None and args.dump_dir.exists() and not args.dump_dir.is_dir():
         raise CliError(f"--dump-dir {args.dump_dir} exists and is not a directory; pass a directory path")
-    spec = parse_moe(args.moe) if args.moe is not None else None
-    graph, label = load_model(args.model)
-    if mesh is not None and graph.mesh is not None and mesh != graph.mesh:
-        raise CliError(f"--mesh {mesh} differs from the {graph.mesh} declared by {label}; drop --mesh or match it")
-    mesh = mesh if mesh is not None else graph.mesh
-    if spec is not None and (mesh is None or "sharding" not in names):
-        raise CliError("--moe maps the experts onto a mesh: pass --mesh (e.g. --mesh dp=2,tp=2) and a sharding pass")
-    if spec is not None:
-        # NOTE: as parallelize does: every experts op takes the mapping's dispatcher and capacity
-        graph = with_spec(graph, spec)
-    ctx = _context(spec, pipeline, graph, mesh)
+    if args.mesh is not None:
+        _parse_mesh(args.mesh)
+    if args.moe is not None:
+        parse_moe(args.moe)  # NOTE: a malformed spec is refused before the model is loaded
+    (source, inputs), label = load_model(args.model)
+    options = options_from(args, source.mesh if isinstance(source, ir.Graph) else None)
+    options.check(assume)
     writer = DumpWriter(args.dump_dir, pipeline, title=label) if args.dump_dir is not None else None
-    printing = bool(args.print_between_passes or args.print_after)
+    printing = bool(args.print_between_passes or args.print_after or args.print_result)
     n = len(pipeline.passes)
-    steps: list[tuple[str, int, int]] = [("input", *phase_counts(graph))]
+    steps: list[tuple[str, int, int]] = []
+    first: list[ir.Graph] = []
+
+    def before(graph: ir.Graph) -> None:
+        first.append(graph)
+        if args.verify:
+            _verify(graph, f"on the input graph ({label})")
+        if args.print_between_passes:
+            _print_ir(f"IR before the pipeline (input, {label})", graph)
+        if writer is not None:
+            writer.write_step(graph)
+        steps.append(("input", *phase_counts(graph)))
 
     def after_pass(i: int, p: Pass, g: ir.Graph) -> None:
         where = f"pass {i + 1} of {n} ({pass_spelling(p)})"
@@ -351,29 +351,42 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
         steps.append((pass_spelling(p), *phase_counts(g)))
 
     try:
-        if args.verify:
-            _verify(graph, f"on the input graph ({label})")
-        if args.print_between_passes:
-            _print_ir(f"IR before the pipeline (input, {label})", graph)
-        if writer is not None:
-            writer.write_step(graph)
         try:
-            final, timings = pipeline.run(ctx, graph, after_pass)
+            result = compile_model(
+                source, inputs, options, callback=after_pass, before=before, assume=assume, status=progress()
+            )
+        except CaptureError as e:
+            raise CliError(f"cannot capture {label}: {e}") from None
         except PassFailure as e:
             raise CliError(f"{e.args[0].replace(f'pass {e.index + 1} ', f'pass {e.index + 1} of {n} ', 1)}") from None
     finally:
         if writer is not None and writer.records:
             writer.write_index()
+    if args.print_result:
+        print(str(result.graph), end="", flush=True)
     if args.time_passes:
-        err.print(_timing_table(timings, pipeline.passes))
+        err.print(_timing_table(result.timings, result.pipeline.passes))
     if not printing:
-        title = f"{label}: graph @{graph.name}, {ctx.mesh or 'no mesh'}, pipeline {pipeline}"
+        mesh = result.options.mesh or (source.mesh if isinstance(source, ir.Graph) else None)
+        title = f"{label}: graph @{first[0].name}, {mesh or 'no mesh'}, pipeline {result.pipeline}"
         out.print(_summary(title, steps))
-        for table in moe_tables(final, _shown_plan(ctx, pipeline), ctx.mesh, spec):
+        plan = result.options.effective_plan() if "sharding" in names else None
+        for table in moe_tables(result.graph, plan, mesh, result.options.moe):
             out.print(table)
         if writer is not None:
             out.print(f"dumps: {len(writer.records)} steps in {args.dump_dir}; open {args.dump_dir / 'index.html'}")
     return 0
+
+
+def show_progress() -> None:
+    """Off a terminal, the ``meshfold`` log's progress lines (a stage that took a second or more)
+    go to stderr; on one, stages show as a spinner instead (``meshfold.session.progress``)."""
+    logger = logging.getLogger("meshfold")
+    if not sys.stderr.isatty() and not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("meshfold: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -385,6 +398,7 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else EXIT_ERROR
     out = Console(file=sys.stdout, no_color=args.no_color, highlight=False, soft_wrap=True)
     err = Console(file=sys.stderr, no_color=args.no_color, highlight=False, soft_wrap=True)
+    show_progress()
     try:
         return _run(args, out, err)
     except (CliError, PassError, ir.ParseError, ir.VerifyError) as e:

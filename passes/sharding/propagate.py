@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 import torch
 
@@ -20,7 +20,7 @@ from meshfold.ir import Graph, GraphBuilder, Layout, Mesh, Op, Partial, Placemen
 from meshfold.ir.graph import Arg
 from meshfold.ir.ops import REDISTRIBUTE
 from meshfold.passes.base import JOINT, Pass, PassContext, PassError
-from meshfold.passes.cost.hardware import Cluster
+from meshfold.passes.moe.spec import plan_with_experts
 from meshfold.passes.sharding.cost import IMPOSSIBLE, nbytes, transition_cost
 from meshfold.passes.sharding.plans import AUTO, Plan, Seeds, default_preset, resolve
 from meshfold.passes.sharding.rules import RuleTable, rule_table, strategies_for
@@ -45,15 +45,14 @@ _VIEW_LIKE = {
 
 @dataclass(frozen=True)
 class Sharding(Pass):
-    """Assign layouts from a plan (``plan=fsdp+tp``; empty: inferred from the mesh's axis names); the
-    context's plan, if set, takes precedence. Without a mesh the graph runs on one device and is
-    returned unchanged."""
+    """Assign layouts from the context's plan (None: the preset the mesh's axis names imply), with the
+    expert weights laid out by the context's expert mapping (applied to the ops by ``moe-fold``).
+    Without a mesh the graph runs on one device and is returned unchanged."""
 
     name: ClassVar[str] = "sharding"
     requires: ClassVar[frozenset[str]] = frozenset({JOINT})
     ensures: ClassVar[frozenset[str]] = frozenset({SHARDED})
-    plan: str = ""
-    mode: str = "solve"
+    mode: Literal["solve", "greedy"] = "solve"
     """``solve``: one integer program per mesh axis over the whole graph (``solve.py``); ``greedy``:
     the cheapest strategy per op in program order, seeing only its operands."""
     time_limit: float = 30.0
@@ -66,9 +65,9 @@ class Sharding(Pass):
         mesh = ctx.mesh
         if mesh is None:
             return graph
-        if self.mode not in ("solve", "greedy"):
-            raise PassError(f"sharding{{mode={self.mode}}}: mode must be 'solve' or 'greedy'")
-        plan = ctx.plan if isinstance(ctx.plan, Plan) else Plan.of(self.plan or default_preset(mesh))
+        plan = ctx.plan if ctx.plan is not None else Plan.of(default_preset(mesh))
+        if ctx.moe is not None:
+            plan = plan_with_experts(plan, ctx.moe, graph, mesh)
         auto = plan.preset == AUTO
         if auto and self.mode != "solve":
             raise PassError("plan='auto' needs sharding{mode=solve}: the greedy choice cannot pick layouts")
@@ -108,7 +107,7 @@ def _solved(
     def valid(op: Op, s: Strategy, earlier: list[Strategy]) -> bool:
         return _valid(s, list(op.operands), op.results, mesh, earlier) and _keeps(s, op.operands, prop.pinned, earlier)
 
-    cluster = ctx.cluster if isinstance(ctx.cluster, Cluster) else None
+    cluster = ctx.cluster
     memory = ctx.memory if ctx.memory is not None else (cluster.device.hbm_bytes if cluster is not None else None)
     machines = machines_for(mesh, cluster)
     problem = Problem(graph, mesh, candidates, start, free, wants, machines, valid, memory)

@@ -174,6 +174,56 @@ def decorated(plan: str = "fsdp") -> float:
     return float(loss)
 
 
+def decorated_usual_order() -> float:
+    """The usual training-script order on a decorated class: construct, ``isinstance``, build the
+    optimizer from ``net.parameters()``, then train; every step equals single device. Without
+    example inputs, asking for the parameters before the first call says what to do."""
+    from meshfold import parallelize as par
+    from meshfold.passes import PassError
+    from meshfold.tools.zoo.models import MLP
+
+    warnings.filterwarnings("ignore")
+    mesh = device_mesh((2,), ("dp",))
+    _, inputs = build("mlp")
+
+    @par(mesh=mesh, plan="fsdp", example_inputs=inputs)
+    class Net(MLP):
+        pass
+
+    @par(mesh=mesh, plan="fsdp")
+    class LazyNet(MLP):
+        pass
+
+    lazy = LazyNet()
+    assert isinstance(lazy, LazyNet) and isinstance(lazy, MLP)
+    try:
+        lazy.parameters()
+    except PassError as e:
+        assert "example_inputs" in str(e), e
+    else:
+        raise AssertionError("parameters() before the first call must raise")
+    torch.manual_seed(0)
+    net = Net()
+    assert isinstance(net, Net) and isinstance(net, MLP) and type(net).__name__ == "Net"
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    torch.manual_seed(0)
+    ref = MLP()
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for _ in range(2):
+        losses = []
+        for o, model in ((opt, net), (ref_opt, ref)):
+            o.zero_grad()
+            loss = model(*inputs)
+            loss.backward()
+            o.step()
+            losses.append(loss.detach())
+        torch.testing.assert_close(losses[0], losses[1], rtol=RTOL, atol=ATOL)
+    ref_params = dict(ref.named_parameters())
+    for name, p in net.named_parameters():
+        torch.testing.assert_close(p.full_tensor(), ref_params[name].detach(), rtol=RTOL, atol=ATOL)
+    return float(net(*inputs))
+
+
 def hf_equivalence(arch: str, shape: tuple[int, ...], names: tuple[str, ...], plan: str) -> float:
     """One step of an HF model from ``tests.dist.hf_models``: loss and every gradient as single device."""
     from tests.dist.hf_models import build_hf

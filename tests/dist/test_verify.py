@@ -29,3 +29,8 @@ def test_verify_names_the_first_value_that_differs(rank_pools: RankPools) -> Non
 def test_decorator_form(rank_pools: RankPools) -> None:
     losses = rank_pools.get(2).run("tests.dist.cases:decorated", plan="fsdp")
     assert losses[0] == losses[1] > 0
+
+
+def test_decorated_class_in_the_usual_order(rank_pools: RankPools) -> None:
+    losses = rank_pools.get(2).run("tests.dist.cases:decorated_usual_order")
+    assert losses[0] == losses[1] > 0

@@ -1,59 +1,45 @@
 """Golden-file machinery: filecheck'd pass tests and whole expected dumps.
 
 ``MESHFOLD_UPDATE_GOLDEN=1`` rewrites expected files from what the code prints now; a changed
-golden file is reviewed like code. A ``// RUN:`` line names the pipeline, then optional
-``--mesh dp=2,tp=2``, ``--assume boxed`` and ``--moe ep=4`` (the expert mapping for the graph's
-``meshfold.moe_experts`` weights, as ``pass-debug --moe`` gives it).
+golden file is reviewed like code. A pass test's ``// RUN:`` line is a real ``pass-debug`` command
+(``%s`` is the file itself), as a user would type it; its standard output is filecheck'd.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import shlex
 import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from meshfold import ir
-from meshfold.moe import plan_with_experts
-from meshfold.passes import JOINT, PassContext, PassPipeline
-from meshfold.passes.sharding.plans import Plan
-from meshfold.tools.pass_debug import parse_moe, sharding_preset
+from meshfold.tools.pass_debug import main as pass_debug
 
 GOLDEN_DIR = Path(__file__).parent
 UPDATE = os.environ.get("MESHFOLD_UPDATE_GOLDEN") == "1"
 
 
-def run_line(path: Path) -> tuple[str, ir.Mesh | None, frozenset[str], str | None]:
-    """The pipeline, ``--mesh``, ``--assume`` (graph properties taken as given) and ``--moe`` of the
-    ``// RUN:`` line."""
+def run_line(path: Path) -> list[str]:
+    """The ``// RUN:`` command of ``path`` as argv, ``%s`` replaced by the file's path."""
     for line in path.read_text().splitlines():
         if line.startswith("// RUN:"):
-            words = line[len("// RUN:") :].split()
-            opts = dict(zip(words[1::2], words[2::2], strict=False))
-            mesh = opts.get("--mesh")
-            assume = frozenset(filter(None, opts.get("--assume", "").split(",")))
-            return words[0], ir.Mesh.parse(mesh) if mesh else None, assume, opts.get("--moe")
-    raise AssertionError(f"{path} has no `// RUN: <pipeline>` line")
+            words = shlex.split(line[len("// RUN:") :])
+            assert words and words[0] == "pass-debug", f"{path}: a RUN line runs pass-debug, not {words[:1]}"
+            return [str(path) if w == "%s" else w for w in words]
+    raise AssertionError(f"{path} has no `// RUN: pass-debug %s ...` line")
 
 
 def run_pipeline_file(path: Path) -> str:
-    """Parse the file's IR, run its RUN pipeline verifying after every pass, return the printed result."""
-    pipeline, mesh, assume, moe = run_line(path)
-    graph = ir.parse(path.read_text())
-    ir.verify(graph)
-    ctx = PassContext(mesh=mesh)
-    if moe is not None:
-        assert mesh is not None, f"{path}: --moe needs --mesh"
-        passes = PassPipeline.parse(pipeline)
-        plan = Plan.of(sharding_preset(passes, mesh))
-        ctx = PassContext(mesh=mesh, plan=plan_with_experts(plan, parse_moe(moe), graph, mesh))
-
-    def check(i: int, p: object, g: ir.Graph) -> None:
-        ir.verify(g)
-
-    out, _ = PassPipeline.parse(pipeline).run(ctx, graph, check, initial=assume | {JOINT})
-    return str(out)
+    """Run the file's RUN command (pass-debug's entry point, in this process) and return its stdout."""
+    argv = run_line(path)
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = pass_debug(argv[1:])
+    assert code == 0, f"{shlex.join(argv)} exited {code}:\n{err.getvalue()}"
+    return out.getvalue()
 
 
 def filecheck(path: Path, output: str) -> None:

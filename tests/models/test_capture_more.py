@@ -8,9 +8,8 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from meshfold import capture, ir
+from meshfold import capture, compile_model, ir
 from meshfold.backends.interpret import interpret
-from meshfold.passes import PassContext, PassPipeline
 from tests.models import extra
 
 FACTORIES: dict[str, Callable[[], tuple[torch.nn.Module, tuple[torch.Tensor, ...]]]] = {
@@ -29,7 +28,7 @@ def test_capture_round_trip_verify_cleanup(name: str) -> None:
     text = str(g)
     assert str(ir.parse(text)) == text
     ir.verify(g)
-    cleaned, _ = PassPipeline.parse("cleanup,verify").run(PassContext(), g)
+    cleaned = compile_model(g, None, "cleanup,verify").graph
     assert len(cleaned.ops) <= len(g.ops)
 
 
@@ -44,7 +43,7 @@ def test_batchnorm_running_stats_are_update_outputs() -> None:
 def test_numerics_match_eager(name: str) -> None:
     torch.manual_seed(0)
     model, inputs = FACTORIES[name]()
-    g, _ = PassPipeline.parse("cleanup").run(PassContext(), capture(model, inputs))
+    g = compile_model(model, inputs, "cleanup").graph
     outs = model(*inputs)
     first = outs[0] if isinstance(outs, tuple) else outs
     first.float().backward()

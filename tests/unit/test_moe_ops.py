@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from meshfold import ir
 from meshfold.ir.moe import EXPERTS, experts, experts_range
-from meshfold.moe import ExpertsSite, MoeSpec, expert_overrides, find_experts
+from meshfold.moe import ExpertsSite, MoeSpec, find_experts
 from meshfold.passes import PassError
+from meshfold.passes.moe.spec import expert_overrides
 from meshfold.tools.zoo import build
 
 T, H, INTER, E, K = 12, 8, 6, 4, 2

@@ -337,7 +337,16 @@ def moe_file(tmp_path: Path) -> Path:
 
 
 def test_moe_shows_both_mappings_and_the_experts_layouts(moe_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = [str(moe_file), "-p", "sharding,boxing,verify", "--mesh", "dp=2,tp=2", "--moe", "ep=4", "--no-color"]
+    argv = [
+        str(moe_file),
+        "-p",
+        "moe-fold,sharding,boxing,verify",
+        "--mesh",
+        "dp=2,tp=2",
+        "--moe",
+        "ep=4",
+        "--no-color",
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert _table_rows(out, "MoE mapping") == [["dp", "2", "fsdp", "EP"], ["tp", "2", "tp", "EP"]]
@@ -354,7 +363,7 @@ def test_moe_shows_both_mappings_and_the_experts_layouts(moe_file: Path, capsys:
 
 
 def test_moe_on_the_inner_axis_leaves_the_outer_one_edp(moe_file: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    argv = [str(moe_file), "-p", "sharding{plan=ddp+tp},boxing", "--mesh", "dp=2,tp=2", "--moe", "ep=2"]
+    argv = [str(moe_file), "-p", "moe-fold,sharding,boxing", "--plan", "ddp+tp", "--mesh", "dp=2,tp=2", "--moe", "ep=2"]
     assert main([*argv, "--no-color"]) == 0
     out = capsys.readouterr().out
     assert _table_rows(out, "MoE mapping") == [["dp", "2", "ddp", "EDP"], ["tp", "2", "tp", "EP"]]
@@ -377,8 +386,9 @@ def test_graphs_without_experts_get_no_moe_tables(ir_file: Path, capsys: pytest.
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [
-        (["-p", "sharding,boxing", "--moe", "ep=2"], "pass --mesh"),
-        (["-p", "cleanup", "--mesh", "dp=2", "--moe", "ep=2"], "a sharding pass"),
+        (["-p", "moe-fold,sharding,boxing", "--moe", "ep=2"], "give a mesh"),
+        (["-p", "cleanup", "--mesh", "dp=2", "--moe", "ep=2"], "needs the moe-fold pass"),
+        (["-p", "sharding,moe-fold", "--mesh", "dp=2", "--moe", "ep=2"], "needs the moe-fold pass before sharding"),
         (["-p", "sharding", "--mesh", "dp=2", "--moe", "ep"], "key=value"),
         (["-p", "sharding", "--mesh", "dp=2", "--moe", "ep=2,speed=9"], "unknown keys ['speed']"),
         (["-p", "sharding", "--mesh", "dp=2,tp=2", "--moe", "ep=3"], "no such run of axes has 3 ranks"),
@@ -406,7 +416,15 @@ def test_moe_spec_and_mapping_line() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("meshfold.tools.zoo") is None, reason="compiler.zoo is not written yet")
 def test_zoo_moe_model_maps_its_experts(capsys: pytest.CaptureFixture[str]) -> None:
-    argv = ["mixtral-tiny", "-p", "cleanup,sharding{mode=greedy},boxing,verify", "--mesh", "dp=2,tp=2", "--moe", "ep=4"]
+    argv = [
+        "mixtral-tiny",
+        "-p",
+        "cleanup,moe-fold,sharding{mode=greedy},boxing,verify",
+        "--mesh",
+        "dp=2,tp=2",
+        "--moe",
+        "ep=4",
+    ]
     assert main([*argv, "--no-color"]) == 0
     out = capsys.readouterr().out
     assert "experts: EP=4 over (dp, tp), EDP=1" in out

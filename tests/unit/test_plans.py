@@ -6,8 +6,8 @@ from functools import cache
 
 import pytest
 
-from meshfold import DEFAULT_PIPELINE, capture, ir
-from meshfold.passes import PassContext, PassError, PassPipeline
+from meshfold import DEFAULT_PIPELINE, CompileOptions, capture, compile_model, ir
+from meshfold.passes import PassError
 from meshfold.passes.sharding.plans import Plan, default_preset, resolve
 from meshfold.passes.sharding.tp import megatron_roles
 from meshfold.tools.zoo import build
@@ -22,8 +22,7 @@ def _compile(name: str, mesh: ir.Mesh, plan: str, mode: str = "greedy") -> ir.Gr
     """The default pipeline; ``mode=greedy`` shows what a preset means, layer by layer (the solve
     may trade any of it for fewer collectives where its cost model says so)."""
     pipeline = DEFAULT_PIPELINE.replace("sharding", f"sharding{{mode={mode}}}")
-    g, _ = PassPipeline.parse(pipeline).run(PassContext(mesh=mesh, plan=Plan.of(plan)), _captured(name))
-    return g
+    return compile_model(_captured(name), None, CompileOptions.of(mesh=mesh, plan=plan, pipeline=pipeline)).graph
 
 
 def test_megatron_roles_from_dataflow() -> None:
