@@ -169,7 +169,7 @@ def compile_model(
         if example_inputs is None:
             raise PassError("compiling a model needs its example inputs")
         with ctx.status(f"capturing {type(source).__name__}"):
-            captured = capture(source, tuple(example_inputs), moe=opts.moe)
+            captured = capture(source, tuple(example_inputs))  # NOTE: moe-fold applies the mapping
     if before is not None:
         before(captured)
     graph, timings = passes.run(ctx, captured, callback, initial=assume | {JOINT})

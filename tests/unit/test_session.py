@@ -1,0 +1,103 @@
+"""The one compile path: options read once, progress per stage, pass-debug replaying parallelize's
+compilation, and the package's light import."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+
+from meshfold import CompileOptions, compile_model, ir
+from meshfold.passes import PassError
+from meshfold.passes.moe.spec import MoeSpec
+from meshfold.passes.sharding.plans import Plan
+from meshfold.tools.pass_debug import main as pass_debug
+from meshfold.tools.zoo import build
+
+
+def test_options_read_every_user_form_once() -> None:
+    opts = CompileOptions.of(
+        mesh="dp=2,tp=2", plan="fsdp+tp", moe={"ep": 4}, cluster="h100:8x1", memory="40GiB", backend="eager"
+    )
+    assert opts.mesh == ir.Mesh(("dp", "tp"), (2, 2))
+    assert opts.plan == Plan.of("fsdp+tp") and opts.moe == MoeSpec(ep=4)
+    assert (
+        opts.memory == 40 * 2**30
+        and opts.cluster is not None
+        and (opts.cluster.devices_per_node, opts.cluster.nodes) == (8, 1)
+    )
+    assert CompileOptions.of(mesh="dp=2,tp=2").effective_plan() == Plan.of("fsdp+tp")
+    assert CompileOptions.of(mesh="dp=2", plan={"fc1.weight": {"dp": "S(0)"}}).effective_plan() == Plan.of(
+        "fsdp", {"fc1.weight": {"dp": "S(0)"}}
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"mesh": "dp=2", "backend": "tpu"}, "backend 'tpu' is not available"),
+        ({"plan": "fsdp"}, "give a mesh"),
+        ({"mesh": "dp=two"}, "write e.g. dp=2,tp=2"),
+        ({"mesh": "dp=2", "plan": "fsdp+tp"}, "mesh axis named 'tp'"),
+        ({"mesh": "dp=2", "cluster": "h900:8x1"}, "cluster 'h900:8x1'"),
+        ({"mesh": "dp=2", "memory": "lots"}, "is not a size"),
+        ({"mesh": "dp=2", "moe": {"ep": 2}, "pipeline": "cleanup,sharding"}, "needs the moe-fold pass"),
+        ({"mesh": "dp=2", "moe": {"ep": 2}, "plan": "auto"}, "chooses the expert mapping itself"),
+        ({"mesh": "dp=2", "pipeline": "cleanup,sharding{mode=fast}"}, "takes one of solve, greedy"),
+        ({"mesh": "dp=2", "pipeline": "cleanup,shard"}, "unknown pass 'shard'"),
+    ],
+)
+def test_bad_requests_are_refused_before_anything_is_captured(kwargs: dict[str, object], needle: str) -> None:
+    with pytest.raises(PassError, match=None) as e:
+        CompileOptions.of(**kwargs)  # type: ignore[arg-type]
+    assert needle in str(e.value)
+
+
+def test_every_stage_shows_what_it_is_doing() -> None:
+    shown: list[str] = []
+
+    @contextlib.contextmanager
+    def status(message: str) -> Iterator[None]:
+        shown.append(message)
+        yield
+
+    model, inputs = build("mlp")
+    result = compile_model(model, inputs, CompileOptions.of(mesh="dp=2", pipeline="cleanup,sharding"), status=status)
+    assert shown[0] == "capturing MLP"
+    assert [m for m in shown if m.startswith("pass ")] == ["pass 1 of 2: cleanup", "pass 2 of 2: sharding"]
+    assert [t.name for t in result.timings] == ["cleanup", "sharding"]
+
+
+def test_pass_debug_replays_the_compilation_parallelize_runs() -> None:
+    """The flags spell the same ``CompileOptions`` as ``parallelize``'s arguments, so the IR is the same."""
+    model, inputs = build("mixtral-tiny")
+    options = CompileOptions.of(mesh="dp=2,tp=2", plan="fsdp+tp", moe={"ep": 4, "dispatcher": "allgather"})
+    expected = str(compile_model(model, inputs, options).graph)
+    out = io.StringIO()
+    argv = ["mixtral-tiny", "--mesh", "dp=2,tp=2", "--plan", "fsdp+tp", "--moe", "ep=4,dispatcher=allgather"]
+    with contextlib.redirect_stdout(out):
+        assert pass_debug([*argv, "--print-result"]) == 0
+    assert out.getvalue() == expected
+
+
+def test_moe_fold_shows_the_mapping_as_its_own_step() -> None:
+    out = io.StringIO()
+    argv = ["mixtral-tiny", "-p", "cleanup,moe-fold", "--mesh", "dp=2,tp=2", "--moe", "ep=4,capacity_factor=1.0"]
+    with contextlib.redirect_stdout(out):
+        assert pass_debug([*argv, "--print-between-passes"]) == 0
+    cleaned, folded = out.getvalue().split("// ----- IR after pass 2 of 2 (moe-fold) -----")
+    experts = [line for line in folded.splitlines() if "meshfold.moe_experts(" in line]
+    assert experts and all('"probs", "alltoall")' in line for line in experts)
+    # NOTE: 32 tokens * top-2 / 4 experts * 1.0 = 16 rows per expert
+    assert all(', 16, "probs"' in line for line in experts)
+    assert ', 16, "probs"' not in cleaned.split("// ----- IR after pass 1 of 2 (cleanup) -----")[1]
+
+
+def test_the_package_and_the_simulator_import_without_torch() -> None:
+    code = "import sys, meshfold, meshfold.passes.cost.simulate; assert 'torch' not in sys.modules, 'torch'"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
