@@ -79,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     from meshfold import CaptureError, ir
     from meshfold.passes import PassError
     from meshfold.passes.sharding.plans import default_preset
+    from meshfold.tools.common import CliError, show_progress
     from meshfold.tools.demo import run_demo
-    from meshfold.tools.pass_debug import CliError, show_progress
 
     show_progress()
     try:
@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
 
 def _moe_option(text: str, model_name: str, mesh: Any) -> dict[str, Any] | None:
     """``--moe``: ``auto`` (see ``tools.demo.default_moe``), ``off``, or a spec such as ``ep=2``."""
+    from meshfold.tools.common import moe_items, parse_moe
     from meshfold.tools.demo import default_moe
-    from meshfold.tools.pass_debug import moe_items, parse_moe
 
     if text == "auto":
         return default_moe(model_name, mesh)
