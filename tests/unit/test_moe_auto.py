@@ -8,12 +8,9 @@ import warnings
 import pytest
 import torch
 
-from meshfold import capture, ir
+from meshfold import CompileOptions, capture, compile_model, ir
 from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
-from meshfold.passes import PassContext, parse_pipeline
-from meshfold.passes.cost.hardware import parse_cluster
 from meshfold.passes.sharding.opwork import op_flops
-from meshfold.passes.sharding.plans import Plan
 
 
 @pytest.mark.hf
@@ -43,8 +40,10 @@ def test_auto_plan_splits_experts_by_expert() -> None:
     experts = [op for op in g.ops if op.target in (EXPERTS, EXPERTS_BACKWARD)]
     # NOTE: 2048 tokens x top-2 x three 512x1024 GEMMs, twice that backward
     assert [op_flops(op) for op in experts] == [6.0 * 2048 * 2 * 512 * 1024, 12.0 * 2048 * 2 * 512 * 1024]
-    ctx = PassContext(mesh=ir.Mesh.parse("ep=8"), plan=Plan.of("auto"), cluster=parse_cluster("h100:8x1"))
-    out, _ = parse_pipeline("cleanup,sharding{time-limit=5},boxing,verify").run(ctx, g)
+    pipeline = "cleanup,sharding{time-limit=5},boxing,verify"
+    out = compile_model(
+        g, None, CompileOptions.of(mesh="ep=8", plan="auto", cluster="h100:8x1", pipeline=pipeline)
+    ).graph
     layouts = {i.name: i.value.layout for i in out.inputs}
     for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"):
         assert layouts[name].placement("ep") == ir.Shard(0), layouts[name]
