@@ -215,7 +215,7 @@ def _state_dict_names(model: nn.Module) -> dict[str, str]:
     first: dict[int, str] = {}
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         first.setdefault(id(t), name)
-    return {key: first[id(t)] for key, t in model.state_dict(keep_vars=True).items()}
+    return {key: first[id(t)] for key, t in model.state_dict(keep_vars=True).items() if id(t) in first}
 
 
 def _non_persistent_buffers(model: nn.Module) -> set[str]:

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib.util
 import inspect
 import operator
 import re
-import traceback
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -29,14 +26,20 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from meshfold import ir
+from meshfold.capture_errors import (
+    CaptureError,
+    capture_error,
+    in_place_parameter,
+    module_path,
+    retried_without_grad,
+    source_line,
+)
 from meshfold.ir import GraphBuilder, Provenance, Value, tensor_type
 from meshfold.ir.types import type_of
 from meshfold.moe import MoeSpec, experts_as_ops, op_options
 from meshfold.moe_lists import fold_expert_lists
 
-
-class CaptureError(RuntimeError):
-    """The model uses a construct meshfold cannot capture; the message names it and its source line."""
+__all__ = ["CaptureError", "capture", "module_path", "sharding_decompositions"]
 
 
 def sharding_decompositions() -> dict[Any, Any]:
@@ -87,7 +90,7 @@ def capture(
                     decomps = sharding_decompositions() if decompose else None
                     joint = aot_export_joint_with_descriptors(stack, gm, tuple(fake_inputs), decompositions=decomps)
                 except Exception as e:
-                    raise _capture_error(e, "tracing the backward") from e
+                    raise capture_error(e, "tracing the backward") from e
             arg_names = _forward_arg_names(model, len(fake_inputs))
             graph = _Lifter(graph_name, fqns, arg_names).lift(joint.graph_module.graph)
     return _in_model_order(dataclasses.replace(graph, stacks=stacks), model)
@@ -170,101 +173,26 @@ def _existing_fake_mode(model: nn.Module, inputs: Sequence[Any]) -> FakeTensorMo
 
 def _dynamo_capture(model: nn.Module, inputs: Sequence[Any]) -> fx.GraphModule:
     try:
-        # NOTE: dynamo refuses nn.LSTM/GRU/RNN unless asked; their ATen decompositions trace fine.
-        with torch._dynamo.config.patch(allow_rnn=True):
-            return _dynamo_graph_capture_for_export(model)(*inputs)
+        return _dynamo_trace(model, inputs)
     except Exception as e:
-        raise _capture_error(e, "capturing the forward") from e
+        raise capture_error(e, "capturing the forward", mutated=lambda: _mutated_parameter(model, inputs)) from e
 
 
-def _capture_error(e: Exception, stage: str) -> CaptureError:
-    """Turn a dynamo/AOT failure into an error naming the construct, the source line and the fix."""
-    msg = str(e)
-    where = _user_frame_from_dynamo(e) or _user_frame_from_text(msg) or _user_frame_from_tb(e)
-    first = msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
-    hints = [
-        (
-            ("memo disaster", "unbacked", "Unbacked"),
-            "shapes that depend on the data (such as torch.where/nonzero selecting each expert's tokens in an "
-            "MoE loop meshfold could not fold)",
-            "if a warning named the MoE layer, write its experts as meshfold folds them (bias-free gated MLPs, "
-            "combined by index_add_ or a dense weighted stack) or call meshfold.moe_experts; else keep shapes static",
-        ),
-        (
-            ("data-dependent", "data dependent", "GuardOnDataDependent", "Data-dependent", "generic_jump", "jump"),
-            "data-dependent Python control flow (an `if`/`while` on a tensor's value)",
-            "use torch.where / torch.cond, or branch on shapes and Python values only",
-        ),
-        (
-            ("mutat", "in-place", "inplace", "set_", "requires_grad"),
-            "in-place mutation of a parameter or input",
-            "write the update out of place (e.g. `w = w + 1`), or do it outside the model's forward",
-        ),
-        (
-            ("item()", "_local_scalar_dense", "tolist"),
-            "reading a tensor's value in Python (`.item()`/`.tolist()`)",
-            "keep the value a tensor",
-        ),
-    ]
-    construct, fix = "an unsupported construct", "rewrite that line with plain tensor ops"
-    for keys, what, how in hints:
-        if any(k in msg for k in keys):
-            construct, fix = what, how
-            break
-    loc = f" at {where}" if where else ""
-    return CaptureError(
-        f"cannot capture the model while {stage}: {construct}{loc}.\n  torch says: {first}\n  fix: {fix}"
-    )
+def _dynamo_trace(model: nn.Module, inputs: Sequence[Any]) -> fx.GraphModule:
+    # NOTE: dynamo refuses nn.LSTM/GRU/RNN unless asked; their ATen decompositions trace fine.
+    with torch._dynamo.config.patch(allow_rnn=True):
+        return _dynamo_graph_capture_for_export(model)(*inputs)
 
 
-_FRAME_RE = re.compile(r'File "([^"]+)", line (\d+)')
-
-
-def _package_dir(name: str) -> str:
-    spec = importlib.util.find_spec(name)
-    assert spec is not None and spec.submodule_search_locations, name
-    return str(Path(next(iter(spec.submodule_search_locations))).resolve()).replace("\\", "/") + "/"
-
-
-# NOTE: read off the import system, so a source checkout and an installed wheel answer alike
-_MACHINERY = tuple(_package_dir(f"meshfold.{sub}") for sub in ("passes", "ir", "backends"))
-_THIS_FILE = str(Path(__file__).resolve()).replace("\\", "/")
-_FORWARDER = str(Path(__file__).resolve().with_name("moe.py")).replace("\\", "/")
-
-
-def _is_user_file(path: str) -> bool:
-    """False for torch's frames and meshfold's own machinery (the zoo's models count as user code)."""
-    p = path.replace("\\", "/")
-    # NOTE: meshfold/moe.py only forwards a model's experts call to the experts op: the user's line is the caller's
-    if p in (_THIS_FILE, _FORWARDER) or p.startswith(_MACHINERY):
-        return False
-    return not any(s in p for s in ("/torch/", "/torch_npu/", "/functorch/", "<"))
-
-
-def _user_frame_from_dynamo(e: BaseException) -> str | None:
-    seen: BaseException | None = e
-    while seen is not None:
-        stack = getattr(seen, "real_stack", None) or []
-        frames = [f for f in stack if _is_user_file(f.filename)]
-        if frames:
-            return f"{frames[-1].filename}:{frames[-1].lineno}"
-        seen = seen.__cause__ or seen.__context__
-    return None
-
-
-def _user_frame_from_text(text: str) -> str | None:
-    frames = [(f, ln) for f, ln in _FRAME_RE.findall(text) if _is_user_file(f)]
-    return f"{frames[-1][0]}:{frames[-1][1]}" if frames else None
-
-
-def _user_frame_from_tb(e: BaseException) -> str | None:
-    seen: BaseException | None = e
-    while seen is not None:
-        frames = [f for f in traceback.extract_tb(seen.__traceback__) if _is_user_file(f.filename)]
-        if frames:
-            return f"{frames[-1].filename}:{frames[-1].lineno}"
-        seen = seen.__cause__ or seen.__context__
-    return None
+def _mutated_parameter(model: nn.Module, inputs: Sequence[Any]) -> str | None:
+    """The FQN of the parameter the forward updates in place: dynamo refuses the update on a parameter
+    that requires grad without saying which, so trace once more with none requiring grad and look."""
+    try:
+        gm = retried_without_grad(model, lambda: _dynamo_trace(model, inputs))
+    except Exception:
+        # NOTE: only a diagnosis: when the retry fails too, the error names the line without the FQN.
+        return None
+    return in_place_parameter(gm, _flat_name_to_fqn(gm, model))
 
 
 def _forward_arg_names(model: nn.Module, n: int) -> list[str]:
@@ -279,28 +207,6 @@ def _forward_arg_names(model: nn.Module, n: int) -> list[str]:
 def _snake(name: str) -> str:
     """``GPT2Tiny`` → ``gpt2_tiny``, ``MLP`` → ``mlp``, ``LlamaForCausalLM`` → ``llama_for_causal_lm``."""
     return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", name).lower()
-
-
-_MODULE_PATH_CLEANUPS = (
-    (re.compile(r"getattr\((.*?), '([^']*)'\)"), r"\1.\2"),
-    (re.compile(r"\._modules\['([^']*)'\]"), r".\1"),
-    (re.compile(r"\['([^']*)'\]"), r".\1"),
-    (re.compile(r"\[(\d+)\]"), r".\1"),
-)
-
-
-def module_path(raw: str) -> str:
-    """``L['self'].layers[0]._modules['mlp']`` → ``layers.0.mlp``."""
-    s = raw
-    for _ in range(8):
-        before = s
-        for pat, rep in _MODULE_PATH_CLEANUPS:
-            s = pat.sub(rep, s)
-        if s == before:
-            break
-    s = re.sub(r"^L\.self\.?", "", s)
-    s = re.sub(r"^_export_root\.?", "", s)
-    return s.strip(".")
 
 
 class _Lifter:
@@ -400,7 +306,7 @@ class _Lifter:
             self.backward.add(node)
         stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack") or {}
         path = module_path(list(stack.values())[-1][0]) if stack else ""
-        return Provenance(path, "bwd" if is_bwd else "fwd", _source_line(node.meta.get("stack_trace")))
+        return Provenance(path, "bwd" if is_bwd else "fwd", source_line(node.meta.get("stack_trace")))
 
     def _outputs(self, node: fx.Node) -> None:
         descs = node.meta.get("desc") or []
@@ -423,11 +329,25 @@ class _Lifter:
             elif kind_name == "InputMutationAOTOutput" and type(desc.mutated_input).__name__ == "BufferAOTInput":
                 self.b.add_output("update", self._fqn(desc.mutated_input.target), v)
             else:
-                where = self._prov(val).describe() if isinstance(val, fx.Node) else "the model's forward"
-                raise CaptureError(
-                    f"cannot capture {desc!r} at {where}: the model mutates a user input in place; "
-                    "compute the new value and return it instead"
-                )
+                self._unsupported_output(desc, val)
+
+    def _unsupported_output(self, desc: Any, val: Any) -> None:
+        """Raise for an output the IR has no kind for: an in-place update of a parameter or an input."""
+        where = self._prov(val).describe() if isinstance(val, fx.Node) else "the model's forward"
+        mutated = getattr(desc, "mutated_input", None)
+        kind = type(mutated).__name__
+        if kind == "ParamAOTInput":
+            raise CaptureError(
+                f"cannot capture the model: its forward updates parameter `{self._fqn(mutated.target)}` in place "
+                f"at {where}; parameters change only in the optimizer step: compute the new value out of place "
+                "(`w = w + 1` on a local), or update it outside the model's forward"
+            )
+        if kind == "PlainAOTInput":
+            raise CaptureError(
+                f"cannot capture the model: its forward updates its input `{self.arg_names[mutated.idx]}` in place "
+                f"at {where}; compute the new value and return it instead"
+            )
+        raise CaptureError(f"cannot capture output {desc!r} at {where}: meshfold has no output kind for it")
 
 
 def _flat_vals(val: Any) -> list[Any]:
@@ -443,14 +363,3 @@ def _flat_vals(val: Any) -> list[Any]:
 
 def _result_hint(name: str, i: int, n: int) -> str:
     return name if n == 1 else f"{name}.{i}"
-
-
-def _source_line(stack_trace: str | None) -> str | None:
-    """``file.py:LINE`` of the innermost frame outside torch (basename only, so dumps are portable)."""
-    if not stack_trace:
-        return None
-    frames = [(f, ln) for f, ln in _FRAME_RE.findall(stack_trace) if _is_user_file(f)]
-    if not frames:
-        return None
-    f, ln = frames[-1]
-    return f"{f.replace(chr(92), '/').rsplit('/', 1)[-1]}:{ln}"

@@ -1,5 +1,11 @@
 """What the ``meshfold`` and ``pass-debug`` commands share: loading a model from what a user names,
-reading ``--mesh`` and ``--moe``, the MoE mapping tables, user errors and progress lines."""
+reading ``--mesh`` and ``--moe``, the MoE mapping tables, user errors and progress lines.
+
+One loader for every command that takes a model (``pass-debug MODEL``, ``meshfold plan --model``,
+``meshfold demo --model``): a zoo name, ``module:factory`` imported from the current directory (a
+callable returning ``(model, example_inputs)``), or, for pass-debug, an IR text file. It imports
+torch, so ``meshfold plan`` imports it only when a model needs building.
+"""
 
 from __future__ import annotations
 
@@ -12,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from rich.table import Table
+from torch import nn
 
 from meshfold import ir
 from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
@@ -24,7 +31,7 @@ Source = tuple[ir.Graph | Any, tuple[Any, ...] | None]
 """An IR graph (no inputs), or a model and its example inputs."""
 
 
-class CliError(Exception):
+class CliError(ValueError):
     """A user error: shown as one line on stderr, exit code 2."""
 
 
@@ -41,7 +48,9 @@ Source = tuple[ir.Graph | Any, tuple[Any, ...] | None]
 """An IR graph (no inputs), or a model and its example inputs."""
 
 
-def _load_factory(spec: str) -> Source:
+def call_factory(spec: str, command: str = "meshfold") -> Any:
+    """Import ``module`` (from the current directory first) and return what ``module:factory`` returns
+    when called with no arguments. ``factory`` may be a dotted path (``models:Zoo.make``)."""
     module_name, _, attr_path = spec.partition(":")
     if not module_name or not attr_path:
         raise CliError(f"model {spec!r} must look like module:factory, e.g. my_models:make_mlp")
@@ -56,7 +65,7 @@ def _load_factory(spec: str) -> Source:
         # NOTE: any failure while importing the user's module (syntax error, missing dependency) is a user error.
         raise CliError(
             f"cannot import module {module_name!r} for {spec!r} ({type(e).__name__}: {e}); "
-            f"run pass-debug from the directory that contains it"
+            f"run {command} from the directory that contains it"
         ) from None
     finally:
         if added:
@@ -68,22 +77,34 @@ def _load_factory(spec: str) -> Source:
     if not callable(obj):
         raise CliError(f"{spec!r} is not callable; it must name a function returning (model, example_inputs)")
     try:
-        result = obj()
+        return obj()
     except Exception as e:
         # NOTE: the user's factory failed; report it in one line like every other user error.
         raise CliError(f"factory {spec!r} raised {type(e).__name__}: {e}") from None
-    if not (isinstance(result, (tuple, list)) and len(result) == 2 and isinstance(result[1], (tuple, list))):
+
+
+def is_model_and_inputs(result: Any) -> bool:
+    """Whether a factory's result keeps the contract: ``(model, example_inputs)``."""
+    return (
+        isinstance(result, (tuple, list))
+        and len(result) == 2
+        and isinstance(result[0], nn.Module)
+        and isinstance(result[1], (tuple, list))
+    )
+
+
+def load_factory(spec: str, command: str = "meshfold") -> tuple[nn.Module, tuple[Any, ...]]:
+    """``(model, example_inputs)`` from ``module:factory`` (see :func:`call_factory`)."""
+    result = call_factory(spec, command)
+    if not is_model_and_inputs(result):
         raise CliError(f"factory {spec!r} returned {type(result).__name__}; it must return (model, example_inputs)")
     return result[0], tuple(result[1])
 
 
-def _load_zoo(name: str) -> Source:
-    try:
-        zoo = importlib.import_module("meshfold.tools.zoo")
-    except ModuleNotFoundError as e:
-        if e.name not in ("meshfold.tools.zoo", "compiler"):
-            raise
-        raise CliError(f"model {name!r} is not a file or module:factory, and the model zoo is not available") from None
+def load_zoo(name: str) -> tuple[nn.Module, tuple[Any, ...]]:
+    """``(model, example_inputs)`` of zoo model ``name``; CliError lists the zoo when it has no such model."""
+    from meshfold.tools import zoo
+
     if name not in zoo.zoo_names():
         raise CliError(
             f"unknown model {name!r}: not an existing file, not module:factory, and not a zoo model "
@@ -96,7 +117,7 @@ def _load_zoo(name: str) -> Source:
     return model, tuple(inputs)
 
 
-def load_model(spec: str) -> tuple[Source, str]:
+def load_source(spec: str) -> tuple[Source, str]:
     """Resolve MODEL (IR file, ``module:factory`` or zoo name) to what ``compile_model`` takes and a
     one-line description."""
     path = Path(spec)
@@ -105,8 +126,8 @@ def load_model(spec: str) -> tuple[Source, str]:
     if path.suffix in _IR_SUFFIXES:
         raise CliError(f"IR file {spec!r} does not exist")
     if ":" in spec:
-        return _load_factory(spec), f"factory {spec}"
-    return _load_zoo(spec), f"zoo model {spec}"
+        return load_factory(spec, "pass-debug"), f"factory {spec}"
+    return load_zoo(spec), f"zoo model {spec}"
 
 
 def parse_mesh(text: str | None) -> ir.Mesh | None:

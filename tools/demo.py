@@ -7,16 +7,20 @@ expert count (all ranks where they do), the rest replicating the experts.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import sys
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from meshfold.tools.collectives import CollectiveCall, CollectiveRecorder, CollectiveRow, group_labels, summarize
 
 DEFAULT_MESH = "dp=2,tp=2"
 
@@ -67,39 +71,124 @@ def _reference_losses(model_name: str, steps: int, lr: float) -> list[float]:
     return losses
 
 
+def measured_step(pm: Any, inputs: Sequence[Any], opt: Any) -> tuple[float, list[CollectiveCall]]:
+    """One training step of ``pm`` that also records every collective the rank runs, by phase."""
+    recorder = CollectiveRecorder()
+    with recorder:
+        opt.zero_grad()
+        with recorder.phase("fwd"):
+            loss = pm(*inputs)
+        with recorder.phase("bwd"):
+            loss.backward()
+        with recorder.phase("optimizer"):
+            opt.step()
+    return float(loss.item()), recorder.calls
+
+
+def collectives_table(rows: Sequence[CollectiveRow]) -> tuple[Any, int, int]:
+    """The demo's table of collectives per step (one row per kind, group and phase) and the total
+    bytes in and out."""
+    from rich.table import Table
+
+    table = Table(title="collectives run per training step (rank 0, measured)")
+    for col in ("collective", "group", "phase", "calls", "MiB in", "MiB out"):
+        table.add_column(col, justify="left" if col in ("collective", "group", "phase") else "right")
+    total_in = total_out = 0
+    for r in rows:
+        table.add_row(r.kind, r.group, r.phase, str(r.count), f"{r.in_bytes / 2**20:.3f}", f"{r.out_bytes / 2**20:.3f}")
+        total_in += r.in_bytes
+        total_out += r.out_bytes
+    return table, total_in, total_out
+
+
 def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
+
+    def stage(text: str) -> None:
+        if rank == 0:
+            queue.put(("stage", text))
+
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         from torch.distributed.device_mesh import init_device_mesh
 
         from meshfold.api import parallelize
-        from meshfold.passes.sharding.report import comm_summary
         from meshfold.tools.zoo import build
 
         names, sizes = args["names"], args["sizes"]
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
         model, inputs = build(args["model"])
+        stage(f"compiling {args['model']} with plan {args['plan']}")
         pm = parallelize(model, mesh, inputs, plan=args["plan"], moe=args["moe"])
         opt = torch.optim.AdamW(pm.parameters(), lr=args["lr"])
-        losses = []
-        for _ in range(args["steps"]):
-            opt.zero_grad()
-            loss = pm(*inputs)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        losses: list[float] = []
+        calls: list[CollectiveCall] = []
+        for i in range(args["steps"]):
+            stage(f"training step {i + 1}/{args['steps']}")
+            if i == 0:
+                loss, calls = measured_step(pm, inputs, opt)
+            else:
+                opt.zero_grad()
+                out = pm(*inputs)
+                out.backward()
+                opt.step()
+                loss = out.item()
+            losses.append(loss)
         if rank == 0:
             graph = pm.graph()
             Path(args["dump_dir"]).mkdir(parents=True, exist_ok=True)
             (Path(args["dump_dir"]) / "parallel.txt").write_text(str(graph))
             layouts = [(i.name, str(i.value.layout)) for i in graph.inputs if i.kind == "param"]
-            comms = [(c.op, c.axis, c.phase, c.count, c.bytes_per_rank) for c in comm_summary(graph)]
-            queue.put({"losses": losses, "layouts": layouts, "comms": comms})
+            labels = group_labels(mesh, {c.group for c in calls})
+            queue.put(("result", {"losses": losses, "layouts": layouts, "comms": summarize(calls, labels)}))
     finally:
         dist.destroy_process_group()
+
+
+class _Stages:
+    """Shows the stage the demo is in: a spinner on a terminal, else one plain line per stage."""
+
+    def __init__(self, console: Any) -> None:
+        self._console = console
+        self._live: Any = None
+        self._stack = contextlib.ExitStack()
+
+    def __enter__(self) -> _Stages:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+
+    def __call__(self, text: str) -> None:
+        if not self._console.is_terminal:
+            print(f"meshfold demo: {text} ...", flush=True)
+        elif self._live is None:
+            self._live = self._stack.enter_context(self._console.status(text))
+        else:
+            self._live.update(text)
+
+
+def _train_on_ranks(world: int, args: dict[str, Any], stages: _Stages) -> dict[str, Any]:
+    """Spawn ``world`` ranks running ``_rank_main``, relay rank 0's stages, return rank 0's result."""
+    queue = mp.get_context("spawn").SimpleQueue()
+    stages(f"spawning {world} CPU ranks")
+    procs = mp.start_processes(
+        _rank_main, args=(world, _free_port(), args, queue), nprocs=world, join=False, start_method="spawn"
+    )
+    result: dict[str, Any] | None = None
+    done = False
+    while not done:
+        done = procs.join(timeout=0.2)
+        while not queue.empty():
+            kind, payload = queue.get()
+            if kind == "stage":
+                stages(payload)
+            else:
+                result = payload
+    assert result is not None, "rank 0 ended without a result"
+    return result
 
 
 def run_demo(
@@ -111,20 +200,19 @@ def run_demo(
     lr: float = 1e-3,
     moe: dict[str, Any] | None = None,
 ) -> int:
-    """Spawn the mesh's ranks, train, print the plan summary and per-step losses; 0 when they match.
-    ``moe``: the expert mapping passed to ``parallelize`` (None: experts follow the plan)."""
+    """Spawn the mesh's ranks, train, print the plan summary, the collectives measured on rank 0 and the
+    per-step losses; 0 when they match. ``moe``: the expert mapping passed to ``parallelize`` (None:
+    experts follow the plan). Each long stage shows on a terminal as a spinner, else as a line."""
     from rich.console import Console
     from rich.table import Table
 
     from meshfold import ir
     from meshfold.moe import MoeSpec
     from meshfold.passes.sharding.plans import Plan
-    from meshfold.tools.pass_debug import mapping_line
+    from meshfold.tools.common import mapping_line
 
     mesh = ir.Mesh.parse(mesh_text)
     console = Console()
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
     args = {
         "model": model_name,
         "names": mesh.names,
@@ -140,15 +228,10 @@ def run_demo(
     )
     if moe is not None:
         console.print(mapping_line(Plan.of(plan), mesh, MoeSpec.of(moe)))
-    mp.start_processes(
-        _rank_main,
-        args=(mesh.world_size, _free_port(), args, queue),
-        nprocs=mesh.world_size,
-        join=True,
-        start_method="spawn",
-    )
-    result = queue.get()
-    reference = _reference_losses(model_name, steps, lr)
+    with _Stages(console) as stages:
+        result = _train_on_ranks(mesh.world_size, args, stages)
+        stages(f"training the single-device model for {steps} steps")
+        reference = _reference_losses(model_name, steps, lr)
 
     layouts = Table(title="parameter layouts (stored)")
     layouts.add_column("parameter")
@@ -156,15 +239,9 @@ def run_demo(
     for name, lay in result["layouts"]:
         layouts.add_row(name, lay if lay != "{}" else "replicated")
     console.print(layouts)
-    comms = Table(title="collectives per training step (per rank)")
-    for col in ("collective", "axis", "phase", "count", "MiB sent"):
-        comms.add_column(col, justify="right" if col in ("count", "MiB sent") else "left")
-    total = 0.0
-    for op, axis, phase, count, sent in result["comms"]:
-        comms.add_row(op, axis, phase, str(count), f"{sent / 2**20:.3f}")
-        total += sent
+    comms, total_in, total_out = collectives_table(result["comms"])
     console.print(comms)
-    console.print(f"bytes sent per rank per step: {total / 2**20:.3f} MiB")
+    console.print(f"bytes per step on rank 0: {total_in / 2**20:.3f} MiB in, {total_out / 2**20:.3f} MiB out")
     steps_table = Table(title="loss per step")
     for col in ("step", "meshfold", "single device", "|diff|"):
         steps_table.add_column(col, justify="right")

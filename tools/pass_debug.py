@@ -25,7 +25,7 @@ from rich.table import Table
 from meshfold import ir
 from meshfold.passes import Pass, PassError, PassFailure, PassPipeline, PassTiming, pass_spelling
 from meshfold.session import DEFAULT_PIPELINE, CompileOptions, compile_model, progress
-from meshfold.tools.common import CliError, load_model, moe_items, moe_tables, parse_mesh, parse_moe, show_progress
+from meshfold.tools.common import CliError, load_source, moe_items, moe_tables, parse_mesh, parse_moe, show_progress
 from meshfold.tools.dumps import DumpWriter, phase_counts
 from meshfold.tracer import CaptureError
 
@@ -130,7 +130,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
         parse_mesh(args.mesh)
     if args.moe is not None:
         parse_moe(args.moe)  # NOTE: a malformed spec is refused before the model is loaded
-    (source, inputs), label = load_model(args.model)
+    (source, inputs), label = load_source(args.model)
     options = options_from(args, source.mesh if isinstance(source, ir.Graph) else None)
     options.check(assume)
     writer = DumpWriter(args.dump_dir, pipeline, title=label) if args.dump_dir is not None else None

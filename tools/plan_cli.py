@@ -3,21 +3,21 @@
     meshfold plan --model config.json --cluster h100:8x64 --seq 4096 --global-batch 1024 --dtype bf16
 
 ``--model`` takes an HF config JSON file, a zoo name, a published architecture (``llama3-8b``), or
-``module:factory`` (returning a ModelSpec, an HF config dict or object, or a model with
-``.config``). ``--fixed "tp=8,pp=16,dp=64"`` evaluates that one configuration; ``--mesh dp=8,tp=8``
-pins the mesh and searches the rest (micro-batch, recompute, ZeRO stage, overlap; for MoE models
-also ep, etp and the folded / unfolded expert mapping, e.g. ``--fixed "tp=2,dp=32,ep=8,etp=1"`` or
-``--fixed "tp=2,dp=32,ep=8,moe_mapping=unfolded"``). ``--routing-imbalance`` sets the busiest
-expert rank's load over the mean (default: the model's, 1.0 for presets).
+``module:factory`` (imported from the current directory; returning ``(model, example_inputs)``
+as for ``pass-debug``, or a ModelSpec or an HF config). Models without an HF config are read off
+their modules (``meshfold.tools.plan_spec``). ``--fixed "tp=8,pp=4,dp=16"`` evaluates that one
+configuration; ``--mesh dp=8,tp=8`` pins the mesh and searches the rest (micro-batch, recompute,
+ZeRO stage, overlap; for MoE models also ep, etp and the folded / unfolded expert mapping, e.g.
+``--fixed "tp=2,dp=32,ep=8,etp=1"`` or ``--fixed "tp=2,dp=32,ep=8,moe_mapping=unfolded"``).
+``--routing-imbalance`` sets the busiest expert rank's load over the mean (default: the model's,
+1.0 for presets).
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import time
-from collections.abc import Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -68,7 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def load_model(text: str) -> ModelSpec:
-    """A ModelSpec from what ``--model`` accepts; ValueError names what was tried."""
+    """A ModelSpec from what ``--model`` accepts: an HF config .json, a published architecture
+    (``llama3-8b``), ``module:factory`` imported from the current directory (returning
+    ``(model, example_inputs)`` as for ``pass-debug``, or a ModelSpec or HF config), or a zoo name.
+    ValueError names what was tried."""
     path = Path(text)
     if text.endswith(".json") or path.is_file():
         if not path.is_file():
@@ -76,34 +79,19 @@ def load_model(text: str) -> ModelSpec:
         return from_hf_config(json.loads(path.read_text()), name=path.stem)
     if text in PRESETS:
         return PRESETS[text]
+    # NOTE: building a model imports torch; the simulator alone does not
+    from meshfold.tools.common import call_factory, is_model_and_inputs, load_zoo
+    from meshfold.tools.plan_spec import spec_of
+
     if ":" in text:
-        mod, _, attr = text.partition(":")
-        try:
-            made = getattr(importlib.import_module(mod), attr)()
-        except (ImportError, AttributeError) as e:
-            raise ValueError(f"--model {text}: cannot call {attr} from module {mod}: {e}") from e
-        return _spec_of(made, text)
-    from meshfold.tools.zoo import build, zoo_names
+        made = call_factory(text, "meshfold plan")
+        return spec_of(made[0] if is_model_and_inputs(made) else made, text)
+    from meshfold.tools.zoo import zoo_names
 
     if text in zoo_names():
-        model, _ = build(text)
-        return _spec_of(model, text)
+        return spec_of(load_zoo(text)[0], text)
     known = ", ".join([*sorted(PRESETS), *zoo_names()])
     raise ValueError(f"--model {text}: not a .json file, module:factory, or known model ({known})")
-
-
-def _spec_of(made: Any, name: str) -> ModelSpec:
-    if isinstance(made, ModelSpec):
-        return made
-    config = getattr(made, "config", made)
-    if hasattr(config, "to_dict"):
-        config = config.to_dict()
-    if isinstance(config, Mapping):
-        return from_hf_config(config, name=name)
-    raise ValueError(
-        f"--model {name}: got {type(made).__name__}, which has no HF-style config; return a ModelSpec, an HF "
-        "config, or a model with .config"
-    )
 
 
 def _search(

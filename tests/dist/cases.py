@@ -90,7 +90,7 @@ def equivalence(
     if stacks:
         # NOTE: the model's own names and per-expert weights come back out of the stacks
         own = pm.model_state_dict()
-        want = dict(ref.named_parameters()) | dict(ref.named_buffers())
+        want = ref.state_dict()
         assert sorted(own) == sorted(want), sorted(set(own) ^ set(want))
         for name, t in own.items():
             torch.testing.assert_close(

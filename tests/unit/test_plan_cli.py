@@ -95,3 +95,84 @@ def test_bad_input_is_a_clear_error(args: list[str], says: str, capsys: pytest.C
     assert main(["plan", *args]) == 2
     err = capsys.readouterr().err
     assert "meshfold plan:" in err and says in err
+
+
+ROOT = Path(__file__).resolve().parents[2]
+SMALL = ["--cluster", "h100:8x1", "--seq", "128", "--global-batch", "8"]
+
+
+@pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny", "mixtral-tiny", "mixtral-list-tiny", "deepseek-tiny"])
+def test_zoo_models_are_read_off_their_modules(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A zoo model has no HF config: its spec is read off its modules, and counts its parameters exactly."""
+    from meshfold.tools.plan_cli import load_model
+    from meshfold.tools.zoo import build
+
+    spec = load_model(name)
+    model, _ = build(name)
+    assert spec.param_count() == sum(p.numel() for p in model.parameters())
+    best = _json(capsys, "--model", name, *SMALL)
+    assert float(best["step_time_s"]) > 0  # type: ignore[arg-type]
+
+
+def test_zoo_spec_dimensions() -> None:
+    from meshfold.tools.plan_cli import load_model
+
+    llama = load_model("llama-tiny")
+    assert (llama.layers, llama.hidden, llama.heads, llama.kv_heads, llama.ffn_hidden, llama.vocab) == (
+        2, 64, 4, 2, 128, 256
+    )  # fmt: skip
+    assert llama.gated_mlp and not llama.tied_embeddings
+    gpt2 = load_model("gpt2-tiny")
+    assert not gpt2.gated_mlp and gpt2.tied_embeddings and gpt2.learned_positions == 16 and gpt2.ffn_hidden == 256
+    mixtral = load_model("mixtral-tiny")
+    assert (mixtral.num_experts, mixtral.top_k, mixtral.moe_ffn_hidden) == (4, 2, 96)
+    deepseek = load_model("deepseek-tiny")
+    assert (deepseek.num_experts, deepseek.top_k, deepseek.shared_experts, deepseek.first_k_dense) == (8, 3, 2, 1)
+
+
+def test_factory_with_the_pass_debug_contract(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``module:factory`` returning ``(model, example_inputs)``, imported from the current directory."""
+    (tmp_path / "my_plan_models.py").write_text(
+        "from meshfold.tools.zoo import build\n\ndef make():\n    return build('llama-tiny')\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    from_factory = _json(capsys, "--model", "my_plan_models:make", *SMALL, "--fixed", "dp=8")
+    from_zoo = _json(capsys, "--model", "llama-tiny", *SMALL, "--fixed", "dp=8")
+    assert from_factory["step_time_s"] == from_zoo["step_time_s"]
+    assert from_factory["peak_memory_bytes"] == from_zoo["peak_memory_bytes"]
+
+
+def test_non_transformer_says_what_plan_needs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--model", "mlp", *SMALL]) == 2
+    err = capsys.readouterr().err
+    assert "mlp" in err and "nn.Embedding" in err and "HF config" in err
+
+
+def _readme_plan_section() -> str:
+    text = (ROOT / "README.md").read_text()
+    return text[text.index("## Plan a cluster run") :].split("\n## ", 1)[0]
+
+
+def test_readme_plan_commands_run_as_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Every command of the README's "Plan a cluster run" block, and every ``--fixed`` its text names
+    (with the block's first command), runs; ``config.json`` is a Llama3-8B config."""
+    import re
+    import shlex
+
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_8B_CONFIG))
+    monkeypatch.chdir(tmp_path)
+    section = _readme_plan_section()
+    block = section.split("```")[1]
+    commands = [shlex.split(line) for line in block.strip().splitlines()]
+    assert commands and all(c[:2] == ["meshfold", "plan"] for c in commands)
+    fixed = re.findall(r'--fixed "([^"]+)"', section)
+    assert fixed, "the README names a --fixed example"
+    runs = [c[1:] for c in commands] + [[*commands[0][1:], "--fixed", f] for f in fixed]
+    for argv in runs:
+        assert main([*argv, "--json"]) == 0, (argv, capsys.readouterr().err)
+        best = json.loads(capsys.readouterr().out)
+        assert best["fits"], argv

@@ -48,7 +48,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshfold.tools.demo import _free_port
-from meshfold.tools.zoo import _shifted_ce, _small_init
+from meshfold.tools.zoo.base import _shifted_ce, _small_init
 from meshfold.tools.zoo.models import LlamaAttention, LlamaMLP, RMSNorm, Rotary, _apply_rope
 
 LOSS_TOL = 1e-4

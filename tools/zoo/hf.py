@@ -8,7 +8,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshfold.tools.zoo import _seeded, _token_inputs, register
+from meshfold.tools.zoo import register
+from meshfold.tools.zoo.base import _seeded, _token_inputs
 
 
 @functools.cache

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshfold.tools.zoo import SEQ, _seeded, _shifted_ce, _small_init, _token_inputs, register
+from meshfold.tools.zoo import register
+from meshfold.tools.zoo.base import SEQ, _seeded, _shifted_ce, _small_init, _token_inputs
 
 
 class MLP(nn.Module):
