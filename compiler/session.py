@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -216,8 +217,10 @@ def _cluster_of(cluster: Cluster | str | None) -> Cluster | None:
 def progress() -> Callable[[str], AbstractContextManager[object]]:
     """How a long stage shows what it is doing: a spinner on a terminal (``rich``), else lines in the
     ``meshfold`` log: one at DEBUG when it starts, one at INFO with its time when it took a second
-    or more."""
-    return _Spinner() if sys.stderr.isatty() else _logged
+    or more. ``MESHFOLD_PROGRESS=log`` asks for the log lines on a terminal too (a program that shows
+    its own spinner, such as ``meshfold demo``, sets it for its ranks)."""
+    spinner = sys.stderr.isatty() and os.environ.get("MESHFOLD_PROGRESS", "") != "log"
+    return _Spinner() if spinner else _logged
 
 
 class _Spinner:

@@ -102,7 +102,8 @@ def collectives_table(rows: Sequence[CollectiveRow]) -> tuple[Any, int, int]:
 
 
 def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # NOTE: rank 0 sends its stages to the parent's spinner; its compile logs instead of drawing a second one
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MESHFOLD_PROGRESS="log")
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
 
