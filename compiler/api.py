@@ -12,9 +12,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshfold import ir
 from meshfold.backends.eager import RankContext, exchange_axes, lower
 from meshfold.passes import PassError
+from meshfold.passes.base import quiet
 from meshfold.passes.cost.hardware import Cluster
 from meshfold.runtime import ParallelModule
-from meshfold.session import DEFAULT_PIPELINE, CompileOptions, PlanSpec, compile_model
+from meshfold.session import DEFAULT_PIPELINE, CompileOptions, PlanSpec, compile_model, progress
 
 
 def ir_mesh(mesh: DeviceMesh) -> ir.Mesh:
@@ -99,8 +100,11 @@ def _compile(
     # NOTE: every rank compiled the same graph, so all create the same groups in the same order
     flat = tuple((axes, mesh[axes]._flatten().get_group().group_name) for axes in exchange_axes(compiled))
     rank = RankContext(options.mesh, tuple(coordinate), groups, flat)
-    lowered = lower(compiled, rank)
-    checked = (lower(compiled, rank, record=True), rank) if options.verify else None
+    # NOTE: only rank 0 shows progress (it alone compiled); every rank lowers its own program
+    status = progress() if dist.get_rank() == 0 else quiet
+    with status(f"lowering each rank's program ({options.backend})"):
+        lowered = lower(compiled, rank)
+        checked = (lower(compiled, rank, record=True), rank) if options.verify else None
     n_out = sum(1 for o in compiled.outputs if o.kind == "out")
     return ParallelModule(model, mesh, compiled, lowered, output_is_tuple=n_out > 1, verify_with=checked)
 
