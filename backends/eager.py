@@ -1,7 +1,8 @@
 """Lower a boxed SPMD graph to one rank's forward and backward ``fx.GraphModule``s.
 
-Types in the IR are global; here each value gets its local shape from its layout, shape-spelling
-arguments are rewritten by the rule table's localizers, and ``comm.*`` ops become
+Types in the IR are global; here each value gets its local shape from its layout
+(``Layout.local_shape``), shape-spelling arguments are rewritten and ranged ops run on their slice
+as ``backends/local.py`` says, and ``comm.*`` ops become
 ``torch.ops._c10d_functional`` collectives (+ ``wait_tensor``) on the mesh's process groups.
 The joint graph is split by phase: forward ops form the forward module, which also returns the
 values the backward needs ("saved"); backward ops form the backward module.
@@ -20,8 +21,9 @@ import torch.fx as fx
 
 from meshfold import ir
 from meshfold.backends.interpret import runnable_target
+from meshfold.backends.local import LOCAL, LocalForms
 from meshfold.backends.moe import exchange_backward, exchange_forward
-from meshfold.ir import Graph, Layout, Op, OpDef, Shard, TensorType, Value
+from meshfold.ir import Graph, Op, OpDef, Shard, TensorType, Value
 from meshfold.ir.graph import Arg
 from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
 from meshfold.ir.ops import (
@@ -35,7 +37,6 @@ from meshfold.ir.ops import (
     REDUCE_SCATTER_BUCKET,
     SHARD,
 )
-from meshfold.passes.sharding.rules import rule_table
 
 c10d = torch.ops._c10d_functional
 aten = torch.ops.aten
@@ -68,18 +69,6 @@ class RankContext:
             if key == axes:
                 return name
         raise ValueError(f"no process group over mesh axes {axes}; create it before lowering (exchange_axes)")
-
-
-def local_shape(t: TensorType, layout: Layout, mesh: ir.Mesh) -> tuple[int, ...]:
-    """The per-rank shape of a value of type ``t`` held in ``layout``."""
-    shape = [int(d) for d in t.shape]
-    for axis, p in zip(layout.axes, layout.placements, strict=True):
-        if isinstance(p, Shard):
-            n = mesh.size(axis)
-            if shape[p.dim] % n:
-                raise ValueError(f"dim {p.dim} of {t} (size {shape[p.dim]}) does not divide over {axis}={n}")
-            shape[p.dim] //= n
-    return tuple(shape)
 
 
 @dataclass(frozen=True)
@@ -127,7 +116,7 @@ def lower(graph: Graph, rank: RankContext, *, record: bool = False) -> Lowered:
     for v in [*(u for op in bwd_ops for u in op.operands), *(o.value for o in grads)]:
         if v not in bwd_defined and v not in saved:
             saved.append(v)
-    table = rule_table()
+    table = LOCAL
     fwd_inputs = [i for i in graph.inputs if i.kind != "tangent"]
     fwd_rec = _recorded(fwd_ops) if record else []
     bwd_rec = _recorded(bwd_ops) if record else []
@@ -160,7 +149,7 @@ def _build(
     outputs: Sequence[Value],
     mesh: ir.Mesh | None,
     rank: RankContext,
-    table: Any,
+    table: LocalForms,
 ) -> fx.GraphModule:
     g = fx.Graph()
     env: dict[Value, fx.Node] = {}
@@ -183,20 +172,13 @@ def _load(a: Arg, env: dict[Value, fx.Node]) -> Any:
     return a
 
 
-def _emit(g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext, table: Any) -> list[fx.Node]:
+def _emit(g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext, table: LocalForms) -> list[fx.Node]:
     if op.target in (ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET):
         return _bucket(g, op, [env[x] for x in op.operands], rank)
     if isinstance(op.target, OpDef):
         (x,) = op.operands
         return [_collective(g, op, env[x], x, rank)]
-    args: tuple[Any, ...] = op.args
-    kwargs: dict[str, Any] = dict(op.kwargs)
-    loc = table.localizers.get(op.target)
-    if loc is not None:
-        shapes = tuple(
-            local_shape(r.type, r.layout, rank.mesh) if isinstance(r.type, TensorType) else () for r in op.results
-        )
-        args, kwargs = loc(op, shapes)
+    args, kwargs = table.local_args(op, rank.mesh)
     exchange = _exchange_call(op, rank)
     if exchange is not None:
         fn, peers = exchange
@@ -204,11 +186,11 @@ def _emit(g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext, tab
             fn, (*peers, *(_load(a, env) for a in args)), {k: _load(v, env) for k, v in kwargs.items()}
         )
         return _unpacked(g, op, node)
-    ranged = table.ranged.get(op.target)
-    bounds = _slice_bounds(op, ranged.where(op), rank) if ranged is not None else None
-    if ranged is not None and bounds is not None:
+    bounds = table.slice_of(op, rank.mesh, rank.coordinate)
+    if bounds is not None:
+        impl = table.ranged[op.target].impl
         loaded = tuple(_load(a, env) for a in args)
-        node = g.call_function(ranged.impl, (*bounds, *loaded), {k: _load(v, env) for k, v in kwargs.items()})
+        node = g.call_function(impl, (*bounds, *loaded), {k: _load(v, env) for k, v in kwargs.items()})
         return _unpacked(g, op, node)
     node = g.call_function(
         runnable_target(op.target), tuple(_load(a, env) for a in args), {k: _load(v, env) for k, v in kwargs.items()}
@@ -221,20 +203,6 @@ def _unpacked(g: fx.Graph, op: Op, node: fx.Node) -> list[fx.Node]:
     if len(op.results) == 1 and not _returns_sequence(op):
         return [node]
     return [g.call_function(operator.getitem, (node, i)) for i in range(len(op.results))]
-
-
-def _slice_bounds(op: Op, where: tuple[str, int, int], rank: RankContext) -> tuple[int, int] | None:
-    """``(lo, size)`` of this rank's slice of the indexed dim, or None when that dim is whole."""
-    kind, i, dim = where
-    v = op.operands[i] if kind == "operand" else op.results[i]
-    assert isinstance(v.type, TensorType)
-    chunk, lo, sharded = int(v.type.shape[dim]), 0, False
-    for axis, p in zip(v.layout.axes, v.layout.placements, strict=True):
-        if isinstance(p, Shard) and p.dim == dim:
-            chunk //= rank.size(axis)
-            lo += rank.coord(axis) * chunk
-            sharded = True
-    return (lo, chunk) if sharded else None
 
 
 def _returns_sequence(op: Op) -> bool:
@@ -294,7 +262,7 @@ def _bucket(g: fx.Graph, op: Op, xs: list[fx.Node], rank: RankContext) -> list[f
     shapes = []
     for v, d in zip(op.operands, dims, strict=True):
         assert isinstance(v.type, TensorType)
-        shape = list(local_shape(v.type, v.layout, rank.mesh))
+        shape = list(v.layout.local_shape(v.type.shape, rank.mesh))
         shapes.append([shape[d], *shape[:d], *shape[d + 1 :]])  # the local shape with dim d in front
     outs: list[fx.Node] = []
     if op.target == ALL_GATHER_BUCKET:
@@ -390,8 +358,9 @@ def _exchange_call(op: Op, rank: RankContext) -> tuple[Any, tuple[Any, ...]] | N
     for a in axes:  # NOTE: peers in row-major order over the exchange axes
         i = rank.mesh.index(a)
         coords = [(*c[:i], j, *c[i + 1 :]) for c in coords for j in range(rank.size(a))]
-    los = tuple(_expert_lo(w, rank.mesh, c) for c in coords)
-    size = local_shape(w.type, w.layout, rank.mesh)[0]
+    # NOTE: the first expert each peer holds: its offset on the expert weight's dim 0
+    los = tuple(w.layout.shard_bounds(w.type.shape, rank.mesh, c)[0][0] for c in coords)
+    size = w.layout.local_shape(w.type.shape, rank.mesh)[0]
     if op.args[-1] == "hierarchical" and len(axes) > 1:
         # NOTE: one hop per axis, innermost first; an axis's digit in the row-major slot has this stride
         strides = [math.prod(rank.size(b) for b in axes[i + 1 :]) for i in range(len(axes))]
@@ -399,14 +368,3 @@ def _exchange_call(op: Op, rank: RankContext) -> tuple[Any, tuple[Any, ...]] | N
     else:
         hops = ((rank.group_over(axes), len(coords), 1),)
     return fn, (hops, coords.index(rank.coordinate), los, size)
-
-
-def _expert_lo(w: Value, mesh: ir.Mesh, coordinate: tuple[int, ...]) -> int:
-    """First expert a rank at ``coordinate`` holds of the expert weight ``w`` (dim 0)."""
-    assert isinstance(w.type, TensorType)
-    chunk, lo = int(w.type.shape[0]), 0
-    for axis, p in zip(w.layout.axes, w.layout.placements, strict=True):
-        if isinstance(p, Shard) and p.dim == 0:
-            chunk //= mesh.size(axis)
-            lo += coordinate[mesh.index(axis)] * chunk
-    return lo

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from meshfold import ir
-from meshfold.ir import Graph, OpDef, Value
+from meshfold.ir import Graph, OpDef, Value, view_trait
 from meshfold.ir.graph import Arg
 
 
@@ -32,7 +32,8 @@ def run_values(graph: Graph, inputs: Mapping[str, torch.Tensor], *, global_view:
     """Run ``graph`` and return the runtime value of every input and op result.
 
     ``global_view``: run a sharded graph on whole (global) tensors. IR types are global, so every
-    ``comm.*`` op — a change of layout, not of value — is the identity there.
+    op that keeps its value (``OpDef.keeps_value``: the ``comm.*`` ops change layouts only) is the
+    identity there.
     """
     env: dict[Value, Any] = {}
     for i in graph.inputs:
@@ -46,7 +47,7 @@ def run_values(graph: Graph, inputs: Mapping[str, torch.Tensor], *, global_view:
     with torch.no_grad():
         for op in graph.ops:
             if isinstance(op.target, OpDef):
-                if global_view and op.target.namespace == "comm":
+                if global_view and op.target.keeps_value:
                     for r, x in zip(op.results, op.operands, strict=True):
                         env[r] = env[x]
                     continue
@@ -65,16 +66,15 @@ def run_values(graph: Graph, inputs: Mapping[str, torch.Tensor], *, global_view:
 
 
 def runnable_target(target: Any) -> Any:
-    """What runs ``target`` on real tensors: ``aten.view`` as ``aten.reshape``.
+    """What runs ``target`` on real tensors: a strided view (``ir.view_trait``: ``aten.view``,
+    ``aten._unsafe_view``) as ``aten.reshape``.
 
     NOTE: a view valid on the strides seen while tracing may not be on the real tensor (a local
     shard, or an op whose real output strides differ from its fake ones, such as the cat of
     transposed gradients); the graph is functional, so reshape computes the same value and copies
     only when it must."""
-    return torch.ops.aten.reshape.default if target in _VIEWS else target
-
-
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default)
+    trait = view_trait(target)
+    return torch.ops.aten.reshape.default if trait is not None and trait.strided else target
 
 
 def _load(a: Arg, env: dict[Value, Any]) -> Any:

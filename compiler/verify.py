@@ -70,10 +70,10 @@ class Verifier:
         return t
 
     def _local_chunk(self, v: ir.Value, t: Any) -> torch.Tensor:
+        """This rank's piece of the global reference ``t`` of ``v`` (``Layout.shard_bounds``)."""
         assert isinstance(t, torch.Tensor)
-        for i, p in enumerate(v.layout.placements):
-            if isinstance(p, ir.Shard):
-                t = t.chunk(self.mesh.size(i), p.dim)[self.rank.coordinate[i]]
+        for d, (lo, size) in enumerate(v.layout.shard_bounds(t.shape, self.rank.mesh, self.rank.coordinate)):
+            t = t.narrow(d, lo, size)
         return t
 
     @staticmethod

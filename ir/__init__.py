@@ -18,7 +18,18 @@ from meshfold.ir.graph import (
     map_values,
 )
 from meshfold.ir.mesh import Mesh
-from meshfold.ir.ops import OpDef, Target, is_pure, own_ops, resolve_target, target_name
+from meshfold.ir.ops import (
+    OpDef,
+    Target,
+    ViewTrait,
+    collective_for,
+    is_pure,
+    is_view,
+    own_ops,
+    resolve_target,
+    target_name,
+    view_trait,
+)
 from meshfold.ir.parser import ParseError, parse
 from meshfold.ir.placement import Layout, Partial, Placement, R, Replicate, Shard, parse_placement
 from meshfold.ir.printer import print_graph
@@ -53,10 +64,13 @@ __all__ = [
     "TensorType",
     "Type",
     "Value",
+    "ViewTrait",
     "VerifyError",
     "apply_patterns",
+    "collective_for",
     "dtype_name",
     "is_pure",
+    "is_view",
     "map_values",
     "own_ops",
     "parse",
@@ -67,4 +81,5 @@ __all__ = [
     "tensor_type",
     "type_of",
     "verify",
+    "view_trait",
 ]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from meshfold.ir.mesh import Mesh
+from meshfold.ir.symbolic import Dim
 
 ReduceOp = Literal["sum", "max", "avg"]
 REDUCE_OPS: tuple[ReduceOp, ...] = ("sum", "max", "avg")
@@ -95,6 +97,44 @@ class Layout:
     def with_placement(self, axis: str, placement: Placement) -> Layout:
         i = self.axes.index(axis)
         return Layout(self.axes, (*self.placements[:i], placement, *self.placements[i + 1 :]))
+
+    def shard_bounds(
+        self, global_shape: Sequence[Dim], mesh: Mesh, coord: Sequence[int] | None = None
+    ) -> tuple[tuple[int, int], ...]:
+        """``(offset, size)`` on every dim of the shard that the rank at mesh coordinate ``coord``
+        (one index per mesh axis, in mesh order; None: the first rank) holds of a value of
+        ``global_shape`` in this layout.
+
+        Replicate and Partial axes keep whole dims (a Partial rank holds a full-shape addend). A dim
+        sharded over several mesh axes is split outer axis first: each axis cuts the piece the axes
+        before it left into equal contiguous chunks and the rank keeps chunk ``coord[axis]`` (so
+        ``torch.chunk`` applied per axis in mesh order gives the same piece). Raises ``ValueError``
+        when a split is uneven (the sharding passes only choose dividing shards; JAX's
+        ``shard_shape`` refuses them too) and ``TypeError`` for a symbolic size.
+        """
+        # NOTE: sizes must be concrete: int() of a sympy expression with free symbols raises TypeError.
+        bounds = [[0, int(d)] for d in global_shape]
+        at = tuple(0 for _ in mesh.names) if coord is None else tuple(coord)
+        for axis, p in zip(self.axes, self.placements, strict=True):
+            if not isinstance(p, Shard):
+                continue
+            n = mesh.size(axis)
+            size = bounds[p.dim][1]
+            if size % n:
+                raise ValueError(
+                    f"dim {p.dim} (size {size}) of shape {tuple(global_shape)} does not divide over mesh axis "
+                    f"{axis!r} ({n} ranks) in layout {self}"
+                )
+            bounds[p.dim][1] = size // n
+            bounds[p.dim][0] += at[mesh.index(axis)] * (size // n)
+        return tuple((lo, size) for lo, size in bounds)
+
+    def local_shape(
+        self, global_shape: Sequence[Dim], mesh: Mesh, coord: Sequence[int] | None = None
+    ) -> tuple[int, ...]:
+        """The shape one rank holds of a value of ``global_shape`` in this layout: the sizes of
+        :meth:`shard_bounds` (even splits, so every coordinate gets the same shape)."""
+        return tuple(size for _, size in self.shard_bounds(global_shape, mesh, coord))
 
     def __str__(self) -> str:
         inner = ", ".join(

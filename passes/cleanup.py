@@ -8,7 +8,7 @@ from typing import ClassVar
 
 import torch
 
-from meshfold.ir import Graph, GraphBuilder, Op, PatternTable, Rewriter, Value, apply_patterns, is_pure
+from meshfold.ir import Graph, GraphBuilder, Op, PatternTable, Rewriter, Value, apply_patterns, is_pure, view_trait
 from meshfold.ir.graph import Arg, map_values
 from meshfold.passes.base import CLEAN, JOINT, Pass, PassContext
 
@@ -58,10 +58,11 @@ def _double_transpose(rw: Rewriter, op: Op) -> Sequence[Value] | None:
 
 @TRIVIAL_VIEWS.register(aten.view.default, aten._unsafe_view.default)
 def _view_of_view(rw: Rewriter, op: Op) -> Sequence[Value] | None:
-    """``view(view(x, a), b)`` is ``view(x, b)``."""
+    """``view(view(x, a), b)`` is ``view(x, b)`` (the inner op any strided view, ``ir.view_trait``)."""
     src = op.args[0]
     inner = rw.producer(src)
-    if inner is not None and inner.target in (aten.view.default, aten._unsafe_view.default):
+    trait = None if inner is None else view_trait(inner.target)
+    if inner is not None and trait is not None and trait.strided:
         return rw.emit(op.target, (inner.args[0], *op.args[1:]), op.kwargs, like=op)
     return None
 

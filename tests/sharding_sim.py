@@ -12,22 +12,14 @@ from typing import Any
 
 import torch
 
-from meshfold.ir import Op, Partial, Placement, Replicate, Shard, TensorType, Value
+from meshfold.backends.local import LOCAL
+from meshfold.ir import Layout, Mesh, Op, Partial, Placement, Replicate, Shard, TensorType, Value
 from meshfold.ir.graph import Arg
-from meshfold.passes.sharding.rules import RuleTable
 from meshfold.passes.sharding.strategy import Strategy
 
 
 def is_float(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and (x.dtype.is_floating_point or x.dtype.is_complex)
-
-
-def local_shape(shape: Sequence[int], p: Placement, n: int) -> tuple[int, ...]:
-    """This rank's shape of a tensor of global ``shape`` placed ``p`` on an axis of size ``n``."""
-    out = [int(s) for s in shape]
-    if isinstance(p, Shard):
-        out[p.dim] //= n
-    return tuple(out)
 
 
 def runnable(op: Op, s: Strategy, n: int) -> bool:
@@ -103,35 +95,22 @@ def _fill(arg: Arg, it: Iterator[Any]) -> Any:
     return arg
 
 
-def run_on_ranks(
-    op: Op, s: Strategy, operands: Sequence[Any], n: int, table: RuleTable, gen: torch.Generator
-) -> list[Any]:
+def run_on_ranks(op: Op, s: Strategy, operands: Sequence[Any], n: int, gen: torch.Generator) -> list[Any]:
     """Run ``op`` on ``n`` simulated ranks under strategy ``s`` and return its combined results
-    (None for non-tensor results). ``operands`` are global values in ``op.operands`` order."""
+    (None for non-tensor results). ``operands`` are global values in ``op.operands`` order. Each
+    rank computes as the backends do (``backends.local``: localized arguments, ranged slices)."""
     ranks = local_inputs(operands, s.inputs, n, gen)
-    shapes = tuple(
-        local_shape(r.type.shape, p, n) if isinstance(r.type, TensorType) else ()  # type: ignore[arg-type]
-        for r, p in zip(op.results, s.outputs, strict=True)
-    )
-    localize = table.localizers.get(op.target)
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    args, kwargs = localize(op, shapes) if localize is not None else (op.args, dict(op.kwargs))
-    ranged = table.ranged.get(op.target)
-    sliced: tuple[int, int] | None = None
-    if ranged is not None:
-        kind, i, dim = ranged.where(op)
-        value, p = (op.operands[i], s.inputs[i]) if kind == "operand" else (op.results[i], s.outputs[i])
-        if isinstance(p, Shard) and p.dim == dim:
-            assert isinstance(value.type, TensorType)
-            sliced = (dim, int(value.type.shape[dim]) // n)
+    mesh = Mesh.of(sim=n)
+    layouts = [Layout(mesh.names, (p,)) for p in (*s.inputs, *s.outputs)]
+    args, kwargs = LOCAL.local_args(op, mesh, layouts[len(op.operands) :])
     per_rank: list[list[Any]] = []
     for r in range(n):
         it = iter(ranks[r])
         call_args = [_fill(a, it) for a in args]
         call_kwargs = {k: _fill(v, it) for k, v in kwargs.items()}
-        if ranged is not None and sliced is not None:
-            out = ranged.impl(r * sliced[1], sliced[1], *call_args, **call_kwargs)
+        bounds = LOCAL.slice_of(op, mesh, (r,), layouts)
+        if bounds is not None:
+            out = LOCAL.ranged[op.target].impl(*bounds, *call_args, **call_kwargs)
         else:
             out = op.target(*call_args, **call_kwargs)  # type: ignore[operator]
         per_rank.append(list(out) if isinstance(out, (tuple, list)) else [out])
@@ -142,9 +121,9 @@ def run_on_ranks(
     return combined
 
 
-def check_strategy(op: Op, s: Strategy, env: dict[Value, Any], n: int, table: RuleTable, gen: torch.Generator) -> None:
+def check_strategy(op: Op, s: Strategy, env: dict[Value, Any], n: int, gen: torch.Generator) -> None:
     """Assert the combined per-rank results of ``op`` under ``s`` equal its global results."""
-    got = run_on_ranks(op, s, [env[v] for v in op.operands], n, table, gen)
+    got = run_on_ranks(op, s, [env[v] for v in op.operands], n, gen)
     for res, value in zip(op.results, got, strict=True):
         if value is None:
             continue

@@ -8,8 +8,12 @@ device, never a particular benchmark row.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
+
+LOCAL = "cpu"
+"""The catalog device meaning "gloo ranks on this CPU": what a compile without a cluster runs on."""
 
 DTYPE_BYTES: dict[str, int] = {"fp32": 4, "tf32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
@@ -152,6 +156,10 @@ LINKS: dict[str, Link] = {
     "roce400": Link("roce400", 50 * GB, 8.0e-6, 0.85),
     # RoCE v2 200 GbE = 25 GB/s per direction (Atlas 800T A2: 8 x 200GE ports, Huawei datasheet).
     "roce200": Link("roce200", 25 * GB, 8.0e-6, 0.85),
+    # gloo between processes on one host (loopback TCP): measured on the 2-core CI machine, one
+    # collective among 4 local ranks costs ~ 0.9 ms however small (all of it in the device's
+    # ``collective_base_s``, none per ring step) and streams ~ 1 GB/s.
+    "gloo": Link("gloo", 1.0e9, 0.0, 1.0),
 }
 
 # --- devices -----------------------------------------------------------------------------------
@@ -186,6 +194,10 @@ AMPERE = Efficiency(0.78, 64.0, 1.77e6, 5e-6, 0.62, 0.48, 0.85, 2e-6, 3e-6, 0.12
 # large matmuls; 24-30 AI cores with 16x16x16 cubes -> smaller half wave; fused attention runs
 # its softmax on the vector unit (slower than Hopper); CANN task dispatch costs more per kernel.
 DAVINCI = Efficiency(0.68, 128.0, 0.8e6, 10e-6, 0.45, 0.35, 0.80, 3e-6, 5e-6, 0.12, 20e-6)
+# One CPU thread per gloo rank (the test and CI machine): a plain max(flops / peak, bytes / bw)
+# roofline with no ramps, fills or launch gaps (the measured figures below already are sustained
+# rates); ~ 0.9 ms of fixed software cost per gloo collective (measured, 4 local ranks).
+HOST = Efficiency(1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 9e-4)
 
 DEVICES: dict[str, Device] = {
     # NVIDIA H100 SXM5 datasheet: FP32 67 TF, TF32 989 TF (sparse) = 494.7 dense, BF16/FP16 1979
@@ -223,6 +235,9 @@ DEVICES: dict[str, Device] = {
     # Huawei Ascend 910C (dual-die package): BF16/FP16 752 TFLOPS, 128 GB HBM at 3.2 TB/s (Zuo et
     # al. 2025, arXiv 2506.12708, sec. 3.2).
     "ascend910c": Device("ascend910c", "huawei", (("bf16", 752 * TB), ("fp16", 752 * TB)), 128 * GB, 3.2 * TB, DAVINCI),
+    # One thread of the CI machine's CPU, measured: ~ 10 GFLOP/s of fp32 matmul, streams ~ 4 GB/s;
+    # no memory bound of its own (the host's RAM is not planned for).
+    LOCAL: Device(LOCAL, "host", (("fp32", 1.0e10),), math.inf, 4.0e9, HOST),
 }
 
 # Default node fabric per device: (intra link, inter link, NICs per node at 8 devices per node).
@@ -236,6 +251,7 @@ DEFAULT_FABRIC: dict[str, tuple[str, str, int]] = {
     "a100": ("nvlink3", "ib-hdr200", 8),
     "ascend910b": ("hccs", "roce200", 8),
     "ascend910c": ("ub", "roce400", 8),
+    LOCAL: ("gloo", "gloo", 8),
 }
 
 _CLUSTER_RE = re.compile(r"^\s*([A-Za-z0-9_-]+)\s*:\s*(\S+?)\s*[xX]\s*(\S+?)\s*$")
@@ -271,6 +287,12 @@ def make_cluster(
     d_intra, d_inter, d_nics = DEFAULT_FABRIC[dev.name]
     nics = nics_per_node if nics_per_node is not None else max(1, d_nics * devices_per_node // 8)
     return Cluster(dev, devices_per_node, nodes, link(intra or d_intra), link(inter or d_inter), nics)
+
+
+def local_cluster(ranks: int) -> Cluster:
+    """Gloo ranks on this CPU: one node of ``ranks`` processes of the ``cpu`` device, talking over
+    loopback. The cluster a compile without one is planned for (``PassContext.cluster`` None)."""
+    return make_cluster(LOCAL, max(1, ranks), 1)
 
 
 def parse_cluster(text: str) -> Cluster:

@@ -6,8 +6,8 @@ type divided over the mesh axes that shard it) and mirrors how the program is ex
 
 * parameters and buffers are resident, and so is the optimizer state (``optimizer_states`` copies of
   every trainable parameter: 2 for Adam);
-* an op's results are allocated when it runs; a view (an op whose schema says its result aliases
-  its input, plus ``_unsafe_view``) allocates nothing and keeps its base alive;
+* an op's results are allocated when it runs; a view (``ir.is_view``: its result shares its first
+  operand's storage) allocates nothing and keeps its base alive;
 * a value is freed after its last use in its own phase; a forward value the backward reads is
   saved: it lives until the backward finishes (the autograd context holds it); gradients live from
   the op that produces them to the end of the step (they become ``.grad``);
@@ -24,9 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
-from meshfold.ir import Graph, Mesh, Op, OpDef, Shard, TensorType, Value
+from meshfold.ir import Graph, Mesh, Op, OpDef, TensorType, Value, is_view
 from meshfold.ir.ops import (
     ALL_GATHER,
     ALL_GATHER_BUCKET,
@@ -35,8 +33,6 @@ from meshfold.ir.ops import (
     REDUCE_SCATTER,
     REDUCE_SCATTER_BUCKET,
 )
-
-_ALWAYS_VIEWS = frozenset({torch.ops.aten._unsafe_view.default})
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,18 +59,15 @@ class MemoryEstimate:
 
 
 def local_nbytes(v: Value, mesh: Mesh) -> int:
-    """Bytes of ``v``'s shard on one rank (even splits, as the layout verifier requires)."""
+    """Bytes of ``v``'s shard on one rank (``Layout.local_shape``: even splits only)."""
     t = v.type
     if not isinstance(t, TensorType):
         return 0
     try:
-        numel = math.prod(int(d) for d in t.shape)
+        shape = v.layout.local_shape(t.shape, mesh)
     except TypeError as e:
         raise ValueError(f"%{v.name} has a symbolic shape {t}; memory liveness needs concrete sizes") from e
-    for axis, p in zip(v.layout.axes, v.layout.placements, strict=True):
-        if isinstance(p, Shard):
-            numel //= mesh.size(axis)
-    return numel * t.dtype.itemsize
+    return math.prod(shape) * t.dtype.itemsize
 
 
 def rank_memory(graph: Graph, optimizer_states: int = 2) -> MemoryEstimate:
@@ -117,21 +110,11 @@ def _values(graph: Graph) -> list[Value]:
     return [i.value for i in graph.inputs] + [r for op in graph.ops for r in op.results]
 
 
-def _is_view(op: Op) -> bool:
-    target = op.target
-    if isinstance(target, OpDef) or not op.operands:
-        return False
-    if target in _ALWAYS_VIEWS:
-        return True
-    returns = target._schema.returns
-    return bool(returns) and all(r.alias_info is not None and not r.alias_info.is_write for r in returns)
-
-
 def _alias_roots(graph: Graph, schedule: list[Op]) -> dict[Value, Value]:
     """Each value's storage owner: itself, or (through views) the value whose buffer it shares."""
     root = {i.value: i.value for i in graph.inputs}
     for op in schedule:
-        base = root[op.operands[0]] if _is_view(op) else None
+        base = root[op.operands[0]] if op.operands and is_view(op.target) else None
         for r in op.results:
             root[r] = base if base is not None else r
     return root

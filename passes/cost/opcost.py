@@ -57,8 +57,9 @@ def roofline(
     mn: float | None = None,
 ) -> float:
     """Seconds for one kernel: the slower of its math and its memory traffic, plus the launch gap."""
-    eff = flops_efficiency(dev, flops, k, dtype, attention=attention, mn=mn)
-    t_math = flops / (dev.peak_flops(dtype) * eff) if flops > 0 else 0.0
+    t_math = 0.0
+    if flops > 0:  # NOTE: a device without fill time (the host CPU) has no efficiency at 0 FLOPs
+        t_math = flops / (dev.peak_flops(dtype) * flops_efficiency(dev, flops, k, dtype, attention=attention, mn=mn))
     t_mem = nbytes / (dev.hbm_bw * bandwidth_efficiency(dev, nbytes)) if nbytes > 0 else 0.0
     return max(t_math, t_mem) + dev.eff.launch_s
 

@@ -161,14 +161,13 @@ def experts_sites(graph: ir.Graph) -> list[ExpertsSite]:
     return sites
 
 
-_VIEWS = frozenset({"aten.view", "aten._unsafe_view", "aten.reshape", "aten.unflatten.int"})
-
-
 def _viewed_param(value: ir.Value, params: dict[ir.Value, str], producers: dict[ir.Value, ir.Op]) -> ir.Value | None:
-    """The parameter ``value`` is, or is a chain of views of; None for anything else."""
+    """The parameter ``value`` is, or is a chain of reshaping views of (``ir.view_trait``); None for
+    anything else."""
     while value not in params:
         op = producers.get(value)
-        if op is None or op.name not in _VIEWS or not op.operands:
+        trait = None if op is None else ir.view_trait(op.target)
+        if op is None or trait is None or not trait.reshape or not op.operands:
             return None
         value = op.operands[0]
     return value

@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
-from meshfold.ir import Graph, Layout, Op, Partial, Placement, R, Replicate, Shard, Value, apply_patterns
-from meshfold.ir.ops import ALL_GATHER, ALL_REDUCE, ALL_TO_ALL, PARTIAL, REDISTRIBUTE, REDUCE_SCATTER, SHARD
+from meshfold.ir import Graph, Layout, Op, OpDef, Partial, Placement, R, Replicate, Shard, Value, apply_patterns
+from meshfold.ir.ops import REDISTRIBUTE, collective_for
 from meshfold.ir.rewrite import PatternTable, Rewriter
 from meshfold.passes.base import Pass, PassContext
 from meshfold.passes.sharding.propagate import SHARDED
@@ -36,8 +36,18 @@ Step = tuple[Layout, "Emitter"]
 class Emitter:
     """One collective on one axis: builds the op when called."""
 
-    def __init__(self, target: object, axis: str, **attrs: object) -> None:
+    def __init__(self, target: OpDef, axis: str, **attrs: object) -> None:
         self.target, self.axis, self.attrs = target, axis, attrs
+
+    @staticmethod
+    def between(axis: str, src: Placement, dst: Placement) -> Emitter:
+        """The one collective taking ``src`` to ``dst`` on ``axis`` (``ir.ops.collective_for``)."""
+        target, attrs = collective_for(src, dst)
+        return Emitter(target, axis, **dict(attrs))
+
+    def transfer(self, layout: Layout) -> Layout:
+        """The layout after this step, by the collective's own transfer function."""
+        return self.target.transfer(layout, {"axis": self.axis, **self.attrs})
 
     def __call__(self, rw: Rewriter, like: Op, v: Value, layout: Layout) -> Value:
         kwargs = (("axis", self.axis), *sorted(self.attrs.items()))
@@ -69,40 +79,37 @@ def plan_steps(src: Layout, dst: Layout) -> list[tuple[Layout, Emitter]]:
         s, d = cur.placements[i], dst.placements[i]
         if s == d:
             if isinstance(s, Shard) and blocks_nesting(i, s.dim):
-                cur = _step(steps, cur, i, R, Emitter(ALL_GATHER, axes[i], dim=s.dim))
+                cur = _step(steps, cur, Emitter.between(axes[i], s, R))
             continue
         # NOTE: never move straight into S(d) while an outer axis still has to change dim d.
         direct = isinstance(d, Shard) and not blocks_nesting(i, d.dim)
         if isinstance(s, Shard):
             other_shards = {p.dim for j, p in enumerate(cur.placements) if j != i and isinstance(p, Shard)}
             if direct and isinstance(d, Shard) and d.dim not in other_shards and s.dim not in other_shards:
-                cur = _step(steps, cur, i, d, Emitter(ALL_TO_ALL, axes[i], split_dim=d.dim, concat_dim=s.dim))
+                cur = _step(steps, cur, Emitter.between(axes[i], s, d))
             else:
-                cur = _step(steps, cur, i, R, Emitter(ALL_GATHER, axes[i], dim=s.dim))
+                cur = _step(steps, cur, Emitter.between(axes[i], s, R))
         elif isinstance(s, Partial):
             later_shards = {p.dim for j, p in enumerate(cur.placements) if j > i and isinstance(p, Shard)}
             if direct and isinstance(d, Shard) and d.dim not in later_shards:
-                cur = _step(steps, cur, i, d, Emitter(REDUCE_SCATTER, axes[i], dim=d.dim, reduce=s.reduce))
+                cur = _step(steps, cur, Emitter.between(axes[i], s, d))
             else:
-                cur = _step(steps, cur, i, R, Emitter(ALL_REDUCE, axes[i], reduce=s.reduce))
+                cur = _step(steps, cur, Emitter.between(axes[i], s, R))
     # NOTE: phase 2, left to right: from Replicate to the target placement.
     for i in range(len(axes)):
         s, d = cur.placements[i], dst.placements[i]
         if s == d:
             continue
         assert isinstance(s, Replicate), f"boxing left {s} on axis {axes[i]} (from {src} to {dst})"
-        if isinstance(d, Shard):
-            cur = _step(steps, cur, i, d, Emitter(SHARD, axes[i], dim=d.dim))
-        elif isinstance(d, Partial):
-            cur = _step(steps, cur, i, d, Emitter(PARTIAL, axes[i], reduce=d.reduce))
+        cur = _step(steps, cur, Emitter.between(axes[i], s, d))
     # NOTE: an axis that phase 1 gathered only to keep nesting order is re-sharded by phase 2,
     # so every axis now matches.
     assert cur == dst, f"boxing reached {cur}, not {dst}"
     return steps
 
 
-def _step(steps: list[tuple[Layout, Emitter]], cur: Layout, i: int, p: Placement, e: Emitter) -> Layout:
-    nxt = cur.with_placement(cur.axes[i], p)
+def _step(steps: list[tuple[Layout, Emitter]], cur: Layout, e: Emitter) -> Layout:
+    nxt = e.transfer(cur)
     steps.append((nxt, e))
     return nxt
 

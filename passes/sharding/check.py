@@ -4,21 +4,8 @@ exactly the layout the producer wrote (collectives are explicit ops)."""
 
 from __future__ import annotations
 
-from typing import cast
-
-from meshfold.ir import Graph, Op, OpDef, Partial, Placement, Replicate, Shard, VerifyError
-from meshfold.ir.ops import (
-    ALL_GATHER,
-    ALL_GATHER_BUCKET,
-    ALL_REDUCE,
-    ALL_TO_ALL,
-    PARTIAL,
-    REDISTRIBUTE,
-    REDUCE_SCATTER,
-    REDUCE_SCATTER_BUCKET,
-    SHARD,
-)
-from meshfold.ir.placement import ReduceOp
+from meshfold.ir import Graph, Op, OpDef, VerifyError
+from meshfold.ir.ops import REDISTRIBUTE
 from meshfold.passes.sharding.rules import rule_table, strategies_for
 
 
@@ -48,42 +35,16 @@ def check_layouts(graph: Graph, *, allow_redistribute: bool = True) -> None:
                 )
 
 
-def _moves(op: Op, k: int) -> tuple[Placement, Placement] | None:
-    """The (operand, result) placement a collective's ``k``-th operand goes through on its axis."""
-    t = op.target
-    if t in (ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET):
-        dims = op.kwarg("dims")
-        assert isinstance(dims, tuple | list)
-        dim = int(dims[k])
-        t = ALL_GATHER if t == ALL_GATHER_BUCKET else REDUCE_SCATTER
-    else:
-        dim = int(op.kwarg("dim", -1))  # type: ignore[arg-type]
-    reduce = cast(ReduceOp, op.kwarg("reduce", "sum"))
-    if t == ALL_GATHER:
-        return Shard(dim), Replicate()
-    if t == REDUCE_SCATTER:
-        return Partial(reduce), Shard(dim)
-    if t == ALL_REDUCE:
-        return Partial(reduce), Replicate()
-    if t == ALL_TO_ALL:
-        return Shard(int(op.kwarg("concat_dim"))), Shard(int(op.kwarg("split_dim")))  # type: ignore[arg-type]
-    if t == SHARD:
-        return Replicate(), Shard(dim)
-    if t == PARTIAL:
-        return Replicate(), Partial(reduce)
-    return None
-
-
 def _check_collective(graph: Graph, op: Op) -> None:
     """A collective changes its own axis's placement as its kind says and keeps every other axis."""
     assert graph.mesh is not None
     axis = op.kwarg("axis")
-    if axis is None:
+    assert isinstance(op.target, OpDef)
+    if axis is None or op.target.move is None:
         return
+    attrs = dict(op.kwargs)
     for k, (x, r) in enumerate(zip(op.operands, op.results, strict=True)):
-        want = _moves(op, k)
-        if want is None:
-            return
+        want = op.target.moves(attrs, k)
         for i, name in enumerate(graph.mesh.names):
             have = (x.layout.placements[i], r.layout.placements[i])
             expect = want if name == axis else (have[0], have[0])

@@ -104,12 +104,18 @@ def axis_roles(plan: Plan, mesh: Mesh) -> dict[str, str]:
     return roles
 
 
+def data_parallel_axes(roles: Mapping[str, str]) -> tuple[str, ...]:
+    """The mesh axes (of ``axis_roles``) a preset splits the batch over: its ``ddp`` and ``fsdp``
+    axes. The sharding solve keeps the batch split on them (``Problem.batch_axes``); ``auto`` has none."""
+    return tuple(a for a, role in roles.items() if role in ("ddp", "fsdp"))
+
+
 def resolve(plan: Plan, graph: Graph, mesh: Mesh) -> Seeds:
     """Seeds for every graph input: parameters by preset then user override, user inputs batch-sharded."""
     roles = axis_roles(plan, mesh)
     tp_roles = megatron_roles(graph) if "tp" in roles.values() else {}
     seeds = Seeds(roles=roles)
-    data_axes = [a for a in mesh.names if roles[a] in ("ddp", "fsdp")]
+    data_axes = [a for a in mesh.names if a in data_parallel_axes(roles)]
     for i in graph.inputs:
         t = i.value.type
         if not isinstance(t, TensorType):

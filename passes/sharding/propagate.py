@@ -16,15 +16,30 @@ from typing import ClassVar, Literal
 
 import torch
 
-from meshfold.ir import Graph, GraphBuilder, Layout, Mesh, Op, Partial, Placement, Provenance, Shard, TensorType, Value
+from meshfold.ir import (
+    Graph,
+    GraphBuilder,
+    Layout,
+    Mesh,
+    Op,
+    Partial,
+    Placement,
+    Provenance,
+    Shard,
+    TensorType,
+    Value,
+    is_view,
+)
 from meshfold.ir.graph import Arg
 from meshfold.ir.ops import REDISTRIBUTE
 from meshfold.passes.base import JOINT, Pass, PassContext, PassError
+from meshfold.passes.cost.axis import AxisModel, axis_models
 from meshfold.passes.moe.spec import plan_with_experts
-from meshfold.passes.sharding.cost import IMPOSSIBLE, nbytes, transition_cost
-from meshfold.passes.sharding.plans import AUTO, Plan, Seeds, default_preset, resolve
+from meshfold.passes.sharding.batch import batch_splits
+from meshfold.passes.sharding.cost import nbytes
+from meshfold.passes.sharding.plans import AUTO, Plan, Seeds, data_parallel_axes, default_preset, resolve
 from meshfold.passes.sharding.rules import RuleTable, rule_table, strategies_for
-from meshfold.passes.sharding.solve import Problem, machines_for, solve
+from meshfold.passes.sharding.solve import Problem, solve
 from meshfold.passes.sharding.strategy import Strategy
 
 SHARDED = "sharded"
@@ -32,15 +47,6 @@ SHARDED = "sharded"
 # NOTE: moving a weight in the forward is paid three times over (gathered again for the backward,
 # and its gradient reduced back), so its redistribution cost counts triple; activations once.
 PARAM_WEIGHT = 3.0
-_VIEW_LIKE = {
-    torch.ops.aten.t.default,
-    torch.ops.aten.transpose.int,
-    torch.ops.aten.permute.default,
-    torch.ops.aten.view.default,
-    torch.ops.aten._unsafe_view.default,
-    torch.ops.aten.reshape.default,
-    torch.ops.aten._to_copy.default,
-}
 
 
 @dataclass(frozen=True)
@@ -109,14 +115,20 @@ def _solved(
 
     cluster = ctx.cluster
     memory = ctx.memory if ctx.memory is not None else (cluster.device.hbm_bytes if cluster is not None else None)
-    machines = machines_for(mesh, cluster)
-    problem = Problem(graph, mesh, candidates, start, free, wants, machines, valid, memory)
-    problem = replace(problem, time_limit=opts.time_limit, status=ctx.status, share_blocks=opts.share_blocks)
+    models = axis_models(mesh, cluster)
+    problem = Problem(graph, mesh, candidates, start, free, wants, models, valid, memory)
+    batch_axes = frozenset(data_parallel_axes(seeds.roles))
+    problem = replace(
+        problem, time_limit=opts.time_limit, status=ctx.status, share_blocks=opts.share_blocks, batch_axes=batch_axes
+    )
     solution = solve(problem)
     ctx.stats["sharding.solve"] = solution.stats
     prop.decided = solution.strategies
     if not auto:
         return seeds
+    splits = batch_splits(graph, mesh, solution, start)
+    ctx.stats["sharding.batch"] = splits
+    ctx.diagnostics.extend(s.describe() for s in splits if not s.data_parallel)
     out = Seeds(roles=dict(seeds.roles))
     for i in graph.inputs:
         lay = solution.inputs.get(i.value, seeds.storage.get(i.name, Layout.replicated(mesh)))
@@ -141,9 +153,12 @@ class _Propagator:
     """Per op (program order), one strategy per mesh axis chosen up front; None: choose greedily."""
     pinned: dict[Value, Layout] = field(default_factory=dict)
     """Inputs every use must read in exactly this layout (the plan's ``pinned``): never moved."""
+    models: tuple[AxisModel, ...] = ()
+    """The time model of each mesh axis the greedy choice prices moves with (set by ``run``)."""
 
     def run(self) -> Graph:
         self.b = GraphBuilder(self.graph.name, self.mesh)
+        self.models = axis_models(self.mesh, self.ctx.cluster)
         self.b.stacks = self.graph.stacks
         compute: dict[Value, Layout] = {}
         for i in self.graph.inputs:
@@ -156,7 +171,12 @@ class _Propagator:
         for k, op in enumerate(self.graph.ops):
             self._op(op, None if self.decided is None else self.decided[k])
             derived = any(self.vmap.get(u, u) in self.param_like for u in op.operands)
-            if op.prov.phase == "fwd" and len(op.results) == 1 and op.target in _VIEW_LIKE and derived:
+            if (
+                op.prov.phase == "fwd"
+                and len(op.results) == 1
+                and (is_view(op.target) or op.target == torch.ops.aten._to_copy.default)
+                and derived
+            ):
                 self.param_like.add(self.vmap[op.result])
         grads = {o.name: self.seeds.storage.get(o.name) for o in self.graph.outputs if o.kind in ("grad", "update")}
         for o in self.graph.outputs:
@@ -202,20 +222,18 @@ class _Propagator:
     def _choose(
         self, op: Op, operands: list[Value], strategies: list[Strategy], axis: str, earlier: list[Strategy]
     ) -> Strategy:
-        n = self.mesh.size(axis)
+        model = self.models[self.mesh.names.index(axis)]
         best: tuple[float, int] | None = None
         best_s = strategies[0]
         for idx, s in enumerate(strategies):
             pinned = {self.vmap.get(v, v): lay for v, lay in self.pinned.items()}
             if not (_valid(s, operands, op.results, self.mesh, earlier) and _keeps(s, operands, pinned, earlier)):
                 continue
-            cost = s.exchange * (n - 1) / n / n  # NOTE: the op's own traffic, in the same bytes
+            cost = model.collective("all_to_all", s.exchange / model.size) if s.exchange else 0.0
             for v, want in zip(operands, s.inputs, strict=True):
                 if isinstance(v.type, TensorType):
-                    c = transition_cost(self._current(v).placement(axis), want, nbytes(v.type), n)
+                    c = _greedy_move(model, self._current(v).placement(axis), want, nbytes(v.type))
                     cost += c * (PARAM_WEIGHT if v in self.param_like else 1.0)
-            if cost == IMPOSSIBLE:
-                continue
             if best is None or (cost, idx) < best:
                 best, best_s = (cost, idx), s
         if best is None:
@@ -231,6 +249,15 @@ class _Propagator:
             (new,) = self.b.add_op(REDISTRIBUTE, (v,), (), [Value(v.name, v.type, target)], prov)
             self.moved[key] = new
         return self.moved[key]
+
+
+def _greedy_move(model: AxisModel, src: Placement, dst: Placement, size: float) -> float:
+    """The time of a move as the greedy choice sees it: the axis model's, except that Replicate →
+    Partial, which moves nothing now, is priced as the reduction some later consumer must pay
+    (the greedy choice sees only its operands; the solve prices that reduction where it happens)."""
+    if _is_replicate(src) and isinstance(dst, Partial):
+        return model.redistribute(dst, src, size)
+    return model.redistribute(src, dst, size)
 
 
 def _valid(s: Strategy, operands: list[Value], results: tuple[Value, ...], mesh: Mesh, earlier: list[Strategy]) -> bool:

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from meshfold.ir import Graph, OpDef, Shard, TensorType
-from meshfold.passes.sharding.cost import comm_volume, nbytes
+from meshfold.ir import Graph, OpDef, TensorType
 
 
 @dataclass(frozen=True)
@@ -25,18 +24,15 @@ def comm_summary(graph: Graph) -> list[CommLine]:
     mesh = graph.mesh
     acc: dict[tuple[str, str, str], list[float]] = {}
     for op in graph.ops:
-        if not isinstance(op.target, OpDef) or op.target.namespace != "comm":
+        target = op.target
+        if not isinstance(target, OpDef) or target.namespace != "comm":
             continue
         axis = str(op.kwarg("axis"))
-        sent = 0.0
-        for x in op.operands:  # NOTE: a bucket is one collective over all its operands
-            if not isinstance(x.type, TensorType):
-                continue
-            local = nbytes(x.type)
-            for ax, p in zip(x.layout.axes, x.layout.placements, strict=True):
-                if isinstance(p, Shard):
-                    local /= mesh.size(ax)
-            sent += comm_volume(op.name, local, mesh.size(axis))
+        attrs = dict(op.kwargs)
+        # NOTE: a bucket is one collective over all its operands
+        sent = sum(
+            target.wire_bytes_of(x.type, x.layout, mesh, attrs) for x in op.operands if isinstance(x.type, TensorType)
+        )
         if not any(isinstance(x.type, TensorType) for x in op.operands):
             continue
         slot = acc.setdefault((op.name, axis, op.prov.phase), [0, 0.0])

@@ -14,27 +14,15 @@ from collections import deque
 
 import torch
 
-from meshfold.ir import Graph, Op, Value
+from meshfold.ir import Graph, Op, Target, Value, is_view
 
 aten = torch.ops.aten
 
+# NOTE: besides every view (``ir.is_view``), these keep the hidden dimension's meaning.
 _TRANSPARENT = {
-    aten.view.default,
-    aten._unsafe_view.default,
-    aten.reshape.default,
-    aten.expand.default,
-    aten.transpose.int,
-    aten.permute.default,
-    aten.t.default,
-    aten.unsqueeze.default,
-    aten.squeeze.dim,
     aten.clone.default,
     aten._to_copy.default,
-    aten.slice.Tensor,
     aten.cat.default,
-    aten.split.Tensor,
-    aten.split_with_sizes.default,
-    aten.select.int,
     aten.add.Tensor,
     aten.sub.Tensor,
     aten.mul.Tensor,
@@ -51,13 +39,15 @@ _TRANSPARENT = {
     aten.pow.Tensor_Scalar,
     aten.where.self,
     aten.repeat_interleave.self_int,
-    aten.alias.default,
-    aten.detach.default,
     aten._scaled_dot_product_flash_attention_for_cpu.default,
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,
 }
+
+
+def _transparent(target: Target) -> bool:
+    return is_view(target) or target in _TRANSPARENT
 
 
 def _linear_weight(op: Op, params: set[Value], producers: dict[Value, Op]) -> tuple[Value, Value] | None:
@@ -120,7 +110,7 @@ def _reached_linears(
         v = queue.popleft()
         found.extend(by_activation.get(v, []))
         for op in users.get(v, []):
-            if op.prov.phase != "fwd" or op.target not in _TRANSPARENT:
+            if op.prov.phase != "fwd" or not _transparent(op.target):
                 continue
             for r in op.results:
                 if r not in seen:

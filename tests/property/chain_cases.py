@@ -74,9 +74,8 @@ def local_pieces(x: torch.Tensor, layout: Layout, mesh: Mesh, seed: int) -> dict
     out: dict[Coord, torch.Tensor] = {}
     for c in coords:
         v = x
-        for i, p in enumerate(layout.placements):
-            if isinstance(p, Shard):
-                v = v.chunk(mesh.sizes[i], p.dim)[c[i]]
+        for d, (lo, size) in enumerate(layout.shard_bounds(x.shape, mesh, c)):
+            v = v.narrow(d, lo, size)
         out[c] = v.contiguous()
     for i, p in enumerate(layout.placements):
         if not isinstance(p, Partial):

@@ -17,10 +17,9 @@ Coord = tuple[int, ...]
 
 
 def _chunk(x: torch.Tensor, layout: Layout, mesh: Mesh, coord: Coord) -> torch.Tensor:
-    """The local piece of a non-Partial layout (shards nest in mesh-axis order, outer first)."""
-    for i, p in enumerate(layout.placements):
-        if isinstance(p, Shard):
-            x = x.chunk(mesh.sizes[i], p.dim)[coord[i]]
+    """The local piece of a non-Partial layout (``Layout.shard_bounds``: shards nest outer axis first)."""
+    for d, (lo, size) in enumerate(layout.shard_bounds(x.shape, mesh, coord)):
+        x = x.narrow(d, lo, size)
     return x
 
 

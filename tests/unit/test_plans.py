@@ -7,7 +7,7 @@ from functools import cache
 import pytest
 
 from meshfold import DEFAULT_PIPELINE, CompileOptions, capture, compile_model, ir
-from meshfold.passes import PassError
+from meshfold.passes import PassContext, PassError, parse_pipeline
 from meshfold.passes.sharding.plans import Plan, default_preset, resolve
 from meshfold.passes.sharding.tp import megatron_roles
 from meshfold.tools.zoo import build
@@ -101,3 +101,54 @@ def test_default_preset_and_user_overrides() -> None:
     assert seeds.storage["x"] == ir.Layout.on(mesh, dp=ir.Shard(0))
     with pytest.raises(PassError, match=r"shards 'fc2.bias' : f32\[64\] on dim 1 over 'dp', but it has rank 1"):
         resolve(Plan.of("ddp+tp", {"fc2.*": {"dp": "S(1)"}}), _captured("mlp"), mesh)
+
+
+def _reduced_over(v: ir.Value, producer: dict[ir.Value, ir.Op], axis: str) -> bool:
+    """Whether ``v`` comes out of a reduce-scatter over ``axis`` through single-operand ops."""
+    while v in producer:
+        op = producer[v]
+        if op.name == "comm.reduce_scatter" and op.kwarg("axis") == axis:
+            return True
+        if len(op.operands) != 1:
+            return False
+        v = op.operands[0]
+    return False
+
+
+def test_presets_split_the_batch_over_the_data_parallel_ranks() -> None:
+    # NOTE: at llama-tiny's batch of 2 the time model alone would rather all-gather input_ids over
+    # dp (one collective) than reduce-scatter every gradient; fsdp says every rank takes its part
+    # of the batch, so the solve keeps the batch split and the gradients are reduce-scattered.
+    ctx = PassContext(mesh=ir.Mesh.parse("dp=2,tp=2"), plan=Plan.of("fsdp+tp"))
+    out, _ = parse_pipeline("cleanup,sharding,boxing").run(ctx, _captured("llama-tiny"))
+    assert not ctx.diagnostics, ctx.diagnostics  # NOTE: the solve held; no fallback to the greedy choice
+
+    inputs = {i.value: i.name for i in out.inputs if i.kind == "input"}
+    assert sorted(inputs.values()) == ["input_ids", "labels"]
+    assert all(v.layout.placement("dp") == ir.Shard(0) for v in inputs), inputs
+    users: dict[ir.Value, list[ir.Op]] = {}
+    for op in out.ops:
+        for v in op.operands:
+            users.setdefault(v, []).append(op)
+    batch = set(inputs)
+    gathered = []
+    for op in out.ops:
+        if not any(v in batch for v in op.operands):
+            continue
+        batch.update(op.results)
+        if op.name.startswith("comm.") and op.kwarg("axis") == "dp":
+            assert not any(v in inputs for v in op.operands), f"an input is moved over dp: {op}"
+        if op.name in ("comm.all_gather", "comm.all_to_all") and op.kwarg("axis") == "dp":
+            # NOTE: only a whole-batch reduction to a scalar (the loss's token count) may read a gathered copy
+            reads = [r.type for u in users.get(op.result, []) for r in u.results]
+            scalar = all(isinstance(t, ir.TensorType) and t.rank == 0 for t in reads)
+            if not scalar:
+                gathered.append(str(op))
+    assert not gathered, "values computed from the batch are gathered over dp:\n" + "\n".join(gathered)
+
+    producer = {r: op for op in out.ops for r in op.results}
+    fsdp = [i.name for i in out.inputs if i.kind == "param" and isinstance(i.value.layout.placement("dp"), ir.Shard)]
+    assert len(fsdp) == 21, fsdp
+    grads = {o.name: o.value for o in out.outputs if o.kind == "grad"}
+    unreduced = [n for n in fsdp if not _reduced_over(grads[n], producer, "dp")]
+    assert not unreduced, f"gradients not reduce-scattered over dp: {unreduced}"

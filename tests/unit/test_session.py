@@ -114,3 +114,13 @@ def test_the_package_and_the_simulator_import_without_torch() -> None:
     code = "import sys, meshfold, meshfold.passes.cost.simulate; assert 'torch' not in sys.modules, 'torch'"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("dispatcher", ["alltoall", "allgather"])
+def test_a_preset_with_experts_solves_without_falling_back(dispatcher: str) -> None:
+    """The batch stays split on the data-parallel axis, and the all-gather dispatcher may still gather
+    tokens inside the experts op: the solve finds a plan, no greedy fallback."""
+    model, inputs = build("mixtral-tiny")
+    options = CompileOptions.of(mesh="dp=2,tp=2", plan="fsdp+tp", moe={"ep": 4, "dispatcher": dispatcher})
+    result = compile_model(model, inputs, options)
+    assert not [d for d in result.diagnostics if "fall back" in d], result.diagnostics

@@ -102,7 +102,7 @@ def _check_all(op: Op, env: dict[Value, Any], table: RuleTable, gen: torch.Gener
             if not runnable(op, s, n):
                 continue
             try:
-                check_strategy(op, s, env, n, table, gen)
+                check_strategy(op, s, env, n, gen)
                 ran += 1
             except Exception as e:
                 failures.append(f"{op.describe()} {s} on {n} ranks: {str(e).splitlines()[0]}")
@@ -382,7 +382,7 @@ def test_symbolic_scalar_operands_stay_replicate() -> None:
 def test_malformed_rule_is_an_error_naming_the_op() -> None:
     op, _ = _single_op(aten.mm.default, _x(4, 8), _x(8, 2))
     table = _table()
-    bad = RuleTable({**table.rules, op.target: lambda o: [Strategy((Shard(2), R), (R,))]}, table.family, {})
+    bad = RuleTable({**table.rules, op.target: lambda o: [Strategy((Shard(2), R), (R,))]}, table.family)
     with pytest.raises(RuleError, match=r"aten\.mm .*S\(2\)"):
         strategies_for(op, bad)
 

@@ -177,7 +177,7 @@ def _group_size(args: tuple[Any, ...]) -> int:
 
 
 def _ring_bytes(kind: str, in_bytes: float, n: int) -> float:
-    """Bytes one rank sends (ring algorithms; the same model as passes/sharding/cost.comm_volume)."""
+    """Bytes one rank sends (ring algorithms; the same model as the IR's comm op wire volumes, ``OpDef.wire_bytes``)."""
     if kind == "all_gather":
         return in_bytes * (n - 1)
     if kind == "all_reduce":

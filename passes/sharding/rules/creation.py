@@ -22,7 +22,7 @@ aten = torch.ops.aten
 RULES = RuleSet("creation")
 
 
-@RULES.rule(aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format, shape_arg=0)
+@RULES.rule(aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format)
 def sized_factory(op: Op) -> list[Strategy]:
     """`` -> _ _``: a factory from a size; Replicate only."""
     return [Strategy(tuple(R for _ in op.operands), tuple(R for _ in op.results))]
@@ -55,7 +55,7 @@ def like(op: Op) -> list[Strategy]:
     return [*base, *partial_in]
 
 
-@RULES.rule(aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default, shape_arg=1)
+@RULES.rule(aten.new_zeros.default, aten.new_ones.default, aten.new_empty.default, aten.new_full.default)
 def new_sized(op: Op) -> list[Strategy]:
     """``x, -> r`` with ``size`` given: the input only lends dtype and device, so any input placement
     pairs with a Replicate result or one sharded on any dim (``size`` becomes the local shape)."""

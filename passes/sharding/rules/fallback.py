@@ -51,7 +51,7 @@ def fallback_strategies(op: Op) -> list[Strategy] | None:
 
     Needs static shapes; an op DTensor cannot answer for these arguments (its function raises)
     also gives None. Strategies that shard an op whose arguments DTensor rewrites for local shapes
-    (``view`` sizes, ``group_norm``'s ``N``) are dropped: our table holds no localizer for them.
+    (``view`` sizes, ``group_norm``'s ``N``) are dropped: ``backends/local.py`` cannot rewrite those.
     """
     prop = _dtensor_propagator()
     target = op.target

@@ -8,8 +8,6 @@ stays whole; dims that only ride along shard on every operand that has them.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from meshfold.ir import Op, Partial, R, Shard, TensorType, Value
@@ -155,51 +153,9 @@ def gather(op: Op) -> list[Strategy]:
     out = with_partials(base, 2, 1, [((0,), k) for k in ALL_KINDS])
     if src.dtype.is_floating_point:
         # NOTE: ``self`` sharded along ``dim``: each rank gathers the indices it holds (masked, see
-        # gather_ranged) and the sum over ranks is the whole gather.
+        # backends/local.py) and the sum over ranks is the whole gather.
         out.append(Strategy((Shard(d), R), (Partial("sum"),)))
     return out
-
-
-def _along_self(op: Op) -> tuple[str, int, int]:
-    return ("operand", 0, _along(op)[0])
-
-
-def _in_range(index: torch.Tensor, lo: int, size: int) -> torch.Tensor:
-    return (index >= lo) & (index < lo + size)
-
-
-@RULES.ranged_impl(aten.gather.default, _along_self)
-def gather_ranged(lo: int, size: int, x: torch.Tensor, dim: int, index: torch.Tensor, **kw: Any) -> torch.Tensor:
-    """``gather`` on the slice ``[lo, lo + size)`` of ``dim``: other indices contribute zero."""
-    mask = _in_range(index, lo, size)
-    local: torch.Tensor = aten.gather.default(x, dim, torch.where(mask, index - lo, 0), **kw)
-    return local * mask
-
-
-def _scatter_ranged(
-    target: Any, lo: int, size: int, x: torch.Tensor, dim: int, index: torch.Tensor, value: Any
-) -> torch.Tensor:
-    # NOTE: indices outside this rank's slice write into one padding slot that is cut off again.
-    mask = _in_range(index, lo, size)
-    pad = list(x.shape)
-    pad[dim] = 1
-    padded = torch.cat([x, x.new_zeros(pad)], dim)
-    out: torch.Tensor = target(padded, dim, torch.where(mask, index - lo, size), value)
-    return out.narrow(dim, 0, size).contiguous()
-
-
-@RULES.ranged_impl(aten.scatter.value, _along_self)
-def scatter_value_ranged(
-    lo: int, size: int, x: torch.Tensor, dim: int, index: torch.Tensor, value: Any
-) -> torch.Tensor:
-    """``scatter.value`` on the slice ``[lo, lo + size)`` of ``dim``."""
-    return _scatter_ranged(aten.scatter.value, lo, size, x, dim, index, value)
-
-
-@RULES.ranged_impl(aten.scatter.src, _along_self)
-def scatter_src_ranged(lo: int, size: int, x: torch.Tensor, dim: int, index: torch.Tensor, src: Any) -> torch.Tensor:
-    """``scatter.src`` on the slice ``[lo, lo + size)`` of ``dim``."""
-    return _scatter_ranged(aten.scatter.src, lo, size, x, dim, index, src)
 
 
 @RULES.rule(aten.scatter.src, aten.scatter.value, aten.scatter_add.default)
@@ -217,7 +173,7 @@ def scatter(op: Op) -> list[Strategy]:
     ]
     base = einsum_strategies(einsum_of([g] * n, [g]))
     if op.target in (aten.scatter.value, aten.scatter.src):
-        # NOTE: ``self`` sharded along ``dim`` with Replicate index (and src): see _scatter_ranged.
+        # NOTE: ``self`` sharded along ``dim`` with Replicate index (and src): see backends/local.py.
         base.append(Strategy((Shard(d), *(R for _ in range(n - 1))), (Shard(d),)))
     if op.target == aten.scatter_add.default:
         return with_partials(base, n, 1, [((0, 2), "sum"), ((0, 2), "avg")])

@@ -16,12 +16,8 @@ an exchange.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
 from meshfold.ir import Op, Partial, R, Shard, TensorType
-from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, experts_range, experts_range_backward
+from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
 from meshfold.passes.sharding.rules.registry import RuleSet
 from meshfold.passes.sharding.strategy import Strategy
 
@@ -77,14 +73,3 @@ def moe_experts_backward(op: Op) -> list[Strategy]:
     if dispatcher != "allgather":
         out.append(Strategy((S0, S0, S0, S0, S0, S0), (S0, S0, S0, S0), exchange=_exchanged(op, 3)))
     return out
-
-
-@RULES.ranged_impl(EXPERTS, lambda op: ("operand", 3, 0))
-def moe_experts_ranged(lo: int, size: int, *args: Any) -> torch.Tensor:
-    """This rank's experts ``[lo, lo + size)`` only (its slice of the weights)."""
-    return experts_range(lo, *args)
-
-
-@RULES.ranged_impl(EXPERTS_BACKWARD, lambda op: ("operand", 4, 0))
-def moe_experts_backward_ranged(lo: int, size: int, *args: Any) -> tuple[torch.Tensor, ...]:
-    return experts_range_backward(lo, *args)

@@ -41,7 +41,7 @@ def _dims(value: object, rank: int) -> list[int]:
     return [norm_dim(d, rank) for d in items if isinstance(d, int)]
 
 
-@RULES.rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default, shape_arg=1)
+@RULES.rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.view_copy.default)
 def view(op: Op) -> list[Strategy]:
     """``a _ -> a`` for ``[6, 4] -> [24]``, ``a _ c -> a c`` for ``[2, 3, 4] -> [6, 4]``: dims group by
     equal size products and only the outermost dim of a group keeps its shard (see ``view_dim_map``)."""
@@ -57,7 +57,7 @@ def view(op: Op) -> list[Strategy]:
     return movement(einsum_of([ins], [out]))
 
 
-@RULES.rule(aten.expand.default, aten.expand_copy.default, shape_arg=1)
+@RULES.rule(aten.expand.default, aten.expand_copy.default)
 def expand(op: Op) -> list[Strategy]:
     """``_ b -> a c b``: kept dims shard alike; broadcast (size-1) and new leading dims stay whole."""
     src_t = tensor_type_of(op.operands[0])
@@ -148,7 +148,7 @@ def slice_(op: Op) -> list[Strategy]:
     return movement(einsum_of([g], [g]))
 
 
-@RULES.rule(aten.slice_backward.default, shape_arg=1)
+@RULES.rule(aten.slice_backward.default)
 def slice_backward(op: Op) -> list[Strategy]:
     """``a _ c -> a _ c`` for ``dim=1``: zero-padding back to ``input_sizes`` (sliced dim whole);
     the padding is 0 on every rank, so every Partial kind passes."""
@@ -168,7 +168,7 @@ def select(op: Op) -> list[Strategy]:
     return movement(einsum_of([g], [[*names[:d], *names[d + 1 :]]]))
 
 
-@RULES.rule(aten.select_backward.default, shape_arg=1)
+@RULES.rule(aten.select_backward.default)
 def select_backward(op: Op) -> list[Strategy]:
     """``a c -> a _ c`` for ``dim=1``: the gradient written into zeros of ``input_sizes``."""
     out_t = result_type(op)

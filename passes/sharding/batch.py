@@ -1,0 +1,89 @@
+"""The batch under a plan: which values are computed from the user's inputs, and whether each mesh
+axis keeps them split (data parallelism) or lets every rank compute the whole batch.
+
+Presets keep the batch split on their ``ddp`` / ``fsdp`` axes (``Problem.batch_axes``); only
+``plan="auto"`` may trade that away, and ``batch_splits`` then says where it did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from meshfold.ir import Graph, Layout, Mesh, Placement, Shard, TensorType, Value
+from meshfold.passes.sharding.problem import Solution
+
+
+def batch_values(graph: Graph) -> frozenset[Value]:
+    """The user's inputs (graph inputs of kind ``input``) and every op result computed from one."""
+    out = {i.value for i in graph.inputs if i.kind == "input"}
+    for op in graph.ops:
+        if any(v in out for v in op.operands):
+            out.update(op.results)
+    return frozenset(out)
+
+
+@dataclass(frozen=True)
+class BatchSplit:
+    """How one mesh axis treats the batch in a solved plan. ``split`` / ``whole``: the user's inputs
+    sharded / replicated on it; ``gathered``: values computed from them that some op reads whole
+    (each rank of the axis then computes that part for the whole batch). Moving a value from one
+    shard to another (an all-to-all) keeps the work split and counts as neither."""
+
+    axis: str
+    split: tuple[str, ...]
+    whole: tuple[str, ...]
+    gathered: tuple[str, ...]
+
+    @property
+    def data_parallel(self) -> bool:
+        """Whether every rank of the axis works on its own part of the batch throughout."""
+        return bool(self.split) and not self.whole and not self.gathered
+
+    def describe(self) -> str:
+        """One line saying how the axis gave data parallelism up ('' when it did not)."""
+        if self.data_parallel:
+            return ""
+        why = []
+        if self.whole:
+            one = len(self.whole) == 1
+            why.append(f"input{'' if one else 's'} {', '.join(self.whole)} {'is' if one else 'are'} replicated on it")
+        if self.gathered:
+            shown = ", ".join(self.gathered[:4]) + (" ..." if len(self.gathered) > 4 else "")
+            why.append(f"{len(self.gathered)} values computed from the inputs are gathered off their shard ({shown})")
+        return (
+            f"plan='auto' trades data parallelism away on mesh axis {self.axis!r}: {'; '.join(why)}, so its ranks "
+            "compute on the whole batch; use a preset (e.g. 'fsdp+tp') to keep the batch split"
+        )
+
+
+def batch_splits(graph: Graph, mesh: Mesh, solution: Solution, start: Mapping[Value, Layout]) -> tuple[BatchSplit, ...]:
+    """Per mesh axis of more than one rank, how ``solution`` treats the batch (see ``BatchSplit``);
+    ``start``: the layouts of the inputs the solve did not choose."""
+    batch = batch_values(graph)
+    users = [i for i in graph.inputs if i.kind == "input" and isinstance(i.value.type, TensorType)]
+    source: dict[Value, tuple[int, int]] = {
+        r: (o, j) for o, op in enumerate(graph.ops) for j, r in enumerate(op.results)
+    }
+    out = []
+    for k, axis in enumerate(mesh.names):
+        if mesh.sizes[k] == 1:
+            continue
+
+        def placed(v: Value, k: int = k, axis: str = axis) -> Placement:
+            if v in source:
+                o, j = source[v]
+                return solution.strategies[o][k].outputs[j]
+            lay = solution.inputs.get(v) or start.get(v) or Layout.replicated(mesh)
+            return lay.placement(axis)
+
+        split = tuple(i.name for i in users if isinstance(placed(i.value), Shard))
+        whole = tuple(i.name for i in users if not isinstance(placed(i.value), Shard))
+        gathered: dict[str, None] = {}
+        for o, op in enumerate(graph.ops):
+            for idx, v in enumerate(op.operands):
+                have = placed(v) if v in batch and isinstance(v.type, TensorType) else None
+                if isinstance(have, Shard) and not isinstance(solution.strategies[o][k].inputs[idx], Shard):
+                    gathered[v.name] = None
+        out.append(BatchSplit(axis, split, whole, tuple(gathered)))
+    return tuple(out)
