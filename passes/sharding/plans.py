@@ -71,6 +71,8 @@ class Seeds:
     storage: dict[str, Layout] = field(default_factory=dict)
     compute: dict[str, Layout] = field(default_factory=dict)
     roles: dict[str, str] = field(default_factory=dict)
+    unsplit: list[str] = field(default_factory=list)
+    """One line per parameter the preset meant to split but could not (the sizes do not divide)."""
 
 
 def axis_roles(plan: Plan, mesh: Mesh) -> dict[str, str]:
@@ -125,6 +127,8 @@ def resolve(plan: Plan, graph: Graph, mesh: Mesh) -> Seeds:
         elif i.kind in ("param", "buffer"):
             store, comp = _param_layouts(i.name, t, mesh, roles, tp_roles.get(i.name))
             seeds.storage[i.name], seeds.compute[i.name] = store, comp
+            if i.kind == "param":
+                seeds.unsplit.extend(_unsplit(i.name, t, mesh, roles, tp_roles.get(i.name), store))
         else:
             seeds.storage[i.name] = seeds.compute[i.name] = Layout.replicated(mesh)
     _apply_overrides(plan, graph, mesh, seeds)
@@ -166,6 +170,38 @@ def _param_layouts(
                     comp[axis] = R
                     break
     return Layout.on(mesh, **store), Layout.on(mesh, **comp)
+
+
+def _unsplit(
+    name: str, t: TensorType, mesh: Mesh, roles: dict[str, str], tp_role: str | None, store: Layout
+) -> list[str]:
+    """Why the preset left ``name`` whole on an axis it meant to split it over (tp: the Megatron
+    dim does not divide; fsdp: no dim does), one line each; empty when it split as meant."""
+    out = []
+    for axis in mesh.names:
+        if isinstance(store.placement(axis), Shard):
+            continue
+        n = mesh.size(axis)
+        if roles[axis] == "tp" and tp_role is not None and t.rank > (dim := 1 if tp_role == "row" else 0):
+            out.append(
+                f"plan {roles[axis]!r}: parameter {name} {t} is {tp_role}-parallel, but its dim {dim} (size "
+                f"{t.shape[dim]}) does not divide over the {n} ranks of mesh axis {axis!r}, so it stays replicated "
+                f"there (every rank computes its whole layer); use a tp size that divides {t.shape[dim]}, or a plan "
+                f"entry for {name!r}"
+            )
+        elif roles[axis] == "fsdp" and t.rank > 0 and _numel(t) >= n:
+            out.append(
+                f"plan 'fsdp': parameter {name} {t} has no dim that divides over the {n} ranks of mesh axis "
+                f"{axis!r}, so every rank stores it whole"
+            )
+    return out
+
+
+def _numel(t: TensorType) -> int:
+    total = 1
+    for d in t.shape:
+        total *= d if isinstance(d, int) else 0
+    return total
 
 
 def _ways(store: dict[str, Placement], mesh: Mesh, dim: int) -> int:

@@ -78,6 +78,8 @@ class Sharding(Pass):
         if auto and self.mode != "solve":
             raise PassError("plan='auto' needs sharding{mode=solve}: the greedy choice cannot pick layouts")
         seeds = Seeds() if auto else resolve(plan, graph, mesh)
+        for line in seeds.unsplit:
+            ctx.warn(line)
         prop = _Propagator(graph, mesh, seeds, rule_table(), ctx)
         prop.pinned = {i.value: seeds.compute[i.name] for i in graph.inputs if i.name in plan.pinned}
         if self.mode == "solve":

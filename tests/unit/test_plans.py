@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 from functools import cache
 
 import pytest
+import torch
 
 from meshfold import DEFAULT_PIPELINE, CompileOptions, capture, compile_model, ir
 from meshfold.passes import PassContext, PassError, parse_pipeline
@@ -152,3 +154,31 @@ def test_presets_split_the_batch_over_the_data_parallel_ranks() -> None:
     grads = {o.name: o.value for o in out.outputs if o.kind == "grad"}
     unreduced = [n for n in fsdp if not _reduced_over(grads[n], producer, "dp")]
     assert not unreduced, f"gradients not reduce-scattered over dp: {unreduced}"
+
+
+class _Odd(torch.nn.Module):
+    """A column/row pair whose hidden size the tp ranks may not divide."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(16, hidden)
+        self.fc2 = torch.nn.Linear(hidden, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.fc2(torch.nn.functional.gelu(self.fc1(x))), y)
+
+
+@pytest.mark.parametrize("hidden", [30, 32])
+def test_a_preset_that_cannot_split_a_parameter_says_which_and_why(hidden: int) -> None:
+    inputs = (torch.randn(8, 16), torch.randn(8, 16))
+    options = CompileOptions.of(mesh="tp=4", plan="tp", pipeline="cleanup,sharding{mode=greedy}")
+    with pytest.warns(UserWarning) if hidden == 30 else contextlib.nullcontext():
+        result = compile_model(_Odd(hidden), inputs, options)
+    said = [d for d in result.diagnostics if "does not divide" in d]
+    layouts = {i.name: i.value.layout for i in result.graph.inputs}
+    if hidden == 32:
+        assert not said and layouts["fc1.weight"].placement("tp") == ir.Shard(0)
+        return
+    assert [d.split(" ")[3] for d in said] == ["fc1.weight", "fc1.bias", "fc2.weight"]
+    assert all("size 30" in d and "4 ranks of mesh axis 'tp'" in d for d in said), said
+    assert all(layouts[n].placement("tp") == ir.R for n in ("fc1.weight", "fc1.bias", "fc2.weight"))
