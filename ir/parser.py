@@ -1,5 +1,9 @@
 """Reads the text form written by :mod:`ir.printer`. Never evaluates code: every literal has a
-fixed spelling and op names resolve by attribute lookup on ``torch.ops``."""
+fixed spelling and op names resolve by attribute lookup on ``torch.ops``.
+
+Contract: any text either parses or raises :class:`ParseError` reading ``line L, column C: <what>``
+on one line — never another exception, a hang, or an allocation sized by the text before a check.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from meshfold.ir.graph import INPUT_KINDS, OUTPUT_KINDS, Arg, Graph, GraphBuilde
 from meshfold.ir.mesh import Mesh
 from meshfold.ir.ops import resolve_target
 from meshfold.ir.placement import Layout, Placement, R, parse_placement
-from meshfold.ir.symbolic import parse_dim
+from meshfold.ir.symbolic import Dim, parse_dim
 from meshfold.ir.types import DTYPES_BY_NAME, ScalarType, TensorType, Type
 
 _NAME = re.compile(r"%([A-Za-z0-9_.]+)")
@@ -20,19 +24,27 @@ _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
 _NUMBER = re.compile(r"-?(?:inf|nan|\d+(?:\.\d*)?(?:e[+-]?\d+)?)")
 _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 
+# NOTE: bounds on hostile text. Lists and JSON stacks nest at most MAX_DEPTH deep (no RecursionError);
+# integer literals stay within int64; a tensor type has dims >= 0 and fewer than 2**62 elements in
+# all, checked here, before any pass or the verifier allocates (even a fake tensor) for the shape.
+MAX_DEPTH = 64
+MAX_NUMEL = 2**62
+MAX_MESH_AXIS = 2**20
+_INT_RANGE = range(-(2**63), 2**63)
+
 
 class ParseError(ValueError):
-    """Bad IR text; the message names the line and column."""
+    """Bad IR text; the one-line message reads ``line L, column C: <what is wrong>``."""
 
 
 class _Line:
-    """A cursor over one line of text."""
+    """A cursor over one line of text; columns count from its first non-blank character."""
 
-    def __init__(self, text: str, lineno: int) -> None:
-        self.text, self.pos, self.lineno = text, 0, lineno
+    def __init__(self, raw: str, lineno: int) -> None:
+        self.text, self.pos, self.lineno = raw.strip(), 0, lineno
 
-    def error(self, what: str) -> ParseError:
-        return ParseError(f"line {self.lineno}, column {self.pos + 1}: {what}\n  {self.text}")
+    def error(self, what: str, pos: int | None = None) -> ParseError:
+        return _error(self.lineno, (self.pos if pos is None else pos) + 1, what)
 
     def ws(self) -> None:
         while self.pos < len(self.text) and self.text[self.pos] == " ":
@@ -78,15 +90,15 @@ class _Parser:
         self.b: GraphBuilder | None = None
 
     def value(self, ln: _Line) -> Value:
-        name = ln.match(_NAME, "a value like %x").group(1)
-        if name not in self.values:
-            raise ln.error(f"%{name} is used before it is defined")
-        return self.values[name]
+        m = ln.match(_NAME, "a value like %x")
+        if m.group(1) not in self.values:
+            raise ln.error(f"%{m.group(1)} is used before it is defined", m.start())
+        return self.values[m.group(1)]
 
-    def define(self, ln: _Line, name: str, v: Value) -> None:
-        if name in self.values:
-            raise ln.error(f"%{name} is defined twice")
-        self.values[name] = v
+    def define(self, ln: _Line, m: re.Match[str], v: Value) -> None:
+        if m.group(1) in self.values:
+            raise ln.error(f"%{m.group(1)} is defined twice", m.start())
+        self.values[m.group(1)] = v
 
     def type_(self, ln: _Line) -> Type:
         if ln.peek("!"):
@@ -99,21 +111,29 @@ class _Parser:
         if dt not in DTYPES_BY_NAME:
             raise ln.error(f"unknown dtype {dt!r}; known: {sorted(DTYPES_BY_NAME)}")
         ln.take("[")
+        start = ln.pos
         body = ln.until_close("[", "]")
-        dims = tuple(parse_dim(d) for d in _split_top(body)) if body.strip() else ()
-        return TensorType(dims, DTYPES_BY_NAME[dt])
+        dims: list[Dim] = []
+        for offset, text in _split_top(body) if body.strip() else []:
+            dims.append(_dim(ln, text, start + offset))
+        _check_numel(ln, dims, start)
+        return TensorType(tuple(dims), DTYPES_BY_NAME[dt])
 
     def layout(self, ln: _Line, mesh: Mesh | None) -> Layout:
         if not ln.peek("{"):
             return Layout.replicated(mesh)
         ln.take("{")
+        start = ln.pos
         body = ln.until_close("{", "}")
         given: dict[str, Placement] = {}
-        for item in _split_top(body) if body.strip() else []:
+        for offset, item in _split_top(body) if body.strip() else []:
             axis, sep, pl = item.partition(":")
             if not sep:
-                raise ln.error(f"layout entry {item!r} must look like axis: S(0)")
-            given[axis.strip()] = parse_placement(pl)
+                raise ln.error(f"layout entry {item!r} must look like axis: S(0)", start + offset)
+            try:
+                given[axis.strip()] = parse_placement(pl)
+            except ValueError as e:
+                raise ln.error(str(e), start + offset) from None
         if mesh is None:
             if given:
                 raise ln.error("a layout needs a mesh; write `graph @name mesh<dp=2> {`")
@@ -123,35 +143,48 @@ class _Parser:
             raise ln.error(f"layout names axes {sorted(unknown)} that {mesh} lacks")
         return Layout(mesh.names, tuple(given.get(n, R) for n in mesh.names))
 
-    def arg(self, ln: _Line) -> Arg:
+    def arg(self, ln: _Line, depth: int = 0) -> Arg:
         ln.ws()
         if ln.peek("%"):
             return self.value(ln)
         if ln.peek("["):
+            if depth >= MAX_DEPTH:
+                raise ln.error(f"list arguments nest deeper than {MAX_DEPTH} levels")
             ln.take("[")
             items: list[Arg] = []
             while not ln.peek("]"):
-                items.append(self.arg(ln))
+                items.append(self.arg(ln, depth + 1))
                 if not ln.peek("]"):
                     ln.take(",")
+                    if ln.peek("]"):
+                        raise ln.error("expected a list item after ','")
             ln.take("]")
             return tuple(items)
         if ln.peek('"'):
-            return str(json.loads(ln.match(_STRING, "a string").group(0)))
+            return self.string(ln, "a string")
         if ln.peek("sym("):
             ln.take("sym(")
-            return parse_dim(ln.until_close("(", ")"))
+            start = ln.pos
+            return _dim(ln, ln.until_close("(", ")"), start)
         if ln.peek("device("):
             ln.take("device(")
-            s = json.loads(ln.match(_STRING, "a device string").group(0))
+            start = ln.pos
+            s = self.string(ln, "a device string")
             ln.take(")")
-            return torch.device(s)
+            try:
+                return torch.device(s)
+            except (RuntimeError, ValueError):
+                raise ln.error(f'unknown device {s!r}; expected e.g. "cpu" or "cuda:0"', start) from None
         m = _NUMBER.match(ln.text, ln.pos)
         if m is not None and not _IDENT.match(ln.text, m.end()):
-            ln.pos = m.end()
             tok = m.group(0)
-            is_float = any(c in tok for c in ".en") or "inf" in tok
-            return float(tok) if is_float else int(tok)
+            if any(c in tok for c in ".en") or "inf" in tok:
+                ln.pos = m.end()
+                return float(tok)
+            if len(tok) > 20 or int(tok) not in _INT_RANGE:
+                raise ln.error(f"integer literal {tok[:20]}... does not fit in int64")
+            ln.pos = m.end()
+            return int(tok)
         word = ln.match(_IDENT, "an argument").group(0)
         consts: dict[str, Arg] = {"True": True, "False": False, "None": None}
         if word in consts:
@@ -164,18 +197,18 @@ class _Parser:
 
     def op(self, ln: _Line, mesh: Mesh | None) -> None:
         assert self.b is not None
-        names: list[str] = []
+        names: list[re.Match[str]] = []
         if ln.peek("%"):
-            names.append(ln.match(_NAME, "a result name").group(1))
+            names.append(ln.match(_NAME, "a result name"))
             while ln.peek(","):
                 ln.take(",")
-                names.append(ln.match(_NAME, "a result name").group(1))
+                names.append(ln.match(_NAME, "a result name"))
             ln.take("=")
-        tname = ln.match(_IDENT, "an op name").group(0)
+        tname = ln.match(_IDENT, "an op name")
         try:
-            target = resolve_target(tname)
+            target = resolve_target(tname.group(0))
         except ValueError as e:
-            raise ln.error(str(e)) from None
+            raise ln.error(str(e), tname.start()) from None
         ln.take("(")
         args: list[Arg] = []
         kwargs: list[tuple[str, Arg]] = []
@@ -198,14 +231,24 @@ class _Parser:
                 if i:
                     ln.take(",")
                 t = self.type_(ln)
-                results.append(Value(name, t, self.layout(ln, mesh)))
+                results.append(Value(name.group(1), t, self.layout(ln, mesh)))
         prov = self.prov(ln)
         self.b.add_op(target, args, kwargs, results, prov)
         for name, v in zip(names, results, strict=True):
             self.define(ln, name, v)
 
+    def string(self, ln: _Line, what: str) -> str:
+        start = ln.pos
+        tok = ln.match(_STRING, what + " (a double-quoted string closed on the same line)").group(0)
+        try:
+            return str(json.loads(tok))
+        except json.JSONDecodeError as e:
+            raise ln.error(f"bad string literal ({e.msg})", start + e.pos) from None
+
     def stack(self, ln: _Line, name: str) -> ParamStack:
         """``[["a.weight", "b.weight"], ...]``: the model parameters behind each row of ``name``."""
+        if _depth(ln.text[ln.pos :]) > 2:
+            raise ln.error("a stack's members must be a JSON list of lists of names (nested too deep)")
         try:
             rows = json.loads(ln.text[ln.pos :])
         except json.JSONDecodeError as e:
@@ -237,29 +280,29 @@ class _Parser:
         lines = [(i + 1, raw.rstrip()) for i, raw in enumerate(text.splitlines())]
         lines = [(n, s) for n, s in lines if s.strip() and not s.lstrip().startswith("//")]
         if not lines:
-            raise ParseError("empty input: expected `graph @name {`")
+            raise _error(len(text.splitlines()) or 1, 1, "empty input: expected `graph @name {`")
         n0, head = lines[0]
         m = re.fullmatch(r"graph @([A-Za-z0-9_.\-]+)(?: (mesh<[^>]*>))? \{", head.strip())
         if m is None:
-            raise ParseError(f"line {n0}: expected `graph @name [mesh<...>] {{`, got {head.strip()!r}")
-        mesh = Mesh.parse(m.group(2)) if m.group(2) else None
+            raise _error(n0, 1, f"expected `graph @name [mesh<...>] {{`, got {_short(head.strip())}")
+        mesh = self.mesh(_Line(head, n0), m) if m.group(2) else None
         self.b = GraphBuilder(m.group(1), mesh)
         closed = False
         for lineno, s in lines[1:]:
+            ln = _Line(s, lineno)
             if closed:
-                raise ParseError(f"line {lineno}: text after the closing brace")
-            ln = _Line(s.strip(), lineno)
+                raise ln.error("text after the closing brace")
             word = s.split(None, 1)[0]
             if word == "}":
                 ln.take("}")
                 closed = True
             elif word in INPUT_KINDS:
                 ln.take(word)
-                name = ln.match(_NAME, "an input name").group(1)
+                nm = ln.match(_NAME, "an input name")
                 ln.take(":")
                 t = self.type_(ln)
-                v = self.b.add_input(word, name, t, self.layout(ln, mesh))  # type: ignore[arg-type]
-                self.define(ln, name, v)
+                v = self.b.add_input(word, nm.group(1), t, self.layout(ln, mesh))  # type: ignore[arg-type]
+                self.define(ln, nm, v)
             elif word == "stack":
                 ln.take("stack")
                 name = ln.match(_NAME, "a stacked parameter's name").group(1)
@@ -279,20 +322,71 @@ class _Parser:
             if not ln.at_end():
                 raise ln.error("unexpected text at end of line")
         if not closed:
-            raise ParseError("missing closing `}`")
+            last, s = lines[-1]
+            raise _error(last, len(s) + 1, "missing closing `}` at the end of the graph")
         return self.b.build()
 
+    def mesh(self, ln: _Line, m: re.Match[str]) -> Mesh:
+        try:
+            mesh = Mesh.parse(m.group(2))
+        except ValueError as e:
+            raise ln.error(f"bad mesh header: {e}", m.start(2)) from None
+        if any(size > MAX_MESH_AXIS for size in mesh.sizes):
+            raise ln.error(f"bad mesh header: {mesh} has an axis larger than {MAX_MESH_AXIS}", m.start(2))
+        return mesh
 
-def _split_top(body: str) -> list[str]:
-    """Split on commas that are not inside parentheses or brackets."""
-    parts, depth, start = [], 0, 0
-    for i, c in enumerate(body):
+
+def _split_top(body: str) -> list[tuple[int, str]]:
+    """Split on commas that are not inside parentheses or brackets: (offset in ``body``, stripped part)."""
+    parts: list[tuple[int, str]] = []
+    depth, start = 0, 0
+    for i, c in enumerate(body + ","):
         depth += (c in "([") - (c in ")]")
-        if c == "," and depth == 0:
-            parts.append(body[start:i].strip())
+        if c == "," and (depth == 0 or i == len(body)):
+            part = body[start:i]
+            parts.append((start + len(part) - len(part.lstrip()), part.strip()))
             start = i + 1
-    parts.append(body[start:].strip())
     return parts
+
+
+def _dim(ln: _Line, text: str, pos: int) -> Dim:
+    """One dimension at ``pos`` on the line: an int >= 0 or a symbolic size that is not negative."""
+    try:
+        d = parse_dim(text)
+    except ValueError as e:
+        raise ln.error(f"bad dimension: {e}", pos) from None
+    if (isinstance(d, int) and d < 0) or (not isinstance(d, int) and d.is_negative):
+        raise ln.error(f"dimension {_short(text)} is negative; sizes must be >= 0", pos)
+    return d
+
+
+def _check_numel(ln: _Line, dims: list[Dim], pos: int) -> None:
+    n = 1
+    for d in dims:
+        if isinstance(d, int):
+            n *= d
+            if n >= MAX_NUMEL:
+                raise ln.error(
+                    f"shape {[int(x) if isinstance(x, int) else str(x) for x in dims]} has 2**62 or more elements", pos
+                )
+
+
+def _depth(text: str) -> int:
+    """Deepest ``[`` nesting in ``text`` (ignoring brackets inside strings)."""
+    deepest = depth = 0
+    for m in re.finditer(r'"(?:[^"\\]|\\.)*"|[\[\]]', text):
+        depth += (m.group(0) == "[") - (m.group(0) == "]")
+        deepest = max(deepest, depth)
+    return deepest
+
+
+def _short(text: str) -> str:
+    """``text`` quoted and cut to 60 characters so a message stays one short line."""
+    return repr(text if len(text) <= 60 else text[:57] + "...")
+
+
+def _error(lineno: int, column: int, what: str) -> ParseError:
+    return ParseError(f"line {lineno}, column {column}: {' '.join(what.split())}")
 
 
 def parse(text: str) -> Graph:

@@ -11,6 +11,14 @@ Dim: TypeAlias = int | sympy.Expr
 
 _TOKEN = re.compile(r"\s*(?:(\d+)|([A-Za-z_][A-Za-z0-9_]*)|(\*\*|//|[-+*%(),]))")
 
+# NOTE: a dimension is read, never evaluated without bounds: integer literals and every integer the
+# arithmetic produces stay below 2**63, exponents are integer literals in [0, MAX_EXPONENT], and
+# parentheses, calls and unary minus nest at most MAX_DEPTH deep (no RecursionError, no hang on
+# ``9**9**9**9``). The printer never writes anything these bounds refuse.
+MAX_INT = 2**63
+MAX_EXPONENT = 64
+MAX_DEPTH = 64
+
 
 def dim_str(d: Dim) -> str:
     """Deterministic text of a dimension (sympy's own ordering of terms)."""
@@ -29,12 +37,14 @@ def _functions() -> dict[str, type[sympy.Function]]:
 
 
 def parse_dim(text: str) -> Dim:
-    """Parse an integer or a sympy expression over symbols (``+ - * // % **``, whitelisted calls)."""
+    """Parse an integer or a sympy expression over symbols (``+ - * // % **``, whitelisted calls).
+
+    Raises ``ValueError`` naming what is wrong for anything else, including the bounds above."""
     tokens = _tokenize(text)
     parser = _ExprParser(tokens, text)
     expr = parser.expr()
     if parser.pos != len(tokens):
-        raise ValueError(f"unexpected {tokens[parser.pos]!r} in dimension {text!r}")
+        raise ValueError(f"unexpected {tokens[parser.pos]!r} in dimension {_short(text)}")
     if isinstance(expr, sympy.Integer):
         return int(expr)
     result: sympy.Expr = expr
@@ -49,7 +59,7 @@ def _tokenize(text: str) -> list[str]:
             break
         m = _TOKEN.match(text, pos)
         if m is None:
-            raise ValueError(f"cannot read dimension {text!r} at column {pos}")
+            raise ValueError(f"cannot read dimension {_short(text)} at {text[pos:].lstrip()[:1]!r}")
         out.append(m.group(m.lastindex or 0))
         pos = m.end()
     return out
@@ -59,7 +69,17 @@ class _ExprParser:
     """Recursive descent over + - (lowest), * // % , unary -, ** , atoms."""
 
     def __init__(self, tokens: list[str], text: str) -> None:
-        self.tokens, self.text, self.pos = tokens, text, 0
+        self.tokens, self.text, self.pos, self.depth = tokens, text, 0, 0
+
+    def nest(self) -> None:
+        self.depth += 1
+        if self.depth > MAX_DEPTH:
+            raise ValueError(f"dimension {_short(self.text)} nests deeper than {MAX_DEPTH} levels")
+
+    def bounded(self, e: sympy.Expr) -> sympy.Expr:
+        if isinstance(e, sympy.Integer) and abs(int(e)) >= MAX_INT:
+            raise ValueError(f"dimension {_short(self.text)} has an integer of magnitude >= 2**63")
+        return e
 
     def peek(self) -> str | None:
         return self.tokens[self.pos] if self.pos < len(self.tokens) else None
@@ -67,7 +87,7 @@ class _ExprParser:
     def take(self, tok: str | None = None) -> str:
         t = self.peek()
         if t is None or (tok is not None and t != tok):
-            raise ValueError(f"expected {tok or 'a term'} in dimension {self.text!r}")
+            raise ValueError(f"expected {tok or 'a term'} in dimension {_short(self.text)}")
         self.pos += 1
         return t
 
@@ -76,7 +96,7 @@ class _ExprParser:
         while self.peek() in ("+", "-"):
             op = self.take()
             right = self.term()
-            left = left + right if op == "+" else left - right
+            left = self.bounded(left + right if op == "+" else left - right)
         return left
 
     def term(self) -> sympy.Expr:
@@ -85,41 +105,68 @@ class _ExprParser:
             op = self.take()
             right = self.unary()
             if op == "*":
-                left = left * right
+                left = self.bounded(left * right)
             else:
-                fn = _functions()["FloorDiv" if op == "//" else "Mod"]
-                left = fn(left, right)
+                left = self.call("FloorDiv" if op == "//" else "Mod", [left, right])
         return left
+
+    def call(self, name: str, args: list[sympy.Expr]) -> sympy.Expr:
+        fns = _functions()
+        if name not in fns:
+            raise ValueError(f"unknown function {name!r} in dimension {_short(self.text)}; known: {sorted(fns)}")
+        try:
+            result: sympy.Expr = fns[name](*args)
+        except (TypeError, ValueError, ArithmeticError) as e:
+            raise ValueError(f"{name} cannot take these arguments in dimension {_short(self.text)} ({e})") from None
+        return self.bounded(result)
 
     def unary(self) -> sympy.Expr:
         if self.peek() == "-":
             self.take()
-            return -self.unary()
+            self.nest()
+            inner = -self.unary()
+            self.depth -= 1
+            return inner
         base = self.atom()
         if self.peek() == "**":
             self.take()
-            return sympy.Pow(base, self.unary())
+            exp = self.take()
+            if not exp.isdigit() or len(exp) > 3 or int(exp) > MAX_EXPONENT:
+                raise ValueError(
+                    f"exponent {exp!r} in dimension {_short(self.text)} must be an integer literal 0..{MAX_EXPONENT}"
+                )
+            if self.peek() == "**":
+                raise ValueError(f"chained exponents in dimension {_short(self.text)} are not allowed")
+            return self.bounded(sympy.Pow(base, sympy.Integer(int(exp))))
         return base
 
     def atom(self) -> sympy.Expr:
         tok = self.take()
         if tok.isdigit():
-            return sympy.Integer(int(tok))
+            if len(tok) > 19:
+                raise ValueError(f"integer {_short(tok)} in dimension {_short(self.text)} is too large (>= 2**63)")
+            return self.bounded(sympy.Integer(int(tok)))
         if tok == "(":
+            self.nest()
             inner = self.expr()
             self.take(")")
+            self.depth -= 1
             return inner
         if tok[0].isalpha() or tok[0] == "_":
             if self.peek() == "(":
-                fns = _functions()
-                if tok not in fns:
-                    raise ValueError(f"unknown function {tok!r} in dimension {self.text!r}; known: {sorted(fns)}")
                 self.take("(")
+                self.nest()
                 args = [self.expr()]
                 while self.peek() == ",":
                     self.take()
                     args.append(self.expr())
                 self.take(")")
-                return fns[tok](*args)
+                self.depth -= 1
+                return self.call(tok, args)
             return sympy.Symbol(tok, integer=True, positive=True)
-        raise ValueError(f"unexpected {tok!r} in dimension {self.text!r}")
+        raise ValueError(f"unexpected {tok!r} in dimension {_short(self.text)}")
+
+
+def _short(text: str) -> str:
+    """``text`` quoted, cut to 40 characters so an error stays one short line."""
+    return repr(text if len(text) <= 40 else text[:37] + "...")

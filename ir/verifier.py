@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 
 import torch
@@ -11,7 +12,18 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from meshfold.ir.graph import Arg, Graph, Op, Value
 from meshfold.ir.ops import OpDef
 from meshfold.ir.placement import Layout, Shard
-from meshfold.ir.types import TensorType, type_of
+from meshfold.ir.types import TensorType, dtype_name, type_of
+
+# NOTE: sizes are checked before anything is made for them (even a fake tensor): every static dim is
+# >= 0 and a static shape has fewer than MAX_NUMEL elements (the parser enforces the same bound).
+MAX_NUMEL = 2**62
+
+# NOTE: matrix products do not promote: every tensor operand must have the same dtype. Fake/meta
+# kernels do not all check this (``aten.addmm`` with an i64 operand passes them and fails when run),
+# so the verifier checks it itself, naming the operand, before running the op on fake tensors.
+_SAME_DTYPE_OPS = frozenset(
+    f"aten::{n}" for n in ("mm", "addmm", "bmm", "baddbmm", "addbmm", "addmv", "mv", "dot", "matmul", "linear")
+)
 
 
 class VerifyError(ValueError):
@@ -22,8 +34,10 @@ def verify(graph: Graph, *, check_types: bool = True) -> None:
     """Raise :class:`VerifyError` unless ``graph`` is well formed.
 
     Checks: SSA (every value defined once, before use), unique input names, layouts that match the
-    graph's mesh and value ranks, and — with ``check_types`` — that every ATen op's result types
-    equal what the op computes on fake tensors of its operand types.
+    graph's mesh and value ranks, sizes (dims >= 0, fewer than 2**62 elements), and — with
+    ``check_types`` — operand dtypes of ops that do not promote, and that every ATen op's result types
+    equal what the op computes on fake tensors of its operand types. Errors name the op (with its
+    provenance), the values and the types; nothing else escapes.
     """
     defined: set[Value] = set()
     names: set[str] = set()
@@ -50,7 +64,23 @@ def _define(graph: Graph, v: Value, defined: set[Value], where: str) -> None:
     if v in defined:
         raise VerifyError(f"{where}: value %{v.name} is defined twice")
     defined.add(v)
+    _check_shape(v, where)
     _check_layout(graph, v, where)
+
+
+def _check_shape(v: Value, where: str) -> None:
+    if not isinstance(v.type, TensorType):
+        return
+    n = 1
+    for d in v.type.shape:
+        if isinstance(d, int) or d.is_Integer:
+            if int(d) < 0:
+                raise VerifyError(f"{where}: %{v.name} : {v.type} has a negative dimension {d}; sizes must be >= 0")
+            n *= int(d)
+        elif d.is_negative:
+            raise VerifyError(f"{where}: %{v.name} : {v.type} has a negative dimension {d}; sizes must be >= 0")
+    if n >= MAX_NUMEL:
+        raise VerifyError(f"{where}: %{v.name} : {v.type} has {n} elements; the limit is 2**62")
 
 
 def _check_layout(graph: Graph, v: Value, where: str) -> None:
@@ -73,6 +103,7 @@ class _FakeRunner:
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
 
     def check(self, op: Op) -> None:
+        _check_dtypes(op)
         if any(not isinstance(v.type, TensorType) or not v.type.is_static() for v in op.operands):
             return
         with self.mode, _no_dispatch_warnings():
@@ -91,6 +122,23 @@ class _FakeRunner:
                 raise VerifyError(
                     f"{op.describe()}: result %{r.name} is declared {r.type} but the op computes {actual}"
                 )
+
+
+def _check_dtypes(op: Op) -> None:
+    """Ops in ``_SAME_DTYPE_OPS`` need one dtype for all tensor operands (the first operand's)."""
+    if op.target._schema.name not in _SAME_DTYPE_OPS:  # type: ignore[union-attr]
+        return
+    tensors = [v for v in op.operands if isinstance(v.type, TensorType)]
+    for v in tensors[1:]:
+        first = tensors[0]
+        assert isinstance(v.type, TensorType) and isinstance(first.type, TensorType)
+        if v.type.dtype != first.type.dtype:
+            got, want = dtype_name(v.type.dtype), dtype_name(first.type.dtype)
+            listing = ", ".join(f"%{t.name}: {t.type}" for t in tensors)
+            raise VerifyError(
+                f"{op.describe()}: operand %{v.name} of {op.name} is {got} where {want} is required "
+                f"(the dtype of %{first.name}; {op.name} does not promote, operands {listing})"
+            )
 
 
 def _materialize(a: Arg) -> object:
@@ -112,5 +160,12 @@ def _flatten(out: object) -> Iterator[object]:
 
 @contextlib.contextmanager
 def _no_dispatch_warnings() -> Iterator[None]:
-    with torch.no_grad():
-        yield
+    # NOTE: fake tensors log a traceback when a meta kernel rejects its inputs; the verifier
+    # reports that rejection itself as a VerifyError, so the log is silenced meanwhile.
+    log = logging.getLogger("torch._subclasses.fake_tensor")
+    was, log.disabled = log.disabled, True
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        log.disabled = was
