@@ -14,6 +14,7 @@ import dataclasses
 import inspect
 import operator
 import re
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -39,7 +40,7 @@ from meshfold.ir.types import type_of
 from meshfold.moe import MoeSpec, experts_as_ops, op_options
 from meshfold.moe_lists import fold_expert_lists
 
-__all__ = ["CaptureError", "capture", "module_path", "sharding_decompositions"]
+__all__ = ["CaptureError", "capture", "module_path", "output_structure", "sharding_decompositions"]
 
 
 def sharding_decompositions() -> dict[Any, Any]:
@@ -94,6 +95,25 @@ def capture(
             arg_names = _forward_arg_names(model, len(fake_inputs))
             graph = _Lifter(graph_name, fqns, arg_names).lift(joint.graph_module.graph)
     return _in_model_order(dataclasses.replace(graph, stacks=stacks), model)
+
+
+def output_structure(model: nn.Module, inputs: Sequence[Any]) -> tuple[Any, list[Any]]:
+    """The pytree spec of ``model(*inputs)`` and its leaves, each tensor leaf replaced by ``None``.
+
+    Runs the forward once on fake tensors (as :func:`capture` does, nothing is allocated). Leaf ``i``
+    that is a tensor is the graph output ``out(i)``; the other leaves (strings, ints) are the values
+    the model returned, constants of the compiled program like everything dynamo baked in.
+    """
+    with (
+        warnings.catch_warnings(),
+        _fake_copies(model, inputs) as (fake_mode, fake_inputs),
+        experts_as_ops(model),
+        fake_mode,
+        torch.no_grad(),
+    ):
+        warnings.simplefilter("ignore")
+        leaves, spec = torch.utils._pytree.tree_flatten(model(*fake_inputs))
+    return spec, [None if isinstance(x, torch.Tensor) else x for x in leaves]
 
 
 def _in_model_order(graph: ir.Graph, model: nn.Module) -> ir.Graph:
@@ -316,7 +336,10 @@ class _Lifter:
             kind_name = type(desc).__name__
             v = self._arg(val)
             if kind_name == "PlainAOTOutput":
-                self.b.add_output("out", str(desc.idx), v)
+                # NOTE: a non-tensor output (a string, an int) is a constant of the program, not a
+                # value: the runtime returns it from ``output_structure``, keyed by the same index.
+                if isinstance(v, Value):
+                    self.b.add_output("out", str(desc.idx), v)
             elif kind_name == "GradAOTOutput":
                 of = desc.grad_of
                 of_name = type(of).__name__

@@ -26,3 +26,13 @@ def test_model_state_dict_loads_strictly(rank_pools: RankPools, model: str, plan
     for r in results:
         assert r["worst"] <= 5e-5
         assert r["moved"] > 1e-4  # NOTE: training changed the weights, so loading them is observable
+
+
+@pytest.mark.parametrize(("model", "plan"), [("llama-tiny", "fsdp+tp"), ("gpt2-tiny", "ddp+tp")])
+def test_dcp_checkpoints_cross_between_single_device_and_compiled(rank_pools: RankPools, model: str, plan: str) -> None:
+    results = rank_pools.get(4).run(
+        "tests.dist.cases_state:dcp_round_trip", model=model, shape=(2, 2), names=("dp", "tp"), plan=plan
+    )
+    assert len(results) == 4
+    for r in results:
+        assert max(r.values()) <= 5e-5
