@@ -162,7 +162,9 @@ def _parallel_class(
     def forward(self: nn.Module, *inputs: Any) -> Any:
         if not self._mf_compiled:
             _adopt(self, _compile(self._mf_model[0], mesh, inputs, options))
-        return self._mf_compiled[0](*inputs)
+        pm = self._mf_compiled[0]
+        pm.train(self.training)  # NOTE: pm is held aside, not a child: eval() reaches it only here
+        return pm(*inputs)
 
     def parameters(self: nn.Module, recurse: bool = True) -> Any:
         if not self._mf_compiled:

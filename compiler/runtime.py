@@ -18,10 +18,13 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.utils._pytree import tree_unflatten
 
 from meshfold import ir
 from meshfold.backends.eager import Lowered, RankContext
 from meshfold.moe_lists import as_unstacked, stack_tensors
+from meshfold.signature import CallSpec, agree
+from meshfold.tracer import output_structure
 from meshfold.verify import Verifier
 
 
@@ -51,6 +54,9 @@ class _Step(torch.autograd.Function):
             runner._mf_verifier.check(low.fwd_recorded, outs[end:], "forward")
         ctx.runner = runner
         ctx.low = low
+        # NOTE: an output nobody called backward through gets None here, not zeros: that is how
+        # ``backward`` tells which parameters the user's backward reaches (``_grad_sources``).
+        ctx.set_materialize_grads(False)
         ctx.save_for_backward(*outs[k:end])
         results = tuple(outs[:k])
         ctx.mark_non_differentiable(
@@ -65,10 +71,13 @@ class _Step(torch.autograd.Function):
         low: Lowered = ctx.low
         by_out = {name: i for i, (kind, name) in enumerate(low.fwd_outputs) if kind == "out"}
         tangents = []
+        reached: set[str] = set()
         for t in low.bwd_inputs:
             i = by_out[t.split(".", 1)[1]]
             g = grads[i]
             shape, dtype = ctx.out_meta[i]
+            if g is not None:
+                reached.add(t)
             tangents.append(g if g is not None else torch.zeros(shape, dtype=dtype))
         outs = low.backward(*ctx.saved_tensors, *tangents)
         n = len(low.bwd_outputs)
@@ -78,7 +87,10 @@ class _Step(torch.autograd.Function):
             if all(bool((t == 1).all()) for t in tangents):
                 verifier.check(low.bwd_recorded, outs[n:], "backward")
         by_name = dict(zip(low.bwd_outputs, outs[:n], strict=True))
-        return (None, *[by_name.get(n) for n in low.fwd_inputs])
+        # NOTE: every rank runs the whole backward program (its collectives included) and then drops
+        # the gradients no differentiated output reaches, so ``.grad`` stays None as on one device.
+        sources = runner._mf_grad_sources
+        return (None, *[by_name.get(n) if sources.get(n, set()) & reached else None for n in low.fwd_inputs])
 
 
 class ParallelModule(nn.Module):
@@ -95,11 +107,17 @@ class ParallelModule(nn.Module):
     ) -> None:
         super().__init__()
         self._mf_graph = graph
+        self._mf_call = CallSpec.of(graph, model.training)
+        self.train(model.training)
         self._mf_lowered = lowered
         self._mf_verify_with = verify_with
         self._mf_verifier: Verifier | None = None
         self._mf_mesh = mesh
         self._mf_tuple = output_is_tuple
+        self._mf_grad_sources = _grad_sources(graph)
+        # NOTE: the model is kept only until the first call, which learns the output structure from it.
+        self._mf_structure_of = [model]
+        self._mf_outputs: tuple[Any, list[Any]] | None = None
         layouts = {i.name: i.value.layout for i in graph.inputs}
         self._mf_input_layouts = [layouts[n] for n in lowered.fwd_inputs]
         self._mf_kinds = {i.name: i.kind for i in graph.inputs}
@@ -107,12 +125,7 @@ class ParallelModule(nn.Module):
         self._mf_state_keys = _state_dict_names(model)
         # NOTE: a model's non-persistent buffers (rotary tables) stay out of every state dict, ours too.
         non_persistent = _non_persistent_buffers(model)
-        # NOTE: what the graph never reads (an unused parameter) still belongs in the model's state dict.
-        self._mf_unread = {
-            key: state[name].detach().clone()
-            for key, name in self._mf_state_keys.items()
-            if name not in lowered.fwd_inputs and not any(name in row for s in graph.stacks for row in s.members)
-        }
+        stacked_members = {m for st in graph.stacks for row in st.members for m in row}
         # NOTE: experts folded from an nn.ModuleList run on stacked parameters built from the model's own.
         with torch.no_grad():
             stacked = stack_tensors(graph.stacks, state)
@@ -130,6 +143,32 @@ class ParallelModule(nn.Module):
                 parent.register_parameter(leaf, nn.Parameter(dt, requires_grad=state[name].requires_grad))
             else:
                 parent.register_buffer(leaf, dt, persistent=name not in non_persistent)
+        self._mf_register_rest(state, stacked_members, {n for n, _ in model.named_parameters()})
+
+    def _mf_register_rest(self, state: dict[str, torch.Tensor], stacked_members: set[str], params: set[str]) -> None:
+        """Give every key of the model's state dict a tensor here, so ``state_dict()`` and
+        ``torch.distributed.checkpoint.state_dict`` see exactly the model's keys.
+
+        NOTE: what the graph never reads (an unused parameter) is registered replicated and never gets
+        a gradient, as on one device; a tied weight's second name is the same ``Parameter`` again."""
+        for key, name in self._mf_state_keys.items():
+            if name in stacked_members:
+                continue
+            parent, leaf = self._mf_parent(name)
+            if not hasattr(parent, leaf):
+                src = state[name].detach().clone()
+                dt = distribute_tensor(src, self._mf_mesh, [Replicate()] * self._mf_mesh.ndim, src_data_rank=None)
+                if name in params:
+                    parent.register_parameter(leaf, nn.Parameter(dt, requires_grad=state[name].requires_grad))
+                else:
+                    parent.register_buffer(leaf, dt)
+            if key != name:
+                alias_parent, alias_leaf = self._mf_parent(key)
+                t = getattr(parent, leaf)
+                if isinstance(t, nn.Parameter):
+                    alias_parent.register_parameter(alias_leaf, t)
+                else:
+                    alias_parent.register_buffer(alias_leaf, t)
 
     def _mf_parent(self, fqn: str) -> tuple[nn.Module, str]:
         *path, leaf = fqn.split(".")
@@ -164,6 +203,8 @@ class ParallelModule(nn.Module):
         self._mf_verifier = Verifier(self._mf_graph, self._mf_mesh, rank, feeds)
 
     def forward(self, *inputs: Any) -> Any:
+        # NOTE: before any collective of the program, so a differing rank never leaves the others waiting
+        agree(self._mf_call.mismatch(inputs, self.training))
         if self._mf_verify_with is not None:
             self._mf_start_verification(inputs)
         else:
@@ -190,7 +231,27 @@ class ParallelModule(nn.Module):
                     (buf.to_local() if isinstance(buf, DTensor) else buf).copy_(r)
                 else:
                     outs.append(r)
-        return tuple(outs) if self._mf_tuple or len(outs) != 1 else outs[0]
+        return self._mf_assemble(inputs, outs, [name for kind, name in low.fwd_outputs if kind != "update"])
+
+    def _mf_assemble(self, inputs: Sequence[Any], outs: list[torch.Tensor], names: list[str]) -> Any:
+        """The model's own output: its pytree structure, tensor leaf ``i`` the graph output ``out(i)``,
+        the other leaves the values the model returned when compiled (see ``output_structure``)."""
+        if self._mf_structure_of:
+            model = self._mf_structure_of.pop()
+            try:
+                self._mf_outputs = output_structure(model, inputs)
+            except Exception:
+                # NOTE: a forward that fake tensors cannot run again: keep the flat outputs.
+                self._mf_outputs = None
+            if self._mf_outputs is not None:
+                tensor_leaves = {str(i) for i, x in enumerate(self._mf_outputs[1]) if x is None}
+                if tensor_leaves != set(names):
+                    self._mf_outputs = None
+        if self._mf_outputs is None:
+            return tuple(outs) if self._mf_tuple or len(outs) != 1 else outs[0]
+        spec, leaves = self._mf_outputs
+        by_index = dict(zip(names, outs, strict=True))
+        return tree_unflatten([by_index[str(i)] if x is None else x for i, x in enumerate(leaves)], spec)
 
     def graph(self) -> ir.Graph:
         """The compiled SPMD graph (layouts and collectives), for inspection and dumps."""
@@ -205,8 +266,27 @@ class ParallelModule(nn.Module):
             n: t.full_tensor() if isinstance(t, DTensor) else t
             for n, t in [*self.named_parameters(), *self.named_buffers()]
         }
-        own = as_unstacked(self._mf_graph.stacks, whole) | self._mf_unread
+        own = as_unstacked(self._mf_graph.stacks, whole)
         return {key: own[name].detach() for key, name in self._mf_state_keys.items()}
+
+
+def _grad_sources(graph: ir.Graph) -> dict[str, set[str]]:
+    """Each gradient output's name → the tangent inputs (``tangent.<i>``) it is computed from."""
+    deps: dict[ir.Value, set[str]] = {i.value: {i.name} for i in graph.inputs if i.kind == "tangent"}
+
+    def of(arg: Any) -> set[str]:
+        if isinstance(arg, ir.Value):
+            return deps.get(arg, set())
+        if isinstance(arg, tuple):
+            return set().union(*map(of, arg))
+        return set()
+
+    for op in graph.ops:
+        found = of(op.args) | of(tuple(v for _, v in op.kwargs))
+        if found:
+            for r in op.results:
+                deps[r] = found
+    return {o.name: deps.get(o.value, set()) for o in graph.outputs if o.kind == "grad"}
 
 
 def _state_dict_names(model: nn.Module) -> dict[str, str]:

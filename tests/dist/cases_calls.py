@@ -1,0 +1,55 @@
+"""Tasks for tests/dist/test_calls.py: a call that differs from what the program was compiled for
+raises on every rank alike, before any collective of the program, and the module stays usable."""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshfold.api import parallelize
+from meshfold.signature import CallMismatch
+from meshfold.tools.zoo import build
+from tests.dist.cases import ATOL, RTOL
+from tests.dist.pool import device_mesh
+
+
+def _refused(call: Any) -> str:
+    try:
+        call()
+    except CallMismatch as e:
+        return str(e)
+    raise AssertionError("the call was not refused")
+
+
+def mismatched_calls() -> dict[str, str]:
+    """Compile llama-tiny and mlp on (dp=2, tp=2), then make each kind of differing call; returns the
+    message every rank raised for each, and checks a normal call afterwards equals single device."""
+    warnings.filterwarnings("ignore")
+    mesh = device_mesh((2, 2), ("dp", "tp"))
+    model, (ids, labels) = build("llama-tiny")
+    ref, _ = build("llama-tiny")
+    pm = parallelize(model, mesh, (ids, labels), plan="fsdp+tp")
+    said = {"batch 1": _refused(lambda: pm(ids[:1], labels[:1]))}
+    said["longer"] = _refused(lambda: pm(torch.cat([ids, ids], 1), torch.cat([labels, labels], 1)))
+    # NOTE: only the last rank gets a different batch; the others must not be left waiting
+    last = dist.get_rank() == dist.get_world_size() - 1
+    said["one rank"] = _refused(lambda: pm(ids[:1] if last else ids, labels[:1] if last else labels))
+    pm.eval()
+    said["eval"] = _refused(lambda: pm(ids, labels))
+    pm.train()
+    torch.testing.assert_close(pm(ids, labels).detach(), ref(ids, labels).detach(), rtol=RTOL, atol=ATOL)
+    mlp, (x, y) = build("mlp")
+    pm_mlp = parallelize(mlp, mesh, (x, y), plan="fsdp+tp")
+    said["bf16"] = _refused(lambda: pm_mlp(x.bfloat16(), y))
+
+    @parallelize(mesh=mesh, plan="fsdp+tp", example_inputs=(x, y))
+    class Net(type(mlp)):  # type: ignore[misc]
+        pass
+
+    net = Net()
+    net.eval()
+    said["decorated eval"] = _refused(lambda: net(x, y))
+    return said
