@@ -80,7 +80,10 @@ def _group_of(args: Sequence[Any]) -> str:
         if isinstance(a, str):
             return a
         if isinstance(a, torch.ScriptObject):
-            return str(dist.ProcessGroup.unbox(a).group_name)
+            try:
+                return str(dist.ProcessGroup.unbox(a).group_name)
+            except RuntimeError:  # NOTE: another boxed argument (the ReduceOp of an all-reduce)
+                continue
     return "?"
 
 
