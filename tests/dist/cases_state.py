@@ -25,13 +25,10 @@ from tests.dist.pool import device_mesh
 FULL = StateDictOptions(full_state_dict=True)
 
 
-def state_dict_round_trip(
-    model: str, shape: tuple[int, ...], names: tuple[str, ...], plan: str, steps: int = 1
-) -> dict[str, float]:
-    """Train ``steps`` AdamW steps compiled and single-device side by side, load ``pm.model_state_dict()``
-    into a fresh single-device model with ``strict=True``, and check every entry of its state dict (and
-    its loss) against the trained single-device model. Returns how far training moved the weights and
-    the largest difference after loading."""
+def _side_by_side(
+    model: str, shape: tuple[int, ...], names: tuple[str, ...], plan: str
+) -> tuple[Any, torch.nn.Module, tuple[Any, ...], torch.optim.Optimizer, torch.optim.Optimizer]:
+    """Zoo ``model`` compiled for the mesh beside its single-device copy, each with its own AdamW."""
     warnings.filterwarnings("ignore")
     mesh = device_mesh(tuple(shape), tuple(names))
     net, inputs = build(model)
@@ -39,6 +36,17 @@ def state_dict_round_trip(
     pm = parallelize(net, mesh, inputs, plan=plan)
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    return pm, ref, inputs, opt, ref_opt
+
+
+def state_dict_round_trip(
+    model: str, shape: tuple[int, ...], names: tuple[str, ...], plan: str, steps: int = 1
+) -> dict[str, float]:
+    """Train ``steps`` AdamW steps compiled and single-device side by side, load ``pm.model_state_dict()``
+    into a fresh single-device model with ``strict=True``, and check every entry of its state dict (and
+    its loss) against the trained single-device model. Returns how far training moved the weights and
+    the largest difference after loading."""
+    pm, ref, inputs, opt, ref_opt = _side_by_side(model, shape, names, plan)
     for _ in range(steps):
         for o, m in ((opt, pm), (ref_opt, ref)):
             o.zero_grad()
@@ -87,13 +95,7 @@ def dcp_round_trip(model: str, shape: tuple[int, ...], names: tuple[str, ...], p
     keys; a DCP checkpoint of the single-device model loads into ``pm`` (``set_model_state_dict``) and
     training continues equal to the single-device model; one written from ``pm`` loads into a fresh
     single-device model with the trained weights."""
-    warnings.filterwarnings("ignore")
-    mesh = device_mesh(tuple(shape), tuple(names))
-    net, inputs = build(model)
-    ref, _ = build(model)
-    pm = parallelize(net, mesh, inputs, plan=plan)
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    pm, ref, inputs, opt, ref_opt = _side_by_side(model, shape, names, plan)
     # NOTE: the model's own state dict, non-persistent buffers (rotary tables) left out, tied weights in.
     keys = {"state_dict": sorted(pm.state_dict()), "full": sorted(get_model_state_dict(pm, options=FULL))}
     for k in keys.values():
