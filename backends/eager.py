@@ -23,6 +23,7 @@ from meshfold import ir
 from meshfold.backends.interpret import runnable_target
 from meshfold.backends.local import LOCAL, LocalForms
 from meshfold.backends.moe import exchange_backward, exchange_forward
+from meshfold.backends.random import is_random, random_site
 from meshfold.ir import Graph, Op, OpDef, Shard, TensorType, Value
 from meshfold.ir.graph import Arg
 from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
@@ -92,11 +93,13 @@ class Lowered:
     """With ``record``: values the backward module returns after the gradients."""
 
 
-def lower(graph: Graph, rank: RankContext, *, record: bool = False) -> Lowered:
+def lower(graph: Graph, rank: RankContext, *, record: bool = False, rng: torch.Generator | None = None) -> Lowered:
     """Split ``graph`` by phase and lower both halves for ``rank``.
 
     ``record``: each module also returns, after its usual results, the local value of every tensor
     its ops produce (``Lowered.fwd_recorded`` / ``bwd_recorded`` say which), for verification.
+    ``rng``: the generator the program's random ops draw from (``backends/random.py``; default: this
+    process's default generator, which gives every rank the same values only when all are seeded alike).
     """
     if any(op.target == REDISTRIBUTE for op in graph.ops):
         raise ValueError("graph still has comm.redistribute ops; run the boxing pass before lowering")
@@ -116,16 +119,12 @@ def lower(graph: Graph, rank: RankContext, *, record: bool = False) -> Lowered:
     for v in [*(u for op in bwd_ops for u in op.operands), *(o.value for o in grads)]:
         if v not in bwd_defined and v not in saved:
             saved.append(v)
-    table = LOCAL
     fwd_inputs = [i for i in graph.inputs if i.kind != "tangent"]
     fwd_rec = _recorded(fwd_ops) if record else []
     bwd_rec = _recorded(bwd_ops) if record else []
-    forward = _build(
-        [i.value for i in fwd_inputs], fwd_ops, [o.value for o in fwd_out] + saved + fwd_rec, graph.mesh, rank, table
-    )
-    backward = _build(
-        saved + [i.value for i in tangents], bwd_ops, [o.value for o in grads] + bwd_rec, graph.mesh, rank, table
-    )
+    gen = rng if rng is not None else torch.default_generator
+    forward = _build([i.value for i in fwd_inputs], fwd_ops, [o.value for o in fwd_out] + saved + fwd_rec, rank, gen)
+    backward = _build(saved + [i.value for i in tangents], bwd_ops, [o.value for o in grads] + bwd_rec, rank, gen)
     return Lowered(
         forward,
         backward,
@@ -147,16 +146,15 @@ def _build(
     inputs: Sequence[Value],
     ops: Sequence[Op],
     outputs: Sequence[Value],
-    mesh: ir.Mesh | None,
     rank: RankContext,
-    table: LocalForms,
+    rng: torch.Generator,
 ) -> fx.GraphModule:
     g = fx.Graph()
     env: dict[Value, fx.Node] = {}
     for k, v in enumerate(inputs):
         env[v] = g.placeholder(f"in{k}")
     for op in ops:
-        outs = _emit(g, op, env, rank, table)
+        outs = _emit(g, op, env, rank, LOCAL, rng)
         for r, node in zip(op.results, outs, strict=True):
             env[r] = node
     g.output(tuple(env[v] for v in outputs))
@@ -172,12 +170,18 @@ def _load(a: Arg, env: dict[Value, fx.Node]) -> Any:
     return a
 
 
-def _emit(g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext, table: LocalForms) -> list[fx.Node]:
+def _emit(
+    g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext, table: LocalForms, rng: torch.Generator
+) -> list[fx.Node]:
     if op.target in (ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET):
         return _bucket(g, op, [env[x] for x in op.operands], rank)
     if isinstance(op.target, OpDef):
         (x,) = op.operands
         return [_collective(g, op, env[x], x, rank)]
+    if is_random(op):
+        site = random_site(op, rng, rank.mesh, rank.coordinate)
+        node = g.call_function(site, tuple(_load(a, env) for a in op.args), {k: _load(v, env) for k, v in op.kwargs})
+        return _unpacked(g, op, node)
     args, kwargs = table.local_args(op, rank.mesh)
     exchange = _exchange_call(op, rank)
     if exchange is not None:

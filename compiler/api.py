@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -14,8 +17,10 @@ from meshfold.backends.eager import RankContext, exchange_axes, lower
 from meshfold.passes import PassError
 from meshfold.passes.base import quiet
 from meshfold.passes.cost.hardware import Cluster
+from meshfold.programs import DEFAULT_CACHE, Program
 from meshfold.runtime import ParallelModule
 from meshfold.session import DEFAULT_PIPELINE, CompileOptions, PlanSpec, compile_model, progress
+from meshfold.signature import Signature
 
 
 def ir_mesh(mesh: DeviceMesh) -> ir.Mesh:
@@ -41,6 +46,7 @@ def parallelize(
     memory: int | str | None = None,
     moe: Mapping[str, Any] | None = None,
     backend: str = "eager",
+    cache_size: int = DEFAULT_CACHE,
 ) -> Any:
     """Compile ``model`` for ``mesh`` with ``plan`` and return this rank's ``ParallelModule``.
 
@@ -61,6 +67,12 @@ def parallelize(
     ``meshfold.moe``) get their own mapping of the same ranks: EP ranks split the experts (innermost
     mesh axes after ETP), the rest of the world (EDP) replicates them, whatever ``plan`` does with
     attention. Invalid mappings raise before anything runs, naming the rule.
+
+    Every call is checked on every rank alike before any collective of the program. A call with
+    other input shapes or dtypes, in the other mode (``pm.eval()``), or under ``torch.no_grad()``
+    (a forward-only program) gets its own program, compiled on first use; the module keeps
+    ``cache_size`` of them (``pm.programs()`` lists them). A call no program can run (a batch the
+    data-parallel ranks do not divide) raises ``CallMismatch`` naming the input and both shapes.
     """
     if mesh is None:
         raise PassError("parallelize needs a mesh: parallelize(model, init_device_mesh(...), example_inputs, plan=...)")
@@ -75,14 +87,18 @@ def parallelize(
         backend=backend,
     )
     if model is None:
-        return _decorator(mesh, options, example_inputs)
+        return _decorator(mesh, options, example_inputs, cache_size)
     if example_inputs is None:
         raise PassError("parallelize(model, mesh, example_inputs, plan=...) needs the example inputs")
-    return _compile(model, mesh, example_inputs, options)
+    return _compile(model, mesh, example_inputs, options, cache_size)
 
 
 def _compile(
-    model: nn.Module, mesh: DeviceMesh, example_inputs: Sequence[Any], options: CompileOptions
+    model: nn.Module,
+    mesh: DeviceMesh,
+    example_inputs: Sequence[Any],
+    options: CompileOptions,
+    cache_size: int = DEFAULT_CACHE,
 ) -> ParallelModule:
     if not dist.is_initialized():
         raise PassError("parallelize needs torch.distributed initialized (run under torchrun or spawn ranks)")
@@ -92,61 +108,108 @@ def _compile(
             f"the mesh has {mesh.size()} ranks {tuple(mesh.mesh.shape)} but the world has {world}; "
             f"build the mesh over all {world} ranks"
         )
-    compiled = _compile_once(model, example_inputs, options)
+    if cache_size < 1:
+        raise PassError(f"cache_size must be at least 1 (programs a module keeps), not {cache_size}")
+    # NOTE: the program's random ops draw from their own generator, seeded from rank 0's default
+    # generator as it is now, so every rank draws alike whatever its own seed (backends/random.py)
+    rng = torch.Generator()
+    compiled, rng_state = _compile_once(model, example_inputs, options, first=True)
+    rng.set_state(rng_state)
+    first = _program(compiled, mesh, options, Signature.of(example_inputs, model.training, grad=True), rng)
+    shapes = _skeleton(model)
+
+    def recompile(inputs: Sequence[Any], sig: Signature) -> Program:
+        # NOTE: a preset lays parameters out alike for every call; ``auto`` solves again, and a program
+        # whose solve moved a parameter is refused (``Programs``), as the module holds one layout each
+        opts = dataclasses.replace(options, grad=sig.grad, verify=False)
+        was = shapes.training
+        shapes.train(sig.training)
+        try:
+            graph, _ = _compile_once(shapes, inputs, opts, first=False)
+        finally:
+            shapes.train(was)
+        return _program(graph, mesh, opts, sig, rng)
+
+    return ParallelModule(model, mesh, first, recompile, cache_size, shapes=shapes, rng=rng)
+
+
+def _program(
+    graph: ir.Graph, mesh: DeviceMesh, options: CompileOptions, sig: Signature, rng: torch.Generator
+) -> Program:
+    """Lower ``graph`` for this rank (collective where it needs process groups over several axes)."""
     coordinate = mesh.get_coordinate()
     assert coordinate is not None, "this rank is not in the mesh"
     assert options.mesh is not None
     groups = tuple(mesh.get_group(i).group_name for i in range(mesh.ndim))
     # NOTE: every rank compiled the same graph, so all create the same groups in the same order
-    flat = tuple((axes, mesh[axes]._flatten().get_group().group_name) for axes in exchange_axes(compiled))
+    flat = tuple((axes, mesh[axes]._flatten().get_group().group_name) for axes in exchange_axes(graph))
     rank = RankContext(options.mesh, tuple(coordinate), groups, flat)
     # NOTE: only rank 0 shows progress (it alone compiled); every rank lowers its own program
     status = progress() if dist.get_rank() == 0 else quiet
     with status(f"lowering each rank's program ({options.backend})"):
-        lowered = lower(compiled, rank)
-        checked = (lower(compiled, rank, record=True), rank) if options.verify else None
-    n_out = sum(1 for o in compiled.outputs if o.kind == "out")
-    return ParallelModule(model, mesh, compiled, lowered, output_is_tuple=n_out > 1, verify_with=checked)
+        lowered = lower(graph, rank, rng=rng)
+        checked = (lower(graph, rank, record=True, rng=rng), rank) if options.verify else None
+    return Program(sig, graph, lowered, checked)
 
 
-def _compile_once(model: nn.Module, example_inputs: Sequence[Any], options: CompileOptions) -> ir.Graph:
-    """Compile on rank 0 only; every rank gets the graph as IR text.
+def _skeleton(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers live on the meta device: what recompiling for
+    another call needs (capture runs on fake tensors), without holding a second copy of the weights.
+    NOTE: a model that cannot be deep-copied is kept itself (its weights stay alive)."""
+    memo: dict[int, Any] = {}
+    for t in model.parameters():
+        memo[id(t)] = nn.Parameter(torch.empty_like(t, device="meta"), requires_grad=t.requires_grad)
+    for t in model.buffers():
+        memo[id(t)] = torch.empty_like(t, device="meta")
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception:
+        return model
+
+
+def _compile_once(
+    model: nn.Module, example_inputs: Sequence[Any], options: CompileOptions, *, first: bool
+) -> tuple[ir.Graph, torch.Tensor]:
+    """Compile on rank 0 only; every rank gets the graph as IR text, and rank 0's generator state.
 
     NOTE: one plan for all ranks by construction (the sharding solve may stop at a time limit,
     where results depend on machine speed), and the other ranks do not repeat the work. A failure
-    on rank 0 is sent as its message and raised on every rank."""
+    on rank 0 is sent as its message and raised on every rank (on rank 0 as itself when ``first``)."""
     payload: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
+            rng_state = torch.get_rng_state()
             compiled = compile_model(model, example_inputs, options).graph
-            payload[0] = ("ok", str(compiled))
+            payload[0] = ("ok", str(compiled), rng_state)
         except Exception as e:
-            payload[0] = ("error", f"{type(e).__name__}: {e}")
+            payload[0] = ("error", f"{type(e).__name__}: {e}", None)
             dist.broadcast_object_list(payload, src=0)
-            raise
+            if first:
+                raise
+            raise PassError(f"{type(e).__name__}: {e}") from e
     dist.broadcast_object_list(payload, src=0)
-    kind, text = payload[0]
+    kind, text, rng_state = payload[0]
     if kind != "ok":
-        raise PassError(f"compilation failed on rank 0: {text}")
-    return ir.parse(text)
+        raise PassError(text if not first else f"compilation failed on rank 0: {text}")
+    return ir.parse(text), rng_state
 
 
 M = TypeVar("M", bound=nn.Module)
 
 
 def _decorator(
-    mesh: DeviceMesh, options: CompileOptions, example_inputs: Sequence[Any] | None
+    mesh: DeviceMesh, options: CompileOptions, example_inputs: Sequence[Any] | None, cache_size: int
 ) -> Callable[[type[M]], type[M]]:
     def deco(cls: type[M]) -> type[M]:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise PassError(f"@parallelize(...) decorates nn.Module subclasses, not {cls!r}")
-        return _parallel_class(cls, mesh, options, example_inputs)
+        return _parallel_class(cls, mesh, options, example_inputs, cache_size)
 
     return deco
 
 
 def _parallel_class(
-    cls: type[M], mesh: DeviceMesh, options: CompileOptions, example_inputs: Sequence[Any] | None
+    cls: type[M], mesh: DeviceMesh, options: CompileOptions, example_inputs: Sequence[Any] | None, cache_size: int
 ) -> type[M]:
     """A subclass of ``cls`` whose instances build the model with ``cls``'s constructor, then hold
     its compiled form: the compiled module's parameters (DTensors) under the model's own FQNs."""
@@ -157,11 +220,11 @@ def _parallel_class(
         self._mf_model = [model]  # NOTE: a list, so the single-device model is not a submodule
         self._mf_compiled: list[ParallelModule] = []
         if example_inputs is not None:
-            _adopt(self, _compile(model, mesh, example_inputs, options))
+            _adopt(self, _compile(model, mesh, example_inputs, options, cache_size))
 
     def forward(self: nn.Module, *inputs: Any) -> Any:
         if not self._mf_compiled:
-            _adopt(self, _compile(self._mf_model[0], mesh, inputs, options))
+            _adopt(self, _compile(self._mf_model[0], mesh, inputs, options, cache_size))
         pm = self._mf_compiled[0]
         pm.train(self.training)  # NOTE: pm is held aside, not a child: eval() reaches it only here
         return pm(*inputs)

@@ -15,15 +15,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.utils._pytree import tree_unflatten
 
 from meshfold import ir
-from meshfold.backends.eager import Lowered, RankContext
+from meshfold.backends.eager import Lowered
 from meshfold.moe_lists import as_unstacked, stack_tensors
-from meshfold.signature import CallSpec, agree
+from meshfold.programs import DEFAULT_CACHE, Compile, Program, Programs
+from meshfold.signature import Signature, agree, arg_names
 from meshfold.tracer import output_structure
 from meshfold.verify import Verifier
 
@@ -45,17 +48,19 @@ class _Step(torch.autograd.Function):
     """Forward and backward of the whole model on this rank's shards."""
 
     @staticmethod
-    def forward(ctx: Any, runner: ParallelModule, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        low = runner._mf_active()
+    def forward(  # type: ignore[override]
+        ctx: Any, runner: ParallelModule, program: Program, low: Lowered, *tensors: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
         outs = low.forward(*tensors)
         k = len(low.fwd_outputs)
         end = k + low.n_saved
         if runner._mf_verifier is not None:
             runner._mf_verifier.check(low.fwd_recorded, outs[end:], "forward")
         ctx.runner = runner
+        ctx.program = program
         ctx.low = low
         # NOTE: an output nobody called backward through gets None here, not zeros: that is how
-        # ``backward`` tells which parameters the user's backward reaches (``_grad_sources``).
+        # ``backward`` tells which parameters the user's backward reaches (``grad_sources``).
         ctx.set_materialize_grads(False)
         ctx.save_for_backward(*outs[k:end])
         results = tuple(outs[:k])
@@ -89,8 +94,13 @@ class _Step(torch.autograd.Function):
         by_name = dict(zip(low.bwd_outputs, outs[:n], strict=True))
         # NOTE: every rank runs the whole backward program (its collectives included) and then drops
         # the gradients no differentiated output reaches, so ``.grad`` stays None as on one device.
-        sources = runner._mf_grad_sources
-        return (None, *[by_name.get(n) if sources.get(n, set()) & reached else None for n in low.fwd_inputs])
+        sources = ctx.program.grad_sources
+        return (
+            None,
+            None,
+            None,
+            *[by_name.get(n) if sources.get(n, set()) & reached else None for n in low.fwd_inputs],
+        )
 
 
 class ParallelModule(nn.Module):
@@ -100,27 +110,23 @@ class ParallelModule(nn.Module):
         self,
         model: nn.Module,
         mesh: DeviceMesh,
-        graph: ir.Graph,
-        lowered: Lowered,
-        output_is_tuple: bool,
-        verify_with: tuple[Lowered, RankContext] | None = None,
+        first: Program,
+        compile: Compile,
+        cache_size: int = DEFAULT_CACHE,
+        *,
+        shapes: nn.Module | None = None,
+        rng: torch.Generator | None = None,
     ) -> None:
         super().__init__()
-        self._mf_graph = graph
-        self._mf_call = CallSpec.of(graph, model.training)
+        graph = first.graph
+        self._mf_programs = Programs(first, compile, cache_size, arg_names(model))
         self.train(model.training)
-        self._mf_lowered = lowered
-        self._mf_verify_with = verify_with
         self._mf_verifier: Verifier | None = None
         self._mf_mesh = mesh
-        self._mf_tuple = output_is_tuple
-        self._mf_grad_sources = _grad_sources(graph)
-        # NOTE: the model is kept only until the first call, which learns the output structure from it.
-        self._mf_structure_of = [model]
-        self._mf_outputs: tuple[Any, list[Any]] | None = None
-        layouts = {i.name: i.value.layout for i in graph.inputs}
-        self._mf_input_layouts = [layouts[n] for n in lowered.fwd_inputs]
-        self._mf_kinds = {i.name: i.kind for i in graph.inputs}
+        self._mf_rng = rng
+        # NOTE: ``shapes`` (the model, or a copy without weights) learns each program's output
+        # structure: ``output_structure`` runs it on fake tensors.
+        self._mf_structure_of = (shapes if shapes is not None else model,)  # NOTE: a tuple: not a submodule
         state = dict(model.named_parameters()) | dict(model.named_buffers())
         self._mf_state_keys = _state_dict_names(model)
         # NOTE: a model's non-persistent buffers (rotary tables) stay out of every state dict, ours too.
@@ -131,9 +137,10 @@ class ParallelModule(nn.Module):
             stacked = stack_tensors(graph.stacks, state)
         state |= {n: t.requires_grad_(True) for n, t in stacked.items()}
         # NOTE: verification compares against the single-device model as it was handed to us.
-        self._mf_reference_state = {n: t.detach().clone() for n, t in state.items()} if verify_with else {}
-        for name in lowered.fwd_inputs:
-            kind = self._mf_kinds[name]
+        self._mf_reference_state = {n: t.detach().clone() for n, t in state.items()} if first.verify_with else {}
+        layouts = first.state_layouts()
+        for name in first.lowered.fwd_inputs:
+            kind = first.kinds[name]
             if kind not in ("param", "buffer"):
                 continue
             src = state[name].detach().clone()  # NOTE: never alias the user's tensors
@@ -187,42 +194,42 @@ class ParallelModule(nn.Module):
         assert isinstance(t, torch.Tensor)
         return t
 
-    def _mf_active(self) -> Lowered:
-        return self._mf_verify_with[0] if self._mf_verifier is not None and self._mf_verify_with else self._mf_lowered
-
-    def _mf_start_verification(self, inputs: Sequence[Any]) -> None:
-        assert self._mf_verify_with is not None
-        low, rank = self._mf_verify_with
+    def _mf_start_verification(self, program: Program, inputs: Sequence[Any]) -> None:
+        assert program.verify_with is not None
+        low, rank = program.verify_with
         feeds: dict[str, torch.Tensor] = {}
         user = iter(x for x in inputs if isinstance(x, torch.Tensor))
         for name in low.fwd_inputs:
-            if self._mf_kinds[name] in ("param", "buffer"):
+            if program.kinds[name] in ("param", "buffer"):
                 feeds[name] = self._mf_reference_state[name]
             else:
                 feeds[name] = next(user)
-        self._mf_verifier = Verifier(self._mf_graph, self._mf_mesh, rank, feeds)
+        self._mf_verifier = Verifier(program.graph, self._mf_mesh, rank, feeds)
 
     def forward(self, *inputs: Any) -> Any:
-        # NOTE: before any collective of the program, so a differing rank never leaves the others waiting
-        agree(self._mf_call.mismatch(inputs, self.training))
-        if self._mf_verify_with is not None:
-            self._mf_start_verification(inputs)
-        else:
-            self._mf_verifier = None
-        low = self._mf_active()
+        sig = Signature.of(inputs, self.training)
+        # NOTE: before any collective of a program, so a differing rank never leaves the others waiting
+        agree(sig, None, self._mf_programs.names)
+        program = self._mf_programs.get(inputs, sig)
+        self._mf_verifier = None
+        low = program.lowered
+        if program.verify_with is not None:
+            # NOTE: the first step runs the recording module, checked value by value (once)
+            self._mf_start_verification(program, inputs)
+            low = program.verify_with[0]
+            program.verify_with = None
         user = iter(x for x in inputs if isinstance(x, torch.Tensor))
         tensors: list[torch.Tensor] = []
-        for name, layout in zip(low.fwd_inputs, self._mf_input_layouts, strict=True):
-            kind = self._mf_kinds[name]
-            if kind in ("param", "buffer"):
+        for name, layout in zip(low.fwd_inputs, program.input_layouts, strict=True):
+            if program.kinds[name] in ("param", "buffer"):
                 t = self._mf_tensor(name)
                 tensors.append(t.to_local() if isinstance(t, DTensor) else t)
             else:
                 x = next(user)
                 dt = distribute_tensor(x, self._mf_mesh, dtensor_placements(layout), src_data_rank=None)
                 tensors.append(dt.to_local())
-        results = _Step.apply(self, *tensors)
-        self._mf_verify_with = None
+        # NOTE: a forward-only program (no grad) runs outside autograd: nothing is saved, no backward exists
+        results = _Step.apply(self, program, low, *tensors) if sig.grad else low.forward(*tensors)
         outs: list[torch.Tensor] = []
         with torch.no_grad():
             for r, (kind, name) in zip(results, low.fwd_outputs, strict=True):
@@ -231,31 +238,54 @@ class ParallelModule(nn.Module):
                     (buf.to_local() if isinstance(buf, DTensor) else buf).copy_(r)
                 else:
                     outs.append(r)
-        return self._mf_assemble(inputs, outs, [name for kind, name in low.fwd_outputs if kind != "update"])
+        return self._mf_assemble(program, inputs, outs, [name for kind, name in low.fwd_outputs if kind != "update"])
 
-    def _mf_assemble(self, inputs: Sequence[Any], outs: list[torch.Tensor], names: list[str]) -> Any:
+    def _mf_assemble(self, program: Program, inputs: Sequence[Any], outs: list[torch.Tensor], names: list[str]) -> Any:
         """The model's own output: its pytree structure, tensor leaf ``i`` the graph output ``out(i)``,
         the other leaves the values the model returned when compiled (see ``output_structure``)."""
-        if self._mf_structure_of:
-            model = self._mf_structure_of.pop()
+        if not program.structure_known:
+            program.structure_known = True
+            model = self._mf_structure_of[0]
+            was = model.training
             try:
-                self._mf_outputs = output_structure(model, inputs)
+                model.train(program.signature.training)
+                with torch.set_grad_enabled(program.signature.grad):
+                    program.structure = output_structure(model, inputs)
             except Exception:
                 # NOTE: a forward that fake tensors cannot run again: keep the flat outputs.
-                self._mf_outputs = None
-            if self._mf_outputs is not None:
-                tensor_leaves = {str(i) for i, x in enumerate(self._mf_outputs[1]) if x is None}
+                program.structure = None
+            finally:
+                model.train(was)
+            if program.structure is not None:
+                tensor_leaves = {str(i) for i, x in enumerate(program.structure[1]) if x is None}
                 if tensor_leaves != set(names):
-                    self._mf_outputs = None
-        if self._mf_outputs is None:
-            return tuple(outs) if self._mf_tuple or len(outs) != 1 else outs[0]
-        spec, leaves = self._mf_outputs
+                    program.structure = None
+        if program.structure is None:
+            return tuple(outs) if program.output_is_tuple or len(outs) != 1 else outs[0]
+        spec, leaves = program.structure
         by_index = dict(zip(names, outs, strict=True))
         return tree_unflatten([by_index[str(i)] if x is None else x for i, x in enumerate(leaves)], spec)
 
     def graph(self) -> ir.Graph:
-        """The compiled SPMD graph (layouts and collectives), for inspection and dumps."""
-        return self._mf_graph
+        """The SPMD graph (layouts and collectives) compiled for the example inputs, for inspection."""
+        return self._mf_programs.first.graph
+
+    def manual_seed(self, seed: int) -> None:
+        """Seed the generator every random op of this module's programs draws from (dropout masks).
+        Collective: call it on every rank with the same seed (a differing seed raises on every rank)."""
+        flags = torch.tensor([seed, -seed], dtype=torch.int64)
+        got = funcol.all_reduce(flags, "max", dist.group.WORLD).tolist()
+        if int(got[0]) != -int(got[1]):
+            raise ValueError(
+                f"manual_seed: the ranks gave different seeds ({-int(got[1])} to {int(got[0])}); give one seed"
+            )
+        if self._mf_rng is not None:
+            self._mf_rng.manual_seed(seed)
+
+    def programs(self) -> list[tuple[str, int]]:
+        """Every program this module holds, as (signature, calls), least recently used first; a
+        signature that could not be compiled shows -1 calls. See ``parallelize(..., cache_size=)``."""
+        return self._mf_programs.report()
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
         """The single-device model's ``state_dict()``, whole (gathered): the same keys in the same order
@@ -266,27 +296,8 @@ class ParallelModule(nn.Module):
             n: t.full_tensor() if isinstance(t, DTensor) else t
             for n, t in [*self.named_parameters(), *self.named_buffers()]
         }
-        own = as_unstacked(self._mf_graph.stacks, whole)
+        own = as_unstacked(self._mf_programs.first.graph.stacks, whole)
         return {key: own[name].detach() for key, name in self._mf_state_keys.items()}
-
-
-def _grad_sources(graph: ir.Graph) -> dict[str, set[str]]:
-    """Each gradient output's name → the tangent inputs (``tangent.<i>``) it is computed from."""
-    deps: dict[ir.Value, set[str]] = {i.value: {i.name} for i in graph.inputs if i.kind == "tangent"}
-
-    def of(arg: Any) -> set[str]:
-        if isinstance(arg, ir.Value):
-            return deps.get(arg, set())
-        if isinstance(arg, tuple):
-            return set().union(*map(of, arg))
-        return set()
-
-    for op in graph.ops:
-        found = of(op.args) | of(tuple(v for _, v in op.kwargs))
-        if found:
-            for r in op.results:
-                deps[r] = found
-    return {o.name: deps.get(o.value, set()) for o in graph.outputs if o.kind == "grad"}
 
 
 def _state_dict_names(model: nn.Module) -> dict[str, str]:

@@ -10,6 +10,7 @@ anything is captured.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import sys
@@ -54,6 +55,9 @@ class CompileOptions:
     pipeline: str = DEFAULT_PIPELINE
     verify: bool = False
     backend: Backend = "eager"
+    grad: bool = True
+    """False: a forward-only program (no tangents, no gradients, no backward collectives), for calls
+    under ``torch.no_grad()`` / ``inference_mode()``."""
 
     @staticmethod
     def of(
@@ -66,6 +70,7 @@ class CompileOptions:
         pipeline: str = DEFAULT_PIPELINE,
         verify: bool = False,
         backend: str = "eager",
+        grad: bool = True,
     ) -> CompileOptions:
         """Read every form a user may write (strings from the shell, dicts from Python) and check
         them together; raises ``PassError`` naming what is wrong and what to write instead."""
@@ -85,6 +90,7 @@ class CompileOptions:
             pipeline=str(PassPipeline.parse(pipeline)),
             verify=verify,
             backend=backend,  # type: ignore[arg-type]
+            grad=grad,
         )
         options.check_request()
         return options
@@ -171,10 +177,23 @@ def compile_model(
             raise PassError("compiling a model needs its example inputs")
         with ctx.status(f"capturing {type(source).__name__}"):
             captured = capture(source, tuple(example_inputs))  # NOTE: moe-fold applies the mapping
+    if not opts.grad:
+        captured = forward_only(captured)
     if before is not None:
         before(captured)
     graph, timings = passes.run(ctx, captured, callback, initial=assume | {JOINT})
     return CompileResult(captured, graph, passes, opts, tuple(timings), tuple(ctx.diagnostics), dict(ctx.stats))
+
+
+def forward_only(graph: ir.Graph) -> ir.Graph:
+    """``graph`` without its backward: no tangent inputs, no gradient outputs, no backward ops (the
+    cleanup pass then drops forward ops only the backward needed)."""
+    return dataclasses.replace(
+        graph,
+        inputs=tuple(i for i in graph.inputs if i.kind != "tangent"),
+        ops=tuple(op for op in graph.ops if op.prov.phase == "fwd"),
+        outputs=tuple(o for o in graph.outputs if o.kind != "grad"),
+    )
 
 
 def to_plan(plan: PlanSpec, mesh: ir.Mesh | None) -> Plan:

@@ -1,16 +1,20 @@
-"""What a compiled program was compiled for, checked on every call, on every rank alike.
+"""What a compiled program was compiled for, and the agreement of every rank on each call.
 
-A ``ParallelModule`` runs one program, lowered for its example inputs' shapes and dtypes and for the
-model's mode at capture (train or eval). A call that differs (the last, smaller batch; an eval pass
-at another length; a bf16 input to an fp32 model; ``pm.eval()``) would run the wrong program: a
-reshape error from inside the graph, a hang when one rank's collectives no longer match the
-others', or a silently different result. ``CallSpec.mismatch`` says what differs before anything
-runs, and ``agree`` makes every rank raise the same error when any rank's call differs, so no rank
-is left waiting in a collective.
+A ``ParallelModule`` holds one program per call signature: each tensor input's shape, dtype, device
+and ``requires_grad``, the other inputs' values (dynamo bakes them into the graph), the module's
+mode (train or eval) and whether autograd records (``torch.no_grad``/``inference_mode`` get a
+forward-only program). A call whose signature differs from every program held gets a new one.
+
+Every rank must run the same program: a rank that runs another one (or none) leaves the others
+waiting in a collective. ``agree`` therefore makes every call start with one all-reduce that
+carries each rank's signature hash and whether its call can run at all; when any rank differs,
+every rank raises the same ``CallMismatch`` before any collective of the program.
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -20,79 +24,98 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from meshfold import ir
-from meshfold.ir.symbolic import Dim
 from meshfold.passes import PassError
 
 
 class CallMismatch(PassError):
-    """A call differs from what the program was compiled for (raised on every rank alike)."""
+    """A call that no program can run (raised on every rank alike)."""
 
 
 @dataclass(frozen=True)
-class CallSpec:
-    """Each tensor input's name, global shape and dtype, and the mode, as compiled."""
+class Signature:
+    """One call's inputs and mode, as a program is compiled for them."""
 
-    inputs: tuple[tuple[str, tuple[Dim, ...], torch.dtype], ...]
+    inputs: tuple[tuple[Any, ...], ...]
+    """Per positional input: ``("tensor", shape, dtype, device type, requires_grad)`` or ``("value", repr)``."""
     training: bool
+    grad: bool
 
     @staticmethod
-    def of(graph: ir.Graph, training: bool) -> CallSpec:
-        """The spec of ``graph``'s user inputs (kind ``input``, in call order)."""
+    def of(inputs: Sequence[Any], training: bool, grad: bool | None = None) -> Signature:
         specs = tuple(
-            (i.name, tuple(i.value.type.shape), i.value.type.dtype)
-            for i in graph.inputs
-            if i.kind == "input" and isinstance(i.value.type, ir.TensorType)
+            ("tensor", tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
+            if isinstance(x, torch.Tensor)
+            else ("value", repr(x))
+            for x in inputs
         )
-        return CallSpec(specs, training)
+        return Signature(specs, training, torch.is_grad_enabled() if grad is None else grad)
 
-    def mismatch(self, inputs: Sequence[Any], training: bool) -> str | None:
-        """One line naming what differs (the input, the compiled and the given), and what to do;
-        None when the call is what the program was compiled for."""
-        tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
-        if len(tensors) != len(self.inputs):
-            return (
-                f"the program was compiled for {len(self.inputs)} tensor inputs and was called with {len(tensors)}; "
-                "call it as the example inputs were given"
-            )
-        for (name, shape, dtype), x in zip(self.inputs, tensors, strict=True):
-            given = tuple(x.shape)
-            if not _fits(shape, given):
-                return (
-                    f"input {name!r} has shape {list(given)}; the program was compiled for {list(shape)}. "
-                    "Call it with that shape (pad or drop a last, smaller batch), or compile another program "
-                    "with parallelize(model, mesh, example_inputs of the new shape)"
-                )
-            if x.dtype != dtype:
-                return (
-                    f"input {name!r} is {ir.dtype_name(x.dtype)}; the program was compiled for {ir.dtype_name(dtype)} "
-                    f"(the single-device model would not take it either); convert it, or compile for {x.dtype}"
-                )
-        if training != self.training:
-            mode, other = ("train", "eval") if self.training else ("eval", "train")
-            return (
-                f"the module is in {other} mode; the program was captured in {mode} mode (dropout and batch "
-                f"statistics differ); for {other}, compile the model in that mode: "
-                f"parallelize(model.{other}(), ...)"
-            )
-        return None
+    def digest(self) -> int:
+        """A 62-bit hash, equal on every rank for equal signatures (unlike ``hash``, which is salted)."""
+        raw = hashlib.blake2b(repr(self).encode(), digest_size=8).digest()
+        return int.from_bytes(raw, "little") >> 2
+
+    def mode(self) -> str:
+        return f"{'train' if self.training else 'eval'}{'' if self.grad else ', no grad'}"
+
+    def describe(self, names: Sequence[str] = ()) -> str:
+        parts = []
+        for i, spec in enumerate(self.inputs):
+            name = names[i] if i < len(names) else f"arg{i}"
+            if spec[0] == "tensor":
+                parts.append(f"{name}: {ir.dtype_name(spec[2])}{list(spec[1])}")
+            else:
+                parts.append(f"{name}={spec[1]}")
+        return f"({', '.join(parts)}) in {self.mode()} mode"
+
+    def difference(self, other: Signature, names: Sequence[str] = ()) -> str:
+        """The first input (or the mode) in which ``self`` differs from ``other``, in words."""
+        for i, (a, b) in enumerate(zip(self.inputs, other.inputs, strict=False)):
+            if a == b:
+                continue
+            name = names[i] if i < len(names) else f"arg{i}"
+            if a[0] == b[0] == "tensor":
+                if a[1] != b[1]:
+                    return f"input {name!r} has shape {list(a[1])}; the program was compiled for {list(b[1])}"
+                if a[2] != b[2]:
+                    return (
+                        f"input {name!r} is {ir.dtype_name(a[2])}; the program was compiled for {ir.dtype_name(b[2])}"
+                    )
+                return f"input {name!r} differs ({a[3]}, requires_grad={a[4]}; compiled: {b[3]}, requires_grad={b[4]})"
+            given, was = (x[1] if x[0] == "value" else "a tensor" for x in (a, b))
+            return f"input {name!r} is {given}; the program was compiled for {was}"
+        if len(self.inputs) != len(other.inputs):
+            return f"the call has {len(self.inputs)} inputs; the program was compiled for {len(other.inputs)}"
+        return f"the module is in {self.mode()} mode; the program was compiled in {other.mode()} mode"
 
 
-def _fits(compiled: tuple[Dim, ...], given: tuple[int, ...]) -> bool:
-    """Whether ``given`` is ``compiled``, a symbolic size matching any value."""
-    if len(compiled) != len(given):
-        return False
-    return all(not isinstance(c, int) or c == g for c, g in zip(compiled, given, strict=True))
+def arg_names(model: torch.nn.Module) -> list[str]:
+    """The names of ``model.forward``'s positional parameters (for messages)."""
+    try:
+        params = inspect.signature(model.forward).parameters.values()
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
-def agree(problem: str | None) -> None:
-    """Raise ``CallMismatch`` on every rank when any rank's ``problem`` is set. NOTE: one all-reduce
-    of one integer per call; the messages themselves are gathered only when one is set."""
-    flag = torch.tensor([1 if problem else 0], dtype=torch.int32)
+def agree(sig: Signature, problem: str | None, names: Sequence[str] = ()) -> None:
+    """Raise ``CallMismatch`` on every rank when any rank's ``problem`` is set or the ranks' signatures
+    differ. NOTE: one all-reduce of three integers per call; messages are gathered only on failure."""
+    h = sig.digest()
+    flags = torch.tensor([1 if problem else 0, h, -h], dtype=torch.int64)
     # NOTE: a functional collective, like every other the program runs (profilers and the demo's
-    # table see it as one all-reduce of 4 bytes over the world)
-    if int(funcol.all_reduce(flag, "max", dist.group.WORLD).item()) == 0:
+    # table see it as one small all-reduce over the world)
+    got = funcol.all_reduce(flags, "max", dist.group.WORLD).tolist()
+    failed, most, least = int(got[0]), int(got[1]), -int(got[2])
+    if not failed and most == least:
         return
-    said: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(said, problem)
-    rank, first = next((r, m) for r, m in enumerate(said) if m)
-    raise CallMismatch(f"rank {rank}: {first}")
+    said: list[tuple[str | None, str]] = [(None, "")] * dist.get_world_size()
+    dist.all_gather_object(said, (problem, sig.describe(names)))
+    if failed:
+        rank, first = next((r, m) for r, (m, _) in enumerate(said) if m)
+        raise CallMismatch(f"rank {rank}: {first}")
+    calls = "; ".join(f"rank {r}: {d}" for r, (_, d) in enumerate(said))
+    raise CallMismatch(
+        f"the ranks called the module with different inputs ({calls}); every rank must be given the same "
+        "global inputs (meshfold splits them by the plan)"
+    )

@@ -1,0 +1,160 @@
+"""Random ops on one rank: the values of the whole tensor, this rank's part of them.
+
+A random op (dropout, ``rand_like``, ``randn``, ``bernoulli``) must give the same value to every
+rank that holds the same logical element, and different values to different shards of one tensor,
+whatever each rank's own seed is. Every rank therefore draws the op's values for its **global**
+shape from the program's own generator (``torch.Generator``, its state taken from rank 0's default
+generator when the program is compiled, advanced by every call alike on all ranks) and keeps the
+slice its result layout gives it (``Layout.shard_bounds``). With the same generator state, the
+draws are the single-device model's own: dropout's mask is ``bernoulli_(1 - p)`` on a tensor of
+the input's shape on one device and here alike, so a program seeded as the model was gives its
+masks exactly.
+
+NOTE: each rank draws the whole tensor and drops what other shards hold, so random work is not
+divided by the mesh (a CPU generator cannot skip ahead; a counter-based generator such as CUDA's
+Philox can, by offset). Random ops outside ``RANDOM`` raise at lowering, before any collective.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from meshfold.ir import Mesh, Op, Partial, TensorType
+
+aten = torch.ops.aten
+
+Draw = Callable[[torch.Generator, tuple[int, ...], tuple[Any, ...], dict[str, Any]], torch.Tensor]
+"""(generator, global shape, the op's first operand or None, kwargs) -> the random draw for the whole
+tensor, before the op combines it with its local operands."""
+
+
+def _dtype(kwargs: dict[str, Any], like: torch.Tensor | None) -> torch.dtype:
+    dtype = kwargs.get("dtype")
+    if dtype is not None:
+        return dtype  # type: ignore[no-any-return]
+    return like.dtype if like is not None else torch.get_default_dtype()
+
+
+def _uniform(
+    gen: torch.Generator, shape: tuple[int, ...], like: torch.Tensor | None, kw: dict[str, Any]
+) -> torch.Tensor:
+    return torch.empty(shape, dtype=_dtype(kw, like)).uniform_(0.0, 1.0, generator=gen)
+
+
+def _normal(
+    gen: torch.Generator, shape: tuple[int, ...], like: torch.Tensor | None, kw: dict[str, Any]
+) -> torch.Tensor:
+    return torch.empty(shape, dtype=_dtype(kw, like)).normal_(0.0, 1.0, generator=gen)
+
+
+class RandomSite:
+    """One random op of a lowered program: calls draw the global values and keep this rank's slice.
+
+    An instance is the fx node's target (fx calls any callable with a ``__name__``), so the generator
+    it holds is the one every call of the program advances."""
+
+    def __init__(
+        self, name: str, generator: torch.Generator, global_shape: tuple[int, ...], bounds: tuple[tuple[int, int], ...]
+    ) -> None:
+        self.name = name
+        self.generator = generator
+        self.global_shape = global_shape
+        self.bounds = bounds
+        self.__name__ = f"random_{name.replace('.', '_')}"
+        self.__module__ = __name__
+
+    def _local(self, whole: torch.Tensor) -> torch.Tensor:
+        for dim, (lo, size) in enumerate(self.bounds):
+            if size != whole.shape[dim]:
+                whole = whole.narrow(dim, lo, size)
+        return whole.contiguous()
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return _FORMS[self.name](self, args, kwargs)
+
+
+def _dropout(site: RandomSite, args: tuple[Any, ...], kw: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    x, p, train = args
+    if not train or p == 0:
+        return x.clone(), torch.ones_like(x, dtype=torch.bool)
+    # NOTE: as ATen's CPU kernel: a mask of the input's dtype by bernoulli_(1 - p), scaled after
+    mask = site._local(torch.empty(site.global_shape, dtype=x.dtype).bernoulli_(1.0 - p, generator=site.generator))
+    scale = 0.0 if p == 1 else 1.0 / (1.0 - p)
+    return x.mul(mask).mul_(scale), mask.bool()
+
+
+def _like(draw: Callable[..., torch.Tensor]) -> Callable[[RandomSite, tuple[Any, ...], dict[str, Any]], torch.Tensor]:
+    def form(site: RandomSite, args: tuple[Any, ...], kw: dict[str, Any]) -> torch.Tensor:
+        like = args[0] if args and isinstance(args[0], torch.Tensor) else None
+        out = site._local(draw(site.generator, site.global_shape, like, kw))
+        device = kw.get("device") or (like.device if like is not None else None)
+        return out.to(device) if device is not None else out
+
+    return form
+
+
+def _bernoulli_p(site: RandomSite, args: tuple[Any, ...], kw: dict[str, Any]) -> torch.Tensor:
+    x = args[0]
+    p = args[1] if len(args) > 1 else kw.get("p", 0.5)
+    whole = torch.empty(site.global_shape, dtype=x.dtype).bernoulli_(p, generator=site.generator)
+    return site._local(whole)
+
+
+_FORMS: dict[str, Callable[[RandomSite, tuple[Any, ...], dict[str, Any]], Any]] = {
+    "native_dropout": _dropout,
+    "rand_like": _like(_uniform),
+    "randn_like": _like(_normal),
+    "rand": _like(_uniform),
+    "randn": _like(_normal),
+    "bernoulli.p": _bernoulli_p,
+}
+
+RANDOM: dict[Any, str] = {
+    aten.native_dropout.default: "native_dropout",
+    aten.rand_like.default: "rand_like",
+    aten.randn_like.default: "randn_like",
+    aten.rand.default: "rand",
+    aten.randn.default: "randn",
+    aten.bernoulli.p: "bernoulli.p",
+}
+"""The random ops a program may hold, by the form that draws them."""
+
+
+def is_random(op: Op) -> bool:
+    """Whether ``op`` draws from a generator (ATen tags such ops ``nondeterministic_seeded``; attention
+    with ``dropout_p=0`` draws nothing)."""
+    target = op.target
+    if target in RANDOM:
+        return True
+    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
+        return False
+    schema = getattr(target, "_schema", None)
+    names = [a.name for a in schema.arguments] if schema is not None else []
+    if "dropout_p" in names:
+        at = names.index("dropout_p")
+        p = op.args[at] if at < len(op.args) else op.kwarg("dropout_p", 0.0)
+        return p not in (0, 0.0, None)
+    return True
+
+
+def random_site(op: Op, generator: torch.Generator, mesh: Mesh, coord: Sequence[int]) -> RandomSite:
+    """The callable that computes ``op`` on the rank at ``coord``; raises ``ValueError`` naming the op
+    for a random op meshfold cannot split (before anything runs)."""
+    name = RANDOM.get(op.target)
+    if name is None:
+        raise ValueError(
+            f"{op.describe()}: random op {op.target} has no split form in meshfold; its values would differ "
+            f"from one device's. Supported: {', '.join(sorted(set(RANDOM.values())))}; draw the values "
+            "outside the model and pass them in as an input"
+        )
+    result = op.results[0]
+    assert isinstance(result.type, TensorType)
+    layout = result.layout
+    if any(isinstance(p, Partial) for p in layout.placements):
+        raise ValueError(f"{op.describe()}: a random value cannot be a partial sum; this is a sharding bug")
+    shape = tuple(int(d) for d in result.type.shape)
+    bounds = tuple((int(lo), int(size)) for lo, size in layout.shard_bounds(shape, mesh, coord))
+    return RandomSite(name, generator, shape, bounds)
