@@ -95,10 +95,7 @@ class Programs:
         try:
             held: Program | str = self._compile(inputs, sig)
         except Exception as e:
-            held = (
-                f"{differs}, and no program can be compiled for this call: {e}. Call it as the example inputs "
-                "were given (pad or drop a last, smaller batch), or with sizes the plan can split"
-            )
+            held = f"{differs}, and no program can be compiled for this call: {e}. {_advice(differs)}"
         else:
             self.compiled += 1
             fixed = self.first.state_layouts()
@@ -126,6 +123,15 @@ class Programs:
         show ``-1`` calls."""
         names = self.names
         return [(s.describe(names), p.calls if isinstance(p, Program) else -1) for s, p in self._held.items()]
+
+
+def _advice(differs: str) -> str:
+    """What to do about a call no program can run, by what differs in it."""
+    if "has shape" in differs:
+        return "Call it with sizes the plan can split (pad or drop a last, smaller batch)"
+    if " is " in differs and "the program was compiled for" in differs:
+        return "Convert the input to the dtype the model takes, as one device would need too"
+    return "Call it as the example inputs were given"
 
 
 def grad_sources(graph: ir.Graph) -> dict[str, set[str]]:

@@ -9,15 +9,33 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
+import sympy
 import torch
 
-from meshfold.ir.graph import INPUT_KINDS, OUTPUT_KINDS, Arg, Graph, GraphBuilder, ParamStack, Provenance, Value
+from meshfold.ir.cursor import Cursor, ParseError, error_at, short
+from meshfold.ir.graph import (
+    INPUT_KINDS,
+    OUTPUT_KINDS,
+    Arg,
+    Graph,
+    GraphBuilder,
+    GraphOutput,
+    Op,
+    ParamStack,
+    Provenance,
+    Value,
+    freeze_arg,
+)
 from meshfold.ir.mesh import Mesh
 from meshfold.ir.ops import resolve_target
 from meshfold.ir.placement import Layout, Placement, R, parse_placement
 from meshfold.ir.symbolic import Dim, parse_dim
 from meshfold.ir.types import DTYPES_BY_NAME, ScalarType, TensorType, Type
+
+__all__ = ["ParseError", "ParsedGraph", "parse"]
 
 _NAME = re.compile(r"%([A-Za-z0-9_.]+)")
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_.]*")
@@ -30,77 +48,42 @@ _STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
 MAX_DEPTH = 64
 MAX_NUMEL = 2**62
 MAX_MESH_AXIS = 2**20
+# NOTE: a symbolic size's powers stay of degree <= MAX_DEGREE once sympy has combined them:
+# ``((s0**64)**64)**64`` reads in microseconds, but a pass that substitutes a size hint would not finish.
+MAX_DEGREE = 1024
 _INT_RANGE = range(-(2**63), 2**63)
 
 
-class ParseError(ValueError):
-    """Bad IR text; the one-line message reads ``line L, column C: <what is wrong>``."""
+@dataclass(frozen=True, slots=True, eq=False)
+class ParsedGraph(Graph):
+    """A graph read from text: also the text line each input, op and output was written on, so
+    the verifier's errors about it name the line (``line L: ...``). Passes build plain graphs."""
 
+    lines: Mapping[Value | Op | GraphOutput, int] = field(default_factory=dict)
 
-class _Line:
-    """A cursor over one line of text; columns count from its first non-blank character."""
-
-    def __init__(self, raw: str, lineno: int) -> None:
-        self.text, self.pos, self.lineno = raw.strip(), 0, lineno
-
-    def error(self, what: str, pos: int | None = None) -> ParseError:
-        return _error(self.lineno, (self.pos if pos is None else pos) + 1, what)
-
-    def ws(self) -> None:
-        while self.pos < len(self.text) and self.text[self.pos] == " ":
-            self.pos += 1
-
-    def peek(self, s: str) -> bool:
-        self.ws()
-        return self.text.startswith(s, self.pos)
-
-    def take(self, s: str) -> None:
-        if not self.peek(s):
-            raise self.error(f"expected {s!r}")
-        self.pos += len(s)
-
-    def match(self, pattern: re.Pattern[str], what: str) -> re.Match[str]:
-        self.ws()
-        m = pattern.match(self.text, self.pos)
-        if m is None:
-            raise self.error(f"expected {what}")
-        self.pos = m.end()
-        return m
-
-    def until_close(self, open_: str, close: str) -> str:
-        """Text up to the bracket closing one already taken (nesting respected)."""
-        depth, start = 1, self.pos
-        while self.pos < len(self.text):
-            c = self.text[self.pos]
-            depth += (c == open_) - (c == close)
-            if depth == 0:
-                self.pos += 1
-                return self.text[start : self.pos - 1]
-            self.pos += 1
-        raise self.error(f"missing {close!r}")
-
-    def at_end(self) -> bool:
-        self.ws()
-        return self.pos >= len(self.text)
+    def line_of(self, item: Value | Op | GraphOutput) -> int | None:
+        """The text line ``item`` (an input's value, an op or an output) was written on."""
+        return self.lines.get(item)
 
 
 class _Parser:
     def __init__(self) -> None:
         self.values: dict[str, Value] = {}
         self.b: GraphBuilder | None = None
+        self.lines: dict[Value | Op | GraphOutput, int] = {}
 
-    def value(self, ln: _Line) -> Value:
+    def value(self, ln: Cursor) -> Value:
         m = ln.match(_NAME, "a value like %x")
         if m.group(1) not in self.values:
             raise ln.error(f"%{m.group(1)} is used before it is defined", m.start())
         return self.values[m.group(1)]
 
-    def define(self, ln: _Line, m: re.Match[str], v: Value) -> None:
+    def define(self, ln: Cursor, m: re.Match[str], v: Value) -> None:
         if m.group(1) in self.values:
             raise ln.error(f"%{m.group(1)} is defined twice", m.start())
         self.values[m.group(1)] = v
 
-    def type_(self, ln: _Line) -> Type:
+    def type_(self, ln: Cursor) -> Type:
         if ln.peek("!"):
             ln.take("!")
             kind = ln.match(_IDENT, "int, float, bool or none").group(0)
@@ -119,7 +102,7 @@ class _Parser:
         _check_numel(ln, dims, start)
         return TensorType(tuple(dims), DTYPES_BY_NAME[dt])
 
-    def layout(self, ln: _Line, mesh: Mesh | None) -> Layout:
+    def layout(self, ln: Cursor, mesh: Mesh | None) -> Layout:
         if not ln.peek("{"):
             return Layout.replicated(mesh)
         ln.take("{")
@@ -143,7 +126,7 @@ class _Parser:
             raise ln.error(f"layout names axes {sorted(unknown)} that {mesh} lacks")
         return Layout(mesh.names, tuple(given.get(n, R) for n in mesh.names))
 
-    def arg(self, ln: _Line, depth: int = 0) -> Arg:
+    def arg(self, ln: Cursor, depth: int = 0) -> Arg:
         ln.ws()
         if ln.peek("%"):
             return self.value(ln)
@@ -195,7 +178,7 @@ class _Parser:
                 return obj
         raise ln.error(f"unknown literal {word!r}")
 
-    def op(self, ln: _Line, mesh: Mesh | None) -> None:
+    def op(self, ln: Cursor, mesh: Mesh | None) -> None:
         assert self.b is not None
         names: list[re.Match[str]] = []
         if ln.peek("%"):
@@ -233,11 +216,19 @@ class _Parser:
                 t = self.type_(ln)
                 results.append(Value(name.group(1), t, self.layout(ln, mesh)))
         prov = self.prov(ln)
-        self.b.add_op(target, args, kwargs, results, prov)
+        op = Op(
+            target,
+            tuple(freeze_arg(a) for a in args),
+            tuple((k, freeze_arg(v)) for k, v in kwargs),
+            tuple(results),
+            prov,
+        )
+        self.b.append(op)
+        self.lines[op] = ln.lineno
         for name, v in zip(names, results, strict=True):
             self.define(ln, name, v)
 
-    def string(self, ln: _Line, what: str) -> str:
+    def string(self, ln: Cursor, what: str) -> str:
         start = ln.pos
         tok = ln.match(_STRING, what + " (a double-quoted string closed on the same line)").group(0)
         try:
@@ -245,7 +236,7 @@ class _Parser:
         except json.JSONDecodeError as e:
             raise ln.error(f"bad string literal ({e.msg})", start + e.pos) from None
 
-    def stack(self, ln: _Line, name: str) -> ParamStack:
+    def stack(self, ln: Cursor, name: str) -> ParamStack:
         """``[["a.weight", "b.weight"], ...]``: the model parameters behind each row of ``name``."""
         if _depth(ln.text[ln.pos :]) > 2:
             raise ln.error("a stack's members must be a JSON list of lists of names (nested too deep)")
@@ -260,7 +251,7 @@ class _Parser:
         ln.pos = len(ln.text)
         return ParamStack(name, tuple(tuple(r) for r in rows))
 
-    def prov(self, ln: _Line) -> Provenance:
+    def prov(self, ln: Cursor) -> Provenance:
         if ln.at_end():
             return Provenance()
         ln.take("#")
@@ -280,16 +271,16 @@ class _Parser:
         lines = [(i + 1, raw.rstrip()) for i, raw in enumerate(text.splitlines())]
         lines = [(n, s) for n, s in lines if s.strip() and not s.lstrip().startswith("//")]
         if not lines:
-            raise _error(len(text.splitlines()) or 1, 1, "empty input: expected `graph @name {`")
+            raise error_at(len(text.splitlines()) or 1, 1, "empty input: expected `graph @name {`")
         n0, head = lines[0]
         m = re.fullmatch(r"graph @([A-Za-z0-9_.\-]+)(?: (mesh<[^>]*>))? \{", head.strip())
         if m is None:
-            raise _error(n0, 1, f"expected `graph @name [mesh<...>] {{`, got {_short(head.strip())}")
-        mesh = self.mesh(_Line(head, n0), m) if m.group(2) else None
+            raise error_at(n0, 1, f"expected `graph @name [mesh<...>] {{`, got {short(head.strip())}")
+        mesh = self.mesh(Cursor(head, n0), m) if m.group(2) else None
         self.b = GraphBuilder(m.group(1), mesh)
         closed = False
         for lineno, s in lines[1:]:
-            ln = _Line(s, lineno)
+            ln = Cursor(s, lineno)
             if closed:
                 raise ln.error("text after the closing brace")
             word = s.split(None, 1)[0]
@@ -303,6 +294,7 @@ class _Parser:
                 t = self.type_(ln)
                 v = self.b.add_input(word, nm.group(1), t, self.layout(ln, mesh))  # type: ignore[arg-type]
                 self.define(ln, nm, v)
+                self.lines[v] = lineno
             elif word == "stack":
                 ln.take("stack")
                 name = ln.match(_NAME, "a stacked parameter's name").group(1)
@@ -316,17 +308,20 @@ class _Parser:
                 ln.take("(")
                 oname = ln.until_close("(", ")")
                 ln.take("=")
-                self.b.add_output(kind, oname, self.value(ln))  # type: ignore[arg-type]
+                out = GraphOutput(kind, oname, self.value(ln))  # type: ignore[arg-type]
+                self.b.add_output(out.kind, out.name, out.value)
+                self.lines[out] = lineno
             else:
                 self.op(ln, mesh)
             if not ln.at_end():
                 raise ln.error("unexpected text at end of line")
         if not closed:
             last, s = lines[-1]
-            raise _error(last, len(s) + 1, "missing closing `}` at the end of the graph")
-        return self.b.build()
+            raise error_at(last, len(s) + 1, "missing closing `}` at the end of the graph")
+        g = self.b.build()
+        return ParsedGraph(g.name, g.inputs, g.ops, g.outputs, g.mesh, g.stacks, self.lines)
 
-    def mesh(self, ln: _Line, m: re.Match[str]) -> Mesh:
+    def mesh(self, ln: Cursor, m: re.Match[str]) -> Mesh:
         try:
             mesh = Mesh.parse(m.group(2))
         except ValueError as e:
@@ -349,18 +344,22 @@ def _split_top(body: str) -> list[tuple[int, str]]:
     return parts
 
 
-def _dim(ln: _Line, text: str, pos: int) -> Dim:
+def _dim(ln: Cursor, text: str, pos: int) -> Dim:
     """One dimension at ``pos`` on the line: an int >= 0 or a symbolic size that is not negative."""
     try:
         d = parse_dim(text)
     except ValueError as e:
         raise ln.error(f"bad dimension: {e}", pos) from None
+    if not isinstance(d, int):
+        for p in d.atoms(sympy.Pow):
+            if isinstance(p.exp, sympy.Integer) and abs(int(p.exp)) > MAX_DEGREE:
+                raise ln.error(f"bad dimension: {short(text)} has a power of degree above {MAX_DEGREE}", pos)
     if (isinstance(d, int) and d < 0) or (not isinstance(d, int) and d.is_negative):
-        raise ln.error(f"dimension {_short(text)} is negative; sizes must be >= 0", pos)
+        raise ln.error(f"dimension {short(text)} is negative; sizes must be >= 0", pos)
     return d
 
 
-def _check_numel(ln: _Line, dims: list[Dim], pos: int) -> None:
+def _check_numel(ln: Cursor, dims: list[Dim], pos: int) -> None:
     n = 1
     for d in dims:
         if isinstance(d, int):
@@ -378,15 +377,6 @@ def _depth(text: str) -> int:
         depth += (m.group(0) == "[") - (m.group(0) == "]")
         deepest = max(deepest, depth)
     return deepest
-
-
-def _short(text: str) -> str:
-    """``text`` quoted and cut to 60 characters so a message stays one short line."""
-    return repr(text if len(text) <= 60 else text[:57] + "...")
-
-
-def _error(lineno: int, column: int, what: str) -> ParseError:
-    return ParseError(f"line {lineno}, column {column}: {' '.join(what.split())}")
 
 
 def parse(text: str) -> Graph:

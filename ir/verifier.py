@@ -9,8 +9,9 @@ from collections.abc import Iterator
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from meshfold.ir.graph import Arg, Graph, Op, Value
+from meshfold.ir.graph import Arg, Graph, GraphOutput, Op, Value
 from meshfold.ir.ops import OpDef
+from meshfold.ir.parser import ParsedGraph
 from meshfold.ir.placement import Layout, Shard
 from meshfold.ir.types import TensorType, dtype_name, type_of
 
@@ -37,35 +38,55 @@ def verify(graph: Graph, *, check_types: bool = True) -> None:
     graph's mesh and value ranks, sizes (dims >= 0, fewer than 2**62 elements), and — with
     ``check_types`` — operand dtypes of ops that do not promote, and that every ATen op's result types
     equal what the op computes on fake tensors of its operand types. Errors name the op (with its
-    provenance), the values and the types; nothing else escapes.
+    provenance), the values and the types, and for a graph read from text (``ir.parse``) start with
+    the text line, ``line L: ``; nothing else escapes.
     """
+    try:
+        _verify(graph, check_types)
+    except _Failure as f:
+        line = graph.line_of(f.item) if isinstance(graph, ParsedGraph) and f.item is not None else None
+        raise VerifyError(f"line {line}: {f.message}" if line is not None else f.message) from None
+
+
+class _Failure(Exception):
+    """A broken invariant, with the input value, op or output it is about (to find its text line)."""
+
+    def __init__(self, message: str, item: Value | Op | GraphOutput | None = None) -> None:
+        super().__init__(message)
+        self.message, self.item = message, item
+
+
+def _verify(graph: Graph, check_types: bool) -> None:
     defined: set[Value] = set()
     names: set[str] = set()
     for i in graph.inputs:
         if i.name in names:
-            raise VerifyError(f"graph @{graph.name}: input %{i.name} appears twice")
+            raise _Failure(f"graph @{graph.name}: input %{i.name} appears twice", i.value)
         names.add(i.name)
-        _define(graph, i.value, defined, f"input %{i.name}")
+        _define(graph, i.value, defined, f"input %{i.name}", i.value)
     fake = _FakeRunner() if check_types else None
     for op in graph.ops:
         for v in op.operands:
             if v not in defined:
-                raise VerifyError(f"{op.describe()}: operand %{v.name} is not defined before this op")
+                raise _Failure(f"{op.describe()}: operand %{v.name} is not defined before this op", op)
         for r in op.results:
-            _define(graph, r, defined, op.describe())
+            _define(graph, r, defined, op.describe(), op)
         if fake is not None and not isinstance(op.target, OpDef):
             fake.check(op)
     for o in graph.outputs:
         if o.value not in defined:
-            raise VerifyError(f"graph @{graph.name}: output {o.kind}({o.name}) uses undefined %{o.value.name}")
+            raise _Failure(f"graph @{graph.name}: output {o.kind}({o.name}) uses undefined %{o.value.name}", o)
 
 
-def _define(graph: Graph, v: Value, defined: set[Value], where: str) -> None:
+def _define(graph: Graph, v: Value, defined: set[Value], where: str, item: Value | Op) -> None:
     if v in defined:
-        raise VerifyError(f"{where}: value %{v.name} is defined twice")
+        raise _Failure(f"{where}: value %{v.name} is defined twice", item)
     defined.add(v)
-    _check_shape(v, where)
-    _check_layout(graph, v, where)
+    try:
+        _check_shape(v, where)
+        _check_layout(graph, v, where)
+    except _Failure as f:
+        raise _Failure(f.message, item) from None
 
 
 def _check_shape(v: Value, where: str) -> None:
@@ -75,23 +96,23 @@ def _check_shape(v: Value, where: str) -> None:
     for d in v.type.shape:
         if isinstance(d, int) or d.is_Integer:
             if int(d) < 0:
-                raise VerifyError(f"{where}: %{v.name} : {v.type} has a negative dimension {d}; sizes must be >= 0")
+                raise _Failure(f"{where}: %{v.name} : {v.type} has a negative dimension {d}; sizes must be >= 0")
             n *= int(d)
         elif d.is_negative:
-            raise VerifyError(f"{where}: %{v.name} : {v.type} has a negative dimension {d}; sizes must be >= 0")
+            raise _Failure(f"{where}: %{v.name} : {v.type} has a negative dimension {d}; sizes must be >= 0")
     if n >= MAX_NUMEL:
-        raise VerifyError(f"{where}: %{v.name} : {v.type} has {n} elements; the limit is 2**62")
+        raise _Failure(f"{where}: %{v.name} : {v.type} has {n} elements; the limit is 2**62")
 
 
 def _check_layout(graph: Graph, v: Value, where: str) -> None:
     expected = Layout.replicated(graph.mesh).axes
     if v.layout.axes != expected:
-        raise VerifyError(f"{where}: %{v.name} has layout axes {v.layout.axes} but the graph's mesh has {expected}")
+        raise _Failure(f"{where}: %{v.name} has layout axes {v.layout.axes} but the graph's mesh has {expected}")
     for axis, p in zip(v.layout.axes, v.layout.placements, strict=True):
         if isinstance(p, Shard):
             rank = v.type.rank if isinstance(v.type, TensorType) else 0
             if not 0 <= p.dim < rank:
-                raise VerifyError(
+                raise _Failure(
                     f"{where}: %{v.name} : {v.type} is sharded on dim {p.dim} over {axis!r}, but it has rank {rank}"
                 )
 
@@ -112,15 +133,16 @@ class _FakeRunner:
             try:
                 out = op.target(*args, **kwargs)  # type: ignore[operator, misc]
             except Exception as e:
-                raise VerifyError(f"{op.describe()}: the op rejects its operand types: {e}") from None
+                listing = ", ".join(f"%{v.name}: {v.type}" for v in op.operands)
+                raise _Failure(f"{op.describe()}: the op rejects its operand types ({listing}): {e}", op) from None
         got = [x for x in _flatten(out)]
         if len(got) != len(op.results):
-            raise VerifyError(f"{op.describe()}: computes {len(got)} results but declares {len(op.results)}")
+            raise _Failure(f"{op.describe()}: computes {len(got)} results but declares {len(op.results)}", op)
         for r, g in zip(op.results, got, strict=True):
             actual = type_of(g)
             if actual != r.type:
-                raise VerifyError(
-                    f"{op.describe()}: result %{r.name} is declared {r.type} but the op computes {actual}"
+                raise _Failure(
+                    f"{op.describe()}: result %{r.name} is declared {r.type} but the op computes {actual}", op
                 )
 
 
@@ -135,9 +157,10 @@ def _check_dtypes(op: Op) -> None:
         if v.type.dtype != first.type.dtype:
             got, want = dtype_name(v.type.dtype), dtype_name(first.type.dtype)
             listing = ", ".join(f"%{t.name}: {t.type}" for t in tensors)
-            raise VerifyError(
+            raise _Failure(
                 f"{op.describe()}: operand %{v.name} of {op.name} is {got} where {want} is required "
-                f"(the dtype of %{first.name}; {op.name} does not promote, operands {listing})"
+                f"(the dtype of %{first.name}; {op.name} does not promote, operands {listing})",
+                op,
             )
 
 

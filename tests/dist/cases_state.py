@@ -13,7 +13,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
+    get_state_dict,
     set_model_state_dict,
+    set_state_dict,
 )
 from torch.distributed.tensor import DTensor
 
@@ -126,3 +128,144 @@ def dcp_round_trip(model: str, shape: tuple[int, ...], names: tuple[str, ...], p
         if dist.get_rank() == 0:
             shutil.rmtree(paths[0], ignore_errors=True)
     return {"loaded": loaded, "trained": trained, "back": back}
+
+
+def _llama_steps(n: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``n`` llama-tiny batches of ``batch`` sequences of the zoo's length."""
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 256, (batch, 16), generator=gen)
+        out.append((ids, ids.clone()))
+    return out
+
+
+def _steps(model: torch.nn.Module, opt: torch.optim.Optimizer, batches: list[Any]) -> list[float]:
+    losses = []
+    for batch in batches:
+        opt.zero_grad()
+        loss = model(*batch)
+        loss.backward()
+        opt.step()
+        losses.append(float(loss))
+    return losses
+
+
+def dcp_across_meshes(
+    where: str, shape: tuple[int, ...], names: tuple[str, ...], plan: str, batch: int
+) -> dict[str, Any]:
+    """Train llama-tiny 2 AdamW steps under fsdp+tp on (dp=2, tp=2), save model and optimizer with DCP
+    to ``where``, load both into llama-tiny compiled for ``shape``/``names`` with ``plan`` and train 2
+    more on batches of ``batch`` sequences: the 4 losses and the weights after equal one uninterrupted
+    single-device run (a fresh optimizer would move the weights by ~lr). Returns the losses and layouts."""
+    warnings.filterwarnings("ignore")
+    batches = _llama_steps(4, batch)
+    ref, _ = build("llama-tiny")
+    ref_losses = _steps(ref, torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS), batches)
+    net, _ = build("llama-tiny")
+    first = parallelize(net, device_mesh((2, 2), ("dp", "tp")), batches[0], plan="fsdp+tp")
+    opt = torch.optim.AdamW(first.parameters(), lr=LR, eps=EPS)
+    losses = _steps(first, opt, batches[:2])
+    model_sd, optim_sd = get_state_dict(first, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=where)
+    net, _ = build("llama-tiny")
+    second = parallelize(net, device_mesh(tuple(shape), tuple(names)), batches[0], plan=plan)
+    opt = torch.optim.AdamW(second.parameters(), lr=LR, eps=EPS)
+    model_sd, optim_sd = get_state_dict(second, opt)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=where)
+    set_state_dict(second, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    losses += _steps(second, opt, batches[2:])
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=1e-5)
+    _same_weights(get_model_state_dict(second, options=FULL), ref.state_dict())
+    return {"losses": losses, "layouts": sorted({str(i.value.layout) for i in second.graph().inputs})}
+
+
+def _hf_llama_config() -> Any:
+    """A tiny Llama config whose LM head is tied to the embedding."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+        attn_implementation="sdpa",
+    )
+
+
+def _hf_llama(config: Any) -> torch.nn.Module:
+    """LlamaForCausalLM on ``config`` with seeded random weights, returning ``(loss, logits)``."""
+    from transformers import LlamaForCausalLM
+
+    class LossAndLogits(LlamaForCausalLM):  # type: ignore[misc]
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            out = super().forward(input_ids=input_ids, labels=labels, use_cache=False)
+            return out.loss, out.logits
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        return LossAndLogits(config)
+
+
+def hf_save_pretrained(shape: tuple[int, ...], names: tuple[str, ...], plan: str, steps: int = 2) -> dict[str, Any]:
+    """A tiny HF Llama (tied LM head) trained ``steps`` AdamW steps compiled; ``pm.model_state_dict()``
+    loads strictly into a fresh model from the same config, which ``save_pretrained`` writes as
+    safetensors and ``from_pretrained`` reads back: the reloaded model's parameters equal the state dict
+    and its loss and logits equal the compiled module's (both equal the single-device model trained
+    alongside). Returns how far training moved the weights and the largest logit difference."""
+    from safetensors import safe_open
+    from transformers import LlamaForCausalLM
+
+    warnings.filterwarnings("ignore")
+    config = _hf_llama_config()
+    net, ref = _hf_llama(config), _hf_llama(config)
+    batches = _llama_steps(steps + 1, batch=2)
+    pm = parallelize(net, device_mesh(tuple(shape), tuple(names)), batches[0], plan=plan)
+    for m in (pm, ref):
+        _steps(_LossOnly(m), torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS), batches[:steps])
+    sd = pm.model_state_dict()  # NOTE: collective: every rank gathers
+    loss, logits = (t.detach() for t in pm(*batches[steps]))
+    out: dict[str, Any] = {}
+    if dist.get_rank() == 0:
+        fresh = LlamaForCausalLM(config)
+        fresh.load_state_dict(sd, strict=True)
+        with tempfile.TemporaryDirectory() as tmp:
+            fresh.save_pretrained(tmp)
+            with safe_open(f"{tmp}/model.safetensors", "pt") as f:
+                saved = set(f.keys())
+            reloaded = LlamaForCausalLM.from_pretrained(tmp)
+        # NOTE: the tied LM head is written once and tied again on load
+        assert saved < set(sd) and len(saved) == len(sd) - 1, sorted(set(sd) ^ saved)
+        assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+        got = reloaded.state_dict()
+        assert list(got) == list(sd), sorted(set(got) ^ set(sd))
+        for key, t in got.items():
+            torch.testing.assert_close(t, sd[key], rtol=0, atol=0, msg=lambda m, k=key: f"{k}: {m}")
+        _same_weights(sd, ref.state_dict())
+        with torch.no_grad():
+            back = reloaded(input_ids=batches[steps][0], labels=batches[steps][1], use_cache=False)
+            ref_loss, ref_logits = ref(*batches[steps])
+        for a, b in ((back.loss, loss), (back.logits, logits), (ref_loss, loss), (ref_logits, logits)):
+            torch.testing.assert_close(a, b, rtol=RTOL, atol=1e-5)
+        untrained = _hf_llama(config).state_dict()
+        out["moved"] = max(float((sd[k] - untrained[k]).abs().max()) for k in sd)
+        out["worst"] = float((back.logits - logits).abs().max())
+    dist.barrier()
+    return out
+
+
+class _LossOnly(torch.nn.Module):
+    """Calls a ``(loss, logits)`` model and returns the loss, for ``_steps``."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, *batch: Any) -> torch.Tensor:
+        loss: torch.Tensor = self.model(*batch)[0]
+        return loss

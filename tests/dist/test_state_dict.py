@@ -3,6 +3,8 @@ and gives it the trained weights (non-persistent buffers and tied weights includ
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tests.dist.conftest import RankPools
@@ -36,3 +38,32 @@ def test_dcp_checkpoints_cross_between_single_device_and_compiled(rank_pools: Ra
     assert len(results) == 4
     for r in results:
         assert max(r.values()) <= 5e-5
+
+
+@pytest.mark.parametrize(
+    ("shape", "names", "plan", "batch"), [((4,), ("tp",), "tp", 2), ((4,), ("dp",), "ddp", 4)], ids=["tp", "ddp"]
+)
+def test_dcp_checkpoint_of_fsdp_tp_resumes_on_another_mesh(
+    rank_pools: RankPools, tmp_path: Path, shape: tuple[int, ...], names: tuple[str, ...], plan: str, batch: int
+) -> None:
+    results = rank_pools.get(4).run(
+        "tests.dist.cases_state:dcp_across_meshes",
+        where=str(tmp_path / "ckpt"),
+        shape=shape,
+        names=names,
+        plan=plan,
+        batch=batch,
+    )
+    assert all(r["losses"] == results[0]["losses"] for r in results)
+    assert any(f"{names[0]}: S(" in lay for lay in results[0]["layouts"]), results[0]["layouts"]
+
+
+@pytest.mark.hf
+def test_hf_save_pretrained_round_trip(rank_pools: RankPools) -> None:
+    pytest.importorskip("transformers")
+    results = rank_pools.get(4).run(
+        "tests.dist.cases_state:hf_save_pretrained", shape=(2, 2), names=("dp", "tp"), plan="fsdp+tp", steps=2
+    )
+    assert results[1:] == [{}, {}, {}]
+    assert results[0]["moved"] > 1e-4  # NOTE: training changed the weights, so loading them is observable
+    assert results[0]["worst"] <= 1e-5

@@ -2,6 +2,7 @@
 
 Every file in ``tests/ir_corpus/`` starts with ``// ERROR: <fragment>``; the fragment must appear in
 the error from ``ir.parse`` (+ ``ir.verify`` when it parses) and in pass-debug's single stderr line.
+Both name the text line: ``line L, column C: `` for the parser, ``line L: <op or input>`` for the verifier.
 Cases too large for a file (10,000 nested brackets) are generated here.
 """
 
@@ -65,7 +66,10 @@ def test_corpus_file_gets_its_error(path: Path, capsys: pytest.CaptureFixture[st
         assert re.match(r"line \d+, column \d+: ", message), message
         assert re.match(r"line \d+, column \d+: ", needle), f"{path.name}: the fragment must name the line"
     else:
-        assert re.search(r"aten\.\w+ at .*%\w+", needle), f"{path.name}: the fragment must name the op and value"
+        assert re.match(r"line \d+: ", message), message
+        assert re.match(r"line \d+: (aten\.\w+ at |input ).*%\w+", needle), (
+            f"{path.name}: the fragment must name the line, the op or input, and the value"
+        )
     err = _pass_debug_error(path, stage, capsys)
     assert needle in err
     if stage == "parse":
