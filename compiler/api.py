@@ -5,8 +5,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import sympy
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -113,24 +115,39 @@ def _compile(
     # NOTE: the program's random ops draw from their own generator, seeded from rank 0's default
     # generator as it is now, so every rank draws alike whatever its own seed (backends/random.py)
     rng = torch.Generator()
-    compiled, rng_state = _compile_once(model, example_inputs, options, first=True)
+    compiled, rng_state, _ = _compile_once(model, example_inputs, options, first=True)
     rng.set_state(rng_state)
     first = _program(compiled, mesh, options, Signature.of(example_inputs, model.training, grad=True), rng)
-    shapes = _skeleton(model)
+    compiler = _Recompiler(_skeleton(model), mesh, options, rng)
+    return ParallelModule(model, mesh, first, compiler, cache_size, shapes=compiler.shapes, rng=rng)
 
-    def recompile(inputs: Sequence[Any], sig: Signature) -> Program:
+
+@dataclass
+class _Recompiler:
+    """New programs for a module: compiled on rank 0 from a copy of the model without weights,
+    lowered on every rank with the module's generator."""
+
+    shapes: nn.Module
+    mesh: DeviceMesh
+    options: CompileOptions
+    rng: torch.Generator
+
+    def compile(
+        self, inputs: Sequence[Any], sig: Signature, dynamic: tuple[tuple[int, int], ...]
+    ) -> tuple[ir.Graph, tuple[sympy.Basic, ...]]:
         # NOTE: a preset lays parameters out alike for every call; ``auto`` solves again, and a program
         # whose solve moved a parameter is refused (``Programs``), as the module holds one layout each
-        opts = dataclasses.replace(options, grad=sig.grad, verify=False)
-        was = shapes.training
-        shapes.train(sig.training)
+        opts = dataclasses.replace(self.options, grad=sig.grad, verify=False, dynamic=dynamic)
+        was = self.shapes.training
+        self.shapes.train(sig.training)
         try:
-            graph, _ = _compile_once(shapes, inputs, opts, first=False)
+            graph, _, guards = _compile_once(self.shapes, inputs, opts, first=False)
         finally:
-            shapes.train(was)
-        return _program(graph, mesh, opts, sig, rng)
+            self.shapes.train(was)
+        return graph, guards
 
-    return ParallelModule(model, mesh, first, recompile, cache_size, shapes=shapes, rng=rng)
+    def lower(self, graph: ir.Graph, sig: Signature) -> Program:
+        return _program(graph, self.mesh, dataclasses.replace(self.options, verify=False), sig, self.rng)
 
 
 def _program(
@@ -169,8 +186,9 @@ def _skeleton(model: nn.Module) -> nn.Module:
 
 def _compile_once(
     model: nn.Module, example_inputs: Sequence[Any], options: CompileOptions, *, first: bool
-) -> tuple[ir.Graph, torch.Tensor]:
-    """Compile on rank 0 only; every rank gets the graph as IR text, and rank 0's generator state.
+) -> tuple[ir.Graph, torch.Tensor, tuple[sympy.Basic, ...]]:
+    """Compile on rank 0 only; every rank gets the graph as IR text, rank 0's generator state and
+    the guards of the graph's symbolic sizes.
 
     NOTE: one plan for all ranks by construction (the sharding solve may stop at a time limit,
     where results depend on machine speed), and the other ranks do not repeat the work. A failure
@@ -179,19 +197,19 @@ def _compile_once(
     if dist.get_rank() == 0:
         try:
             rng_state = torch.get_rng_state()
-            compiled = compile_model(model, example_inputs, options).graph
-            payload[0] = ("ok", str(compiled), rng_state)
+            result = compile_model(model, example_inputs, options)
+            payload[0] = ("ok", str(result.graph), rng_state, result.guards)
         except Exception as e:
-            payload[0] = ("error", f"{type(e).__name__}: {e}", None)
+            payload[0] = ("error", f"{type(e).__name__}: {e}", None, ())
             dist.broadcast_object_list(payload, src=0)
             if first:
                 raise
             raise PassError(f"{type(e).__name__}: {e}") from e
     dist.broadcast_object_list(payload, src=0)
-    kind, text, rng_state = payload[0]
+    kind, text, rng_state, guards = payload[0]
     if kind != "ok":
         raise PassError(text if not first else f"compilation failed on rank 0: {text}")
-    return ir.parse(text), rng_state
+    return ir.parse(text), rng_state, tuple(guards)
 
 
 M = TypeVar("M", bound=nn.Module)

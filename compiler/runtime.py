@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_unflatten
 from meshfold import ir
 from meshfold.backends.eager import Lowered
 from meshfold.moe_lists import as_unstacked, stack_tensors
-from meshfold.programs import DEFAULT_CACHE, Compile, Program, Programs
+from meshfold.programs import DEFAULT_CACHE, Compiler, Program, Programs
 from meshfold.signature import Signature, agree, arg_names
 from meshfold.tracer import output_structure
 from meshfold.verify import Verifier
@@ -111,7 +111,7 @@ class ParallelModule(nn.Module):
         model: nn.Module,
         mesh: DeviceMesh,
         first: Program,
-        compile: Compile,
+        compiler: Compiler,
         cache_size: int = DEFAULT_CACHE,
         *,
         shapes: nn.Module | None = None,
@@ -119,7 +119,7 @@ class ParallelModule(nn.Module):
     ) -> None:
         super().__init__()
         graph = first.graph
-        self._mf_programs = Programs(first, compile, cache_size, arg_names(model))
+        self._mf_programs = Programs(first, compiler, cache_size, arg_names(model))
         self.train(model.training)
         self._mf_verifier: Verifier | None = None
         self._mf_mesh = mesh

@@ -20,9 +20,12 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
+import sympy
+import torch
 from torch import nn
 
 from meshfold import ir
+from meshfold.ir.symbolic import size_hints
 from meshfold.passes import JOINT, PassContext, PassError, PassPipeline, PassTiming, parse_size
 from meshfold.passes.cost.hardware import Cluster, parse_cluster
 from meshfold.passes.moe.spec import MoeSpec, check_spec
@@ -55,6 +58,9 @@ class CompileOptions:
     pipeline: str = DEFAULT_PIPELINE
     verify: bool = False
     backend: Backend = "eager"
+    dynamic: tuple[tuple[int, int], ...] = ()
+    """``(input index, dim)`` pairs captured as symbolic sizes: one graph for every value of them
+    (``CompileResult.guards`` says for which), priced at the example inputs' sizes."""
     grad: bool = True
     """False: a forward-only program (no tangents, no gradients, no backward collectives), for calls
     under ``torch.no_grad()`` / ``inference_mode()``."""
@@ -143,6 +149,8 @@ class CompileResult:
     timings: tuple[PassTiming, ...]
     diagnostics: tuple[str, ...]
     stats: Mapping[str, object] = field(default_factory=dict)
+    guards: tuple[sympy.Basic, ...] = ()
+    """With ``dynamic``: the conditions on the symbolic sizes under which the graph is the model's."""
 
 
 def compile_model(
@@ -165,6 +173,8 @@ def compile_model(
     """
     opts = options if isinstance(options, CompileOptions) else CompileOptions.of(pipeline=options)
     passes = opts.check(assume)
+    guards: list[sympy.Basic] = []
+    hints: dict[str, int] = {}
     ctx = opts.context(status if status is not None else progress())
     if isinstance(source, ir.Graph):
         if opts.mesh is not None and source.mesh is not None and opts.mesh != source.mesh:
@@ -176,13 +186,31 @@ def compile_model(
         if example_inputs is None:
             raise PassError("compiling a model needs its example inputs")
         with ctx.status(f"capturing {type(source).__name__}"):
-            captured = capture(source, tuple(example_inputs))  # NOTE: moe-fold applies the mapping
+            # NOTE: moe-fold applies the expert mapping
+            captured = capture(source, tuple(example_inputs), dynamic=opts.dynamic, guards=guards)
+        hints = _hints(captured, example_inputs, opts.dynamic)
     if not opts.grad:
         captured = forward_only(captured)
     if before is not None:
         before(captured)
-    graph, timings = passes.run(ctx, captured, callback, initial=assume | {JOINT})
-    return CompileResult(captured, graph, passes, opts, tuple(timings), tuple(ctx.diagnostics), dict(ctx.stats))
+    with size_hints(hints):
+        graph, timings = passes.run(ctx, captured, callback, initial=assume | {JOINT})
+    return CompileResult(
+        captured, graph, passes, opts, tuple(timings), tuple(ctx.diagnostics), dict(ctx.stats), tuple(guards)
+    )
+
+
+def _hints(graph: ir.Graph, inputs: Sequence[Any], dynamic: Sequence[tuple[int, int]]) -> dict[str, int]:
+    """Each symbolic size's value in the example inputs: what the passes price it at."""
+    user = [i.value.type for i in graph.inputs if i.kind == "input"]
+    hints: dict[str, int] = {}
+    for k, d in dynamic:
+        x = inputs[k]
+        # NOTE: graph inputs are the tensor arguments, in order
+        t = user[sum(isinstance(y, torch.Tensor) for y in inputs[:k])] if isinstance(x, torch.Tensor) else None
+        if isinstance(t, ir.TensorType) and d < t.rank and isinstance(t.shape[d], sympy.Symbol):
+            hints[str(t.shape[d])] = int(x.shape[d])
+    return hints
 
 
 def forward_only(graph: ir.Graph) -> ir.Graph:

@@ -15,16 +15,15 @@ import inspect
 import operator
 import re
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
+import sympy
 import torch
 import torch.fx as fx
 from torch import nn
 from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from meshfold import ir
 from meshfold.capture_errors import (
@@ -35,6 +34,7 @@ from meshfold.capture_errors import (
     retried_without_grad,
     source_line,
 )
+from meshfold.fakes import fake_copies, guards_of
 from meshfold.ir import GraphBuilder, Provenance, Value, tensor_type
 from meshfold.ir.types import type_of
 from meshfold.moe import MoeSpec, experts_as_ops, op_options
@@ -68,6 +68,8 @@ def capture(
     name: str | None = None,
     decompose: bool = True,
     moe: MoeSpec | None = None,
+    dynamic: Sequence[tuple[int, int]] = (),
+    guards: list[sympy.Basic] | None = None,
 ) -> ir.Graph:
     """Capture ``model(*example_inputs)`` and its backward as one joint ``ir.Graph``.
 
@@ -79,9 +81,13 @@ def capture(
     Recognized MoE experts become ``meshfold.moe_experts`` ops, with ``moe``'s capacity and
     dispatcher when given (``meshfold.moe``); experts in an ``nn.ModuleList`` become one such op on
     stacked parameters, listed in the graph's ``stacks`` (``meshfold.moe_lists``).
+
+    ``dynamic``: ``(input index, dim)`` pairs captured as symbolic sizes (a sequence length): shapes
+    and shape arguments then hold sympy expressions of them, and ``guards`` (when given) receives
+    the conditions on their values under which the graph is the model's (ranges, equalities).
     """
     graph_name = name or _snake(type(model).__name__)
-    with _fake_copies(model, example_inputs) as (fake_mode, fake_inputs), experts_as_ops(model, moe):
+    with fake_copies(model, example_inputs, dynamic) as (fake_mode, fake_inputs), experts_as_ops(model, moe):
         gm = _dynamo_capture(model, fake_inputs)
         stacked, stacks = fold_expert_lists(gm, model, fake_mode, op_options(moe))
         fqns = _flat_name_to_fqn(gm, model) | stacked
@@ -94,6 +100,8 @@ def capture(
                     raise capture_error(e, "tracing the backward") from e
             arg_names = _forward_arg_names(model, len(fake_inputs))
             graph = _Lifter(graph_name, fqns, arg_names).lift(joint.graph_module.graph)
+        if guards is not None and dynamic:
+            guards.extend(guards_of(fake_mode))
     return _in_model_order(dataclasses.replace(graph, stacks=stacks), model)
 
 
@@ -106,7 +114,7 @@ def output_structure(model: nn.Module, inputs: Sequence[Any]) -> tuple[Any, list
     """
     with (
         warnings.catch_warnings(),
-        _fake_copies(model, inputs) as (fake_mode, fake_inputs),
+        fake_copies(model, inputs) as (fake_mode, fake_inputs),
         experts_as_ops(model),
         fake_mode,
         torch.no_grad(),
@@ -138,57 +146,6 @@ def _flat_name_to_fqn(gm: fx.GraphModule, model: nn.Module) -> dict[str, str]:
         if id(t) in by_id:
             fqns[flat] = by_id[id(t)]
     return fqns
-
-
-@contextlib.contextmanager
-def _fake_copies(model: nn.Module, inputs: Sequence[Any]) -> Iterator[tuple[FakeTensorMode, list[Any]]]:
-    """Fake versions of ``inputs`` in the fake mode the model's tensors already live in (or a new one).
-
-    NOTE: real and meta parameters are swapped for fake ones for the duration of the capture and
-    restored afterwards, so a model with 70B parameters on ``meta`` is never materialized.
-    """
-    mode = _existing_fake_mode(model, inputs) or FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
-    # NOTE: meta tensors become fake tensors on the inputs' device, so a model built on ``meta``
-    # runs beside real inputs; nothing is allocated either way.
-    device = next((x.device for x in inputs if isinstance(x, torch.Tensor) and not x.is_meta), torch.device("cpu"))
-    swapped: list[tuple[nn.Module, str, bool, torch.Tensor]] = []
-    # NOTE: one fake per real tensor, so tied weights (GPT-2's lm_head/wte) stay one parameter.
-    fakes: dict[int, torch.Tensor] = {}
-    try:
-        for mod in model.modules(remove_duplicate=False):
-            for store, is_param in ((mod._parameters, True), (mod._buffers, False)):
-                for key, t in list(store.items()):
-                    if t is None or isinstance(t, FakeTensor):
-                        continue
-                    if id(t) not in fakes:
-                        fake = _fake_of(mode, t, device)
-                        fakes[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if is_param else fake
-                    store[key] = fakes[id(t)]
-                    swapped.append((mod, key, is_param, t))
-        fake_inputs = [
-            x
-            if isinstance(x, FakeTensor) or not isinstance(x, torch.Tensor)
-            else mode.from_tensor(x, static_shapes=True)
-            for x in inputs
-        ]
-        yield mode, fake_inputs
-    finally:
-        for mod, key, is_param, t in reversed(swapped):
-            (mod._parameters if is_param else mod._buffers)[key] = t  # type: ignore[assignment]
-
-
-def _fake_of(mode: FakeTensorMode, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if t.is_meta:
-        with mode:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
-    return mode.from_tensor(t, static_shapes=True)
-
-
-def _existing_fake_mode(model: nn.Module, inputs: Sequence[Any]) -> FakeTensorMode | None:
-    for t in [*model.parameters(), *model.buffers(), *inputs]:
-        if isinstance(t, FakeTensor):
-            return t.fake_mode
-    return None
 
 
 def _dynamo_capture(model: nn.Module, inputs: Sequence[Any]) -> fx.GraphModule:
@@ -237,6 +194,7 @@ class _Lifter:
         self.fqns = fqns
         self.arg_names = arg_names
         self.env: dict[fx.Node, Value | tuple[Value, ...]] = {}
+        self.sizes: dict[fx.Node, Any] = {}
         self.backward: set[fx.Node] = set()
 
     def lift(self, graph: fx.Graph) -> ir.Graph:
@@ -281,6 +239,13 @@ class _Lifter:
         self.env[node] = v
 
     def _call(self, node: fx.Node) -> None:
+        val = node.meta.get("val")
+        if isinstance(val, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+            # NOTE: size arithmetic (``sym_size``, ``operator.mul`` of sizes) is no op of its own: its
+            # value is a sympy expression of the inputs' symbolic sizes, used as the arguments it feeds
+            expr = val.node.expr
+            self.sizes[node] = int(expr) if expr.is_Integer else expr
+            return
         if node.target is operator.getitem:
             src, idx = node.args
             if src in self.backward:
@@ -305,6 +270,8 @@ class _Lifter:
         self.env[node] = vals if is_multi else vals[0]
 
     def _arg(self, a: Any) -> Any:
+        if isinstance(a, fx.Node) and a in self.sizes:
+            return self.sizes[a]
         if isinstance(a, fx.Node):
             v = self.env[a]
             if isinstance(v, tuple):

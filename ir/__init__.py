@@ -34,10 +34,12 @@ from meshfold.ir.parser import ParseError, parse
 from meshfold.ir.placement import Layout, Partial, Placement, R, Replicate, Shard, parse_placement
 from meshfold.ir.printer import print_graph
 from meshfold.ir.rewrite import PatternTable, Rewriter, apply_patterns
+from meshfold.ir.specialize import specialize
 from meshfold.ir.types import ScalarType, TensorType, Type, dtype_name, tensor_type, type_of
 from meshfold.ir.verifier import VerifyError, verify
 
 __all__ = [
+    "specialize",
     "moe",
     "Arg",
     "Graph",

@@ -18,6 +18,7 @@ from torch._ops import OpOverload
 
 from meshfold.ir.mesh import Mesh
 from meshfold.ir.placement import Layout, Partial, Placement, ReduceOp, Replicate, Shard
+from meshfold.ir.symbolic import size_hint
 from meshfold.ir.types import TensorType
 
 Attrs = Mapping[str, object]
@@ -83,7 +84,7 @@ class OpDef:
         (the collective's axis is ``attrs["axis"]``; the split must be even, see ``Layout.local_shape``)."""
         if self.volume is None:
             return 0.0
-        local = math.prod(layout.local_shape(global_type.shape, mesh)) * global_type.dtype.itemsize
+        local = size_hint(math.prod(layout.local_shape(global_type.shape, mesh))) * global_type.dtype.itemsize
         return self.wire_bytes(float(local), mesh.size(str(attrs["axis"])))
 
     def __str__(self) -> str:

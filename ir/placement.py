@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from meshfold.ir.mesh import Mesh
-from meshfold.ir.symbolic import Dim
+from meshfold.ir.symbolic import Dim, divides
 
 ReduceOp = Literal["sum", "max", "avg"]
 REDUCE_OPS: tuple[ReduceOp, ...] = ("sum", "max", "avg")
@@ -100,7 +100,7 @@ class Layout:
 
     def shard_bounds(
         self, global_shape: Sequence[Dim], mesh: Mesh, coord: Sequence[int] | None = None
-    ) -> tuple[tuple[int, int], ...]:
+    ) -> tuple[tuple[Any, Any], ...]:
         """``(offset, size)`` on every dim of the shard that the rank at mesh coordinate ``coord``
         (one index per mesh axis, in mesh order; None: the first rank) holds of a value of
         ``global_shape`` in this layout.
@@ -110,17 +110,17 @@ class Layout:
         before it left into equal contiguous chunks and the rank keeps chunk ``coord[axis]`` (so
         ``torch.chunk`` applied per axis in mesh order gives the same piece). Raises ``ValueError``
         when a split is uneven (the sharding passes only choose dividing shards; JAX's
-        ``shard_shape`` refuses them too) and ``TypeError`` for a symbolic size.
+        ``shard_shape`` refuses them too); symbolic sizes give symbolic bounds.
         """
-        # NOTE: sizes must be concrete: int() of a sympy expression with free symbols raises TypeError.
-        bounds = [[0, int(d)] for d in global_shape]
+        # NOTE: a symbolic size stays symbolic; it splits only where every value of it divides (``divides``).
+        bounds: list[list[Any]] = [[0, d] for d in global_shape]
         at = tuple(0 for _ in mesh.names) if coord is None else tuple(coord)
         for axis, p in zip(self.axes, self.placements, strict=True):
             if not isinstance(p, Shard):
                 continue
             n = mesh.size(axis)
             size = bounds[p.dim][1]
-            if size % n:
+            if not divides(size, n) and size != 0:
                 raise ValueError(
                     f"dim {p.dim} (size {size}) of shape {tuple(global_shape)} does not divide over mesh axis "
                     f"{axis!r} ({n} ranks) in layout {self}"
@@ -131,7 +131,7 @@ class Layout:
 
     def local_shape(
         self, global_shape: Sequence[Dim], mesh: Mesh, coord: Sequence[int] | None = None
-    ) -> tuple[int, ...]:
+    ) -> tuple[Any, ...]:
         """The shape one rank holds of a value of ``global_shape`` in this layout: the sizes of
         :meth:`shard_bounds` (even splits, so every coordinate gets the same shape)."""
         return tuple(size for _, size in self.shard_bounds(global_shape, mesh, coord))

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
+from collections.abc import Iterator, Mapping
+from contextvars import ContextVar
 from typing import TypeAlias
 
 import sympy
@@ -18,6 +21,42 @@ _TOKEN = re.compile(r"\s*(?:(\d+)|([A-Za-z_][A-Za-z0-9_]*)|(\*\*|//|[-+*%(),]))"
 MAX_INT = 2**63
 MAX_EXPONENT = 64
 MAX_DEPTH = 64
+
+
+DEFAULT_HINT = 512
+"""The size a symbol is priced at when nothing says otherwise (``size_hint``)."""
+
+_HINTS: ContextVar[Mapping[str, int] | None] = ContextVar("meshfold_size_hints", default=None)
+
+
+@contextlib.contextmanager
+def size_hints(hints: Mapping[str, int]) -> Iterator[None]:
+    """Price symbol ``name`` at ``hints[name]`` inside the block (the size it had when captured)."""
+    token = _HINTS.set(dict(hints))
+    try:
+        yield
+    finally:
+        _HINTS.reset(token)
+
+
+def size_hint(d: Dim) -> int:
+    """``d`` as a number: itself when static, else evaluated at its symbols' hints. Passes price
+    symbolic sizes (bytes, FLOPs) with it; nothing is ever allocated for a hinted size."""
+    if isinstance(d, int):
+        return d
+    if d.is_Integer:
+        return int(d)
+    hints = _HINTS.get() or {}
+    return int(d.subs({s: hints.get(str(s), DEFAULT_HINT) for s in d.free_symbols}))
+
+
+def divides(size: Dim, ways: int) -> bool:
+    """Whether ``ways`` ranks split ``size`` evenly, for every value of its symbols (``2*s0 - 2``
+    over 2: yes; ``s0`` over 2: not provably, so no). A static size must also give every rank at
+    least one row."""
+    if isinstance(size, int):
+        return size % ways == 0 and size >= ways
+    return bool(sympy.Mod(size, ways) == 0)
 
 
 def dim_str(d: Dim) -> str:

@@ -6,6 +6,7 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
+import sympy
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -127,6 +128,8 @@ class _FakeRunner:
         _check_dtypes(op)
         if any(not isinstance(v.type, TensorType) or not v.type.is_static() for v in op.operands):
             return
+        if _symbolic(op.args) or _symbolic(tuple(v for _, v in op.kwargs)):
+            return  # NOTE: a symbolic size argument: checked where the call's sizes are substituted
         with self.mode, _no_dispatch_warnings():
             args = _materialize(op.args)
             kwargs = {k: _materialize(v) for k, v in op.kwargs}
@@ -162,6 +165,12 @@ def _check_dtypes(op: Op) -> None:
                 f"(the dtype of %{first.name}; {op.name} does not promote, operands {listing})",
                 op,
             )
+
+
+def _symbolic(a: Arg) -> bool:
+    if isinstance(a, tuple):
+        return any(_symbolic(x) for x in a)
+    return isinstance(a, sympy.Expr) and not a.is_Integer
 
 
 def _materialize(a: Arg) -> object:

@@ -33,6 +33,7 @@ from meshfold.ir.ops import (
     REDUCE_SCATTER,
     REDUCE_SCATTER_BUCKET,
 )
+from meshfold.ir.symbolic import size_hint
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,15 +60,12 @@ class MemoryEstimate:
 
 
 def local_nbytes(v: Value, mesh: Mesh) -> int:
-    """Bytes of ``v``'s shard on one rank (``Layout.local_shape``: even splits only)."""
+    """Bytes of ``v``'s shard on one rank (``Layout.local_shape``: even splits only; a symbolic size
+    at its hint, ``size_hint``)."""
     t = v.type
     if not isinstance(t, TensorType):
         return 0
-    try:
-        shape = v.layout.local_shape(t.shape, mesh)
-    except TypeError as e:
-        raise ValueError(f"%{v.name} has a symbolic shape {t}; memory liveness needs concrete sizes") from e
-    return math.prod(shape) * t.dtype.itemsize
+    return size_hint(math.prod(v.layout.local_shape(t.shape, mesh))) * t.dtype.itemsize
 
 
 def rank_memory(graph: Graph, optimizer_states: int = 2) -> MemoryEstimate:

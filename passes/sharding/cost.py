@@ -8,11 +8,12 @@ collectives are the ``comm.*`` op definitions' (``ir.ops``).
 from __future__ import annotations
 
 from meshfold.ir import TensorType
+from meshfold.ir.symbolic import size_hint
 
 
 def nbytes(t: TensorType) -> float:
     """Bytes of a tensor of type ``t`` (its global shape)."""
     n = 1
     for d in t.shape:
-        n *= int(d)
+        n *= size_hint(d)
     return float(n * t.dtype.itemsize)

@@ -12,12 +12,13 @@ from torch.utils.flop_counter import flop_registry
 
 from meshfold.ir import Op, TensorType, Value
 from meshfold.ir.graph import Arg
+from meshfold.ir.symbolic import size_hint
 
 
 def _numel(t: TensorType) -> int:
     n = 1
     for d in t.shape:
-        n *= int(d)
+        n *= size_hint(d)
     return n
 
 
@@ -32,7 +33,7 @@ def op_bytes(op: Op) -> float:
 
 def _shaped(a: Arg) -> Any:
     if isinstance(a, Value):
-        return tuple(int(d) for d in a.type.shape) if isinstance(a.type, TensorType) else None
+        return tuple(size_hint(d) for d in a.type.shape) if isinstance(a.type, TensorType) else None
     if isinstance(a, tuple):
         return [_shaped(x) for x in a]
     return a
@@ -56,8 +57,9 @@ def op_flops(op: Op) -> float:
     if "attention" in name:
         q, k = (v.type for v in op.operands[:2])
         assert isinstance(q, TensorType) and isinstance(k, TensorType)
-        b, h, s, d = (int(x) for x in q.shape[-4:]) if q.rank >= 4 else (1, 1, int(q.shape[-2]), int(q.shape[-1]))
-        fwd = 4.0 * b * h * s * int(k.shape[-2]) * d
+        dims = [size_hint(x) for x in q.shape]
+        b, h, s, d = dims[-4:] if q.rank >= 4 else (1, 1, dims[-2], dims[-1])
+        fwd = 4.0 * b * h * s * size_hint(k.shape[-2]) * d
         return fwd * 2.5 if "backward" in name else fwd
     return 0.0
 

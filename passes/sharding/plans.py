@@ -213,7 +213,7 @@ def _ways(store: dict[str, Placement], mesh: Mesh, dim: int) -> int:
 
 
 def _divides(size: object, n: int) -> bool:
-    return isinstance(size, int) and size % n == 0 and size >= n
+    return isinstance(size, int) and size % n == 0 and size >= n  # NOTE: parameters have static sizes
 
 
 def _apply_overrides(plan: Plan, graph: Graph, mesh: Mesh, seeds: Seeds) -> None:

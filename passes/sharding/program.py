@@ -19,6 +19,7 @@ from scipy.sparse import coo_array
 
 from meshfold.ir import Layout, Mesh, Op, Placement, Replicate, Shard, TensorType, Value
 from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
+from meshfold.ir.symbolic import divides
 from meshfold.passes.base import PassError
 from meshfold.passes.blocks import mirrored_blocks, mirrored_inputs, mirrored_ops
 from meshfold.passes.sharding.batch import batch_values
@@ -361,7 +362,7 @@ def _input_options(v: Value, n: int, earlier: list[Placement], mesh: Mesh) -> li
         return out
     for d, size in enumerate(t.shape):
         ways = n * math.prod(mesh.sizes[a] for a, p in enumerate(earlier) if isinstance(p, Shard) and p.dim == d)
-        if isinstance(size, int) and size % ways == 0 and size >= ways:
+        if divides(size, ways):
             out.append(Shard(d))
     return out
 

@@ -32,6 +32,7 @@ from meshfold.ir import (
 )
 from meshfold.ir.graph import Arg
 from meshfold.ir.ops import REDISTRIBUTE
+from meshfold.ir.symbolic import divides
 from meshfold.passes.base import JOINT, Pass, PassContext, PassError
 from meshfold.passes.cost.axis import AxisModel, axis_models
 from meshfold.passes.moe.spec import plan_with_experts
@@ -280,7 +281,7 @@ def _valid(s: Strategy, operands: list[Value], results: tuple[Value, ...], mesh:
                 if isinstance(q, Shard) and q.dim == p.dim:
                     ways *= mesh.sizes[a]
             size = t.shape[p.dim] if p.dim < t.rank else None
-            if not isinstance(size, int) or size % ways or size < ways:
+            if size is None or not divides(size, ways):
                 return False
         if isinstance(p, Partial) and not t.dtype.is_floating_point:
             return False

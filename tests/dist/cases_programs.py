@@ -65,6 +65,14 @@ def new_shapes() -> dict[str, Any]:
     _same_step(pm_llama, ref_llama, ids[:, :8], labels[:, :8])
     _same_step(pm_llama, ref_llama, ids, labels)
     said["llama programs"] = len(pm_llama.programs())
+    # NOTE: the second length compiled one symbolic program; the third was made from it
+    templates = pm_llama._mf_programs.templates
+    said["llama templates"] = [
+        (t.specialized, sorted({str(d) for i in t.graph.inputs if i.kind == "input" for d in i.value.type.shape}))
+        for t in templates
+    ]
+    said["mlp templates"] = len(pm._mf_programs.templates)
+    said["llama compiled"] = pm_llama._mf_programs.compiled
     return said
 
 

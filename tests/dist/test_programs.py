@@ -19,6 +19,11 @@ def test_new_shapes_compile_programs_of_their_own(rank_pools: RankPools) -> None
     assert [calls for _, calls in said["programs"]] == [1, -1, 1], said["programs"]
     assert said["programs"][0][0] == "(x: f32[8, 32], target: f32[8, 16]) in train mode"
     assert said["llama programs"] == 3
+    # NOTE: one symbolic program (sequence length s*) served both new lengths; the batch of mlp stays static
+    assert len(said["llama templates"]) == 1, (said["llama templates"], said["llama compiled"])
+    ((specialized, dims),) = said["llama templates"]
+    assert specialized == 2 and dims[0] == "2" and dims[1].startswith("s"), said["llama templates"]
+    assert said["llama compiled"] == 2 and said["mlp templates"] == 0
 
 
 def test_modes_no_grad_and_per_rank_seeds(rank_pools: RankPools) -> None:

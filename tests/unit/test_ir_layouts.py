@@ -83,9 +83,14 @@ def test_uneven_split_is_refused_naming_dim_and_axis() -> None:
         Layout.on(mesh, a=Shard(0), b=Shard(0)).shard_bounds((12,), mesh, (0, 0))
 
 
-def test_symbolic_sizes_are_refused() -> None:
-    with pytest.raises(TypeError):
-        Layout.on(MESH, dp=Shard(0)).local_shape((sympy.Symbol("s"), 4), MESH)
+def test_symbolic_sizes_split_only_where_every_value_divides() -> None:
+    s = sympy.Symbol("s", integer=True, positive=True)
+    layout = Layout.on(MESH, dp=Shard(0))
+    assert layout.local_shape((2 * s - 2, 4), MESH) == (s - 1, 4)
+    assert layout.shard_bounds((2 * s, 4), MESH, (1, 0)) == ((s, s), (0, 4))
+    assert Layout.on(MESH, dp=Shard(1)).local_shape((s, 4), MESH) == (s, 2)
+    with pytest.raises(ValueError, match="does not divide"):
+        layout.local_shape((s, 4), MESH)
 
 
 # NOTE: (op, attrs, operand index, operand placement on tp, result placement on tp)

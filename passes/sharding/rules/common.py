@@ -5,6 +5,7 @@ from __future__ import annotations
 import string
 from collections.abc import Sequence
 
+import sympy
 from torch._ops import OpOverload
 
 from meshfold.ir import Arg, Op, Partial, R, TensorType, Value
@@ -187,7 +188,7 @@ def view_dim_map(src: Sequence[Dim], dst: Sequence[Dim]) -> dict[int, int]:
     [2, 3, 4]`` gives groups ``{0} -> {0, 1}`` and ``{1} -> {2}``). A shard of the outermost dim of a
     group is a contiguous block of the flattened group, and so is a shard of the outermost dim of the
     matching output group: that pair is the mapping. Inner dims of a group map nowhere. Symbolic
-    sizes are matched only when equal.
+    products are matched by whole-number ratios.
     """
     if any(s == 0 for s in (*src, *dst)):
         return {}
@@ -201,6 +202,17 @@ def view_dim_map(src: Sequence[Dim], dst: Sequence[Dim]) -> dict[int, int]:
         i, j = i + 1, j + 1
         while ps != pd:
             if not (isinstance(ps, int) and isinstance(pd, int)):
+                # NOTE: symbolic products compare by their ratio (``2*s0`` over ``2`` is ``s0``, a whole number)
+                if sympy.simplify(pd / ps).is_integer:
+                    if i >= len(a):
+                        return out
+                    ps, i = ps * src[a[i]], i + 1
+                    continue
+                if sympy.simplify(ps / pd).is_integer:
+                    if j >= len(b):
+                        return out
+                    pd, j = pd * dst[b[j]], j + 1
+                    continue
                 return out
             if ps < pd:
                 if i >= len(a):
