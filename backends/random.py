@@ -144,6 +144,12 @@ def random_site(op: Op, generator: torch.Generator, mesh: Mesh, coord: Sequence[
     """The callable that computes ``op`` on the rank at ``coord``; raises ``ValueError`` naming the op
     for a random op meshfold cannot split (before anything runs)."""
     name = RANDOM.get(op.target)
+    if name is None and "dropout_p" in str(getattr(op.target, "_schema", "")):
+        raise ValueError(
+            f"{op.describe()}: {op.target} applies dropout inside a fused attention kernel, whose mask meshfold "
+            "cannot split like the single-device model's; set the model's attention dropout to 0 (for Hugging "
+            "Face models: attention_dropout / attn_pdrop in the config), or dropout the attention output instead"
+        )
     if name is None:
         raise ValueError(
             f"{op.describe()}: random op {op.target} has no split form in meshfold; its values would differ "
