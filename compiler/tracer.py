@@ -24,6 +24,7 @@ import torch.fx as fx
 from torch import nn
 from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from meshfold import ir
 from meshfold.capture_errors import (
@@ -36,6 +37,7 @@ from meshfold.capture_errors import (
 )
 from meshfold.fakes import fake_copies, guards_of
 from meshfold.ir import GraphBuilder, Provenance, Value, tensor_type
+from meshfold.ir.constant import CONSTANT, literal
 from meshfold.ir.types import type_of
 from meshfold.moe import MoeSpec, experts_as_ops, op_options
 from meshfold.moe_lists import fold_expert_lists
@@ -99,7 +101,7 @@ def capture(
                 except Exception as e:
                     raise capture_error(e, "tracing the backward") from e
             arg_names = _forward_arg_names(model, len(fake_inputs))
-            graph = _Lifter(graph_name, fqns, arg_names).lift(joint.graph_module.graph)
+            graph = _Lifter(graph_name, fqns, arg_names).lift(joint.graph_module)
         if guards is not None and dynamic:
             guards.extend(guards_of(fake_mode))
     return _in_model_order(dataclasses.replace(graph, stacks=stacks), model)
@@ -197,10 +199,12 @@ class _Lifter:
         self.sizes: dict[fx.Node, Any] = {}
         self.backward: set[fx.Node] = set()
 
-    def lift(self, graph: fx.Graph) -> ir.Graph:
-        for node in graph.nodes:
+    def lift(self, gm: fx.GraphModule) -> ir.Graph:
+        for node in gm.graph.nodes:
             if node.op == "placeholder":
                 self._placeholder(node)
+            elif node.op == "get_attr":
+                self._constant(node, getattr(gm, str(node.target)))
             elif node.op == "call_function":
                 self._call(node)
             elif node.op == "output":
@@ -236,6 +240,24 @@ class _Lifter:
             v = self.b.add_input("tangent", f"tangent.{out_idx}", tensor_type(val))
         else:
             raise CaptureError(f"unsupported graph input {node.name} described as {desc!r}")
+        self.env[node] = v
+
+    def _constant(self, node: fx.Node, value: object) -> None:
+        """A tensor the forward made at trace time (a Python list used as an index, a scalar assigned
+        into a slice): a ``meshfold.constant`` holding its values."""
+        user = next(iter(node.users), node)
+        if not isinstance(value, torch.Tensor):
+            raise CaptureError(f"graph attribute {node.target} at {self._prov(user).describe()} is not a tensor")
+        try:
+            with unset_fake_temporarily():  # NOTE: a real tensor; read its values outside the capture's fake mode
+                ints, floats, shape, dtype = literal(value)
+        except ValueError as e:
+            raise CaptureError(
+                f"the model's forward makes a tensor constant at {self._prov(user).describe()}: {e}; register "
+                "it as a buffer in the model's __init__ (self.register_buffer(name, tensor)) and use that"
+            ) from None
+        prov = dataclasses.replace(self._prov(user), phase="fwd")
+        (v,) = self.b.add_op(CONSTANT, (ints, floats, shape, dtype), (), [(str(node.target), tensor_type(value))], prov)
         self.env[node] = v
 
     def _call(self, node: fx.Node) -> None:

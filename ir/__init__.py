@@ -3,7 +3,10 @@
 ``ir`` imports nothing else of meshfold's.
 """
 
-from meshfold.ir import moe  # NOTE: registers the meshfold.moe_experts ops, so graphs with them parse
+from meshfold.ir import (
+    constant,  # NOTE: registers meshfold.constant, so graphs with it parse
+    moe,  # NOTE: registers the meshfold.moe_experts ops, so graphs with them parse
+)
 from meshfold.ir.graph import (
     Arg,
     Graph,
@@ -39,6 +42,7 @@ from meshfold.ir.types import ScalarType, TensorType, Type, dtype_name, tensor_t
 from meshfold.ir.verifier import VerifyError, verify
 
 __all__ = [
+    "constant",
     "specialize",
     "moe",
     "Arg",

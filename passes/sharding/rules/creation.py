@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from meshfold.ir import Partial, Placement, R, Shard
+from meshfold.ir.constant import CONSTANT
 from meshfold.ir.graph import Op
 from meshfold.passes.sharding.rules.common import einsum_of, letters, result_type, tensor_type_of
 from meshfold.passes.sharding.rules.registry import RuleSet
@@ -22,9 +23,9 @@ aten = torch.ops.aten
 RULES = RuleSet("creation")
 
 
-@RULES.rule(aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format)
+@RULES.rule(aten.full.default, aten.zeros.default, aten.ones.default, aten.empty.memory_format, CONSTANT)
 def sized_factory(op: Op) -> list[Strategy]:
-    """`` -> _ _``: a factory from a size; Replicate only."""
+    """`` -> _ _``: a factory from a size (or a literal, ``meshfold.constant``); Replicate only."""
     return [Strategy(tuple(R for _ in op.operands), tuple(R for _ in op.results))]
 
 
