@@ -11,7 +11,9 @@ def test_calls_no_program_can_run_are_refused_on_every_rank_alike(rank_pools: Ra
     said = results[0]
     assert said["batch 1"].startswith("input 'input_ids' has shape [1, 16]; the program was compiled for [2, 16]")
     assert "not divisible by the 2 data-parallel ranks" in said["batch 1"]
-    assert said["one rank"].startswith("the ranks called the module with different inputs (rank 0: (input_ids: i64[2, 16]")
+    assert said["one rank"].startswith(
+        "the ranks called the module with different inputs (rank 0: (input_ids: i64[2, 16]"
+    )
     assert "rank 3: (input_ids: i64[1, 16]" in said["one rank"]
     assert said["bf16"].startswith("input 'x' is bf16; the program was compiled for f32")
     assert "no program can be compiled for this call" in said["bf16"]

@@ -65,5 +65,7 @@ class Big(nn.Module):
 
 
 def test_a_large_constant_is_refused_naming_where_and_what_to_do() -> None:
-    with pytest.raises(CaptureError, match=r"makes a tensor constant at <root> \(fwd, test_constants\.py:\d+\).*buffer"):
+    with pytest.raises(
+        CaptureError, match=r"makes a tensor constant at <root> \(fwd, test_constants\.py:\d+\).*buffer"
+    ):
         capture(Big(), [torch.randn(2)])
