@@ -24,6 +24,7 @@ from meshfold.backends.interpret import runnable_target
 from meshfold.backends.local import LOCAL, LocalForms
 from meshfold.backends.moe import exchange_backward, exchange_forward
 from meshfold.backends.random import is_random, random_site
+from meshfold.backends.watch import Watch, watch_waits
 from meshfold.ir import Graph, Op, OpDef, Shard, TensorType, Value
 from meshfold.ir.graph import Arg
 from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
@@ -154,12 +155,34 @@ def _build(
     for k, v in enumerate(inputs):
         env[v] = g.placeholder(f"in{k}")
     for op in ops:
+        last = g._root.prev  # NOTE: the node before this op's; its collectives' waits are named after it
         outs = _emit(g, op, env, rank, LOCAL, rng)
+        if isinstance(op.target, OpDef) or op.target in _EXCHANGES:
+            _watched(g, last, op, rank)
         for r, node in zip(op.results, outs, strict=True):
             env[r] = node
     g.output(tuple(env[v] for v in outputs))
     g.lint()
     return fx.GraphModule(torch.nn.Module(), g)
+
+
+def _watched(g: fx.Graph, last: fx.Node, op: Op, rank: RankContext) -> None:
+    """Name ``op`` (and its mesh axes) in the error its collectives raise when a peer is stuck or gone."""
+    axes = [str(op.kwarg("axis"))] if isinstance(op.target, OpDef) else list(_exchange_over(op))
+    over = " and ".join(f"{a!r} ({rank.size(a)} ranks)" for a in axes if a in rank.mesh.names) or "(none)"
+    what = f"{op.describe()} over mesh axis {over}, waited on by rank {rank.coordinate} of {rank.mesh}"
+    watch_waits(g, last, what)
+    for node in _after(last):
+        if node.op == "call_function" and getattr(node.target, "__module__", "") == exchange_forward.__module__:
+            node.target = Watch(node.target, f"the token exchange of {what}")
+
+
+def _after(last: fx.Node) -> list[fx.Node]:
+    out, node = [], last.next
+    while node.op != "root":
+        out.append(node)
+        node = node.next
+    return out
 
 
 def _load(a: Arg, env: dict[Value, fx.Node]) -> Any:

@@ -16,8 +16,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from meshfold.api import parallelize
+    from meshfold.backends.watch import CollectiveError
     from meshfold.ir.moe import experts as moe_experts
     from meshfold.session import DEFAULT_PIPELINE, CompileOptions, CompileResult, compile_model
+    from meshfold.signature import CallMismatch
     from meshfold.tracer import CaptureError, capture
     from meshfold.verify import VerificationError
 
@@ -36,6 +38,8 @@ _HOME = {
     "CompileResult": ("meshfold.session", "CompileResult"),
     "compile_model": ("meshfold.session", "compile_model"),
     "VerificationError": ("meshfold.verify", "VerificationError"),
+    "CallMismatch": ("meshfold.signature", "CallMismatch"),
+    "CollectiveError": ("meshfold.backends.watch", "CollectiveError"),
 }
 
 
@@ -48,7 +52,9 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DEFAULT_PIPELINE",
+    "CallMismatch",
     "CaptureError",
+    "CollectiveError",
     "CompileOptions",
     "CompileResult",
     "VerificationError",

@@ -6,6 +6,7 @@ import copy
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any, TypeVar
 
 import sympy
@@ -15,7 +16,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshfold import ir
-from meshfold.backends.eager import RankContext, exchange_axes, lower
+from meshfold.backends.eager import lower
+from meshfold.groups import MeshGroups, as_timeout
 from meshfold.passes import PassError
 from meshfold.passes.base import quiet
 from meshfold.passes.cost.hardware import Cluster
@@ -49,6 +51,7 @@ def parallelize(
     moe: Mapping[str, Any] | None = None,
     backend: str = "eager",
     cache_size: int = DEFAULT_CACHE,
+    timeout: float | timedelta | None = None,
 ) -> Any:
     """Compile ``model`` for ``mesh`` with ``plan`` and return this rank's ``ParallelModule``.
 
@@ -75,6 +78,10 @@ def parallelize(
     (a forward-only program) gets its own program, compiled on first use; the module keeps
     ``cache_size`` of them (``pm.programs()`` lists them). A call no program can run (a batch the
     data-parallel ranks do not divide) raises ``CallMismatch`` naming the input and both shapes.
+
+    ``timeout`` (seconds or a ``timedelta``): how long any collective of the module waits for the
+    other ranks (default: the process group's own, 30 minutes for gloo); a rank that stops answering
+    then surfaces on the others as ``CollectiveError`` naming the collective, the op and the mesh axis.
     """
     if mesh is None:
         raise PassError("parallelize needs a mesh: parallelize(model, init_device_mesh(...), example_inputs, plan=...)")
@@ -89,10 +96,10 @@ def parallelize(
         backend=backend,
     )
     if model is None:
-        return _decorator(mesh, options, example_inputs, cache_size)
+        return _decorator(mesh, options, example_inputs, cache_size, timeout)
     if example_inputs is None:
         raise PassError("parallelize(model, mesh, example_inputs, plan=...) needs the example inputs")
-    return _compile(model, mesh, example_inputs, options, cache_size)
+    return _compile(model, mesh, example_inputs, options, cache_size, timeout)
 
 
 def _compile(
@@ -101,6 +108,7 @@ def _compile(
     example_inputs: Sequence[Any],
     options: CompileOptions,
     cache_size: int = DEFAULT_CACHE,
+    timeout: float | timedelta | None = None,
 ) -> ParallelModule:
     if not dist.is_initialized():
         raise PassError("parallelize needs torch.distributed initialized (run under torchrun or spawn ranks)")
@@ -112,14 +120,15 @@ def _compile(
         )
     if cache_size < 1:
         raise PassError(f"cache_size must be at least 1 (programs a module keeps), not {cache_size}")
+    groups = MeshGroups.of(mesh, as_timeout(timeout))
     # NOTE: the program's random ops draw from their own generator, seeded from rank 0's default
     # generator as it is now, so every rank draws alike whatever its own seed (backends/random.py)
     rng = torch.Generator()
     compiled, rng_state, _ = _compile_once(model, example_inputs, options, first=True)
     rng.set_state(rng_state)
-    first = _program(compiled, mesh, options, Signature.of(example_inputs, model.training, grad=True), rng)
-    compiler = _Recompiler(_skeleton(model), mesh, options, rng)
-    return ParallelModule(model, mesh, first, compiler, cache_size, shapes=compiler.shapes, rng=rng)
+    first = _program(compiled, groups, options, Signature.of(example_inputs, model.training, grad=True), rng)
+    compiler = _Recompiler(_skeleton(model), groups, options, rng)
+    return ParallelModule(model, mesh, first, compiler, cache_size, shapes=compiler.shapes, rng=rng, world=groups.world)
 
 
 @dataclass
@@ -128,7 +137,7 @@ class _Recompiler:
     lowered on every rank with the module's generator."""
 
     shapes: nn.Module
-    mesh: DeviceMesh
+    groups: MeshGroups
     options: CompileOptions
     rng: torch.Generator
 
@@ -147,20 +156,16 @@ class _Recompiler:
         return graph, guards
 
     def lower(self, graph: ir.Graph, sig: Signature) -> Program:
-        return _program(graph, self.mesh, dataclasses.replace(self.options, verify=False), sig, self.rng)
+        return _program(graph, self.groups, dataclasses.replace(self.options, verify=False), sig, self.rng)
 
 
 def _program(
-    graph: ir.Graph, mesh: DeviceMesh, options: CompileOptions, sig: Signature, rng: torch.Generator
+    graph: ir.Graph, groups: MeshGroups, options: CompileOptions, sig: Signature, rng: torch.Generator
 ) -> Program:
     """Lower ``graph`` for this rank (collective where it needs process groups over several axes)."""
-    coordinate = mesh.get_coordinate()
-    assert coordinate is not None, "this rank is not in the mesh"
     assert options.mesh is not None
-    groups = tuple(mesh.get_group(i).group_name for i in range(mesh.ndim))
     # NOTE: every rank compiled the same graph, so all create the same groups in the same order
-    flat = tuple((axes, mesh[axes]._flatten().get_group().group_name) for axes in exchange_axes(graph))
-    rank = RankContext(options.mesh, tuple(coordinate), groups, flat)
+    rank = groups.rank_context(options.mesh, graph)
     # NOTE: only rank 0 shows progress (it alone compiled); every rank lowers its own program
     status = progress() if dist.get_rank() == 0 else quiet
     with status(f"lowering each rank's program ({options.backend})"):
@@ -216,18 +221,27 @@ M = TypeVar("M", bound=nn.Module)
 
 
 def _decorator(
-    mesh: DeviceMesh, options: CompileOptions, example_inputs: Sequence[Any] | None, cache_size: int
+    mesh: DeviceMesh,
+    options: CompileOptions,
+    example_inputs: Sequence[Any] | None,
+    cache_size: int,
+    timeout: float | timedelta | None,
 ) -> Callable[[type[M]], type[M]]:
     def deco(cls: type[M]) -> type[M]:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise PassError(f"@parallelize(...) decorates nn.Module subclasses, not {cls!r}")
-        return _parallel_class(cls, mesh, options, example_inputs, cache_size)
+        return _parallel_class(cls, mesh, options, example_inputs, cache_size, timeout)
 
     return deco
 
 
 def _parallel_class(
-    cls: type[M], mesh: DeviceMesh, options: CompileOptions, example_inputs: Sequence[Any] | None, cache_size: int
+    cls: type[M],
+    mesh: DeviceMesh,
+    options: CompileOptions,
+    example_inputs: Sequence[Any] | None,
+    cache_size: int,
+    timeout: float | timedelta | None,
 ) -> type[M]:
     """A subclass of ``cls`` whose instances build the model with ``cls``'s constructor, then hold
     its compiled form: the compiled module's parameters (DTensors) under the model's own FQNs."""
@@ -238,11 +252,11 @@ def _parallel_class(
         self._mf_model = [model]  # NOTE: a list, so the single-device model is not a submodule
         self._mf_compiled: list[ParallelModule] = []
         if example_inputs is not None:
-            _adopt(self, _compile(model, mesh, example_inputs, options, cache_size))
+            _adopt(self, _compile(model, mesh, example_inputs, options, cache_size, timeout))
 
     def forward(self: nn.Module, *inputs: Any) -> Any:
         if not self._mf_compiled:
-            _adopt(self, _compile(self._mf_model[0], mesh, inputs, options, cache_size))
+            _adopt(self, _compile(self._mf_model[0], mesh, inputs, options, cache_size, timeout))
         pm = self._mf_compiled[0]
         pm.train(self.training)  # NOTE: pm is held aside, not a child: eval() reaches it only here
         return pm(*inputs)

@@ -116,6 +116,7 @@ class ParallelModule(nn.Module):
         *,
         shapes: nn.Module | None = None,
         rng: torch.Generator | None = None,
+        world: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
         graph = first.graph
@@ -124,6 +125,7 @@ class ParallelModule(nn.Module):
         self._mf_verifier: Verifier | None = None
         self._mf_mesh = mesh
         self._mf_rng = rng
+        self._mf_world = world if world is not None else dist.group.WORLD
         # NOTE: ``shapes`` (the model, or a copy without weights) learns each program's output
         # structure: ``output_structure`` runs it on fake tensors.
         self._mf_structure_of = (shapes if shapes is not None else model,)  # NOTE: a tuple: not a submodule
@@ -209,7 +211,7 @@ class ParallelModule(nn.Module):
     def forward(self, *inputs: Any) -> Any:
         sig = Signature.of(inputs, self.training)
         # NOTE: before any collective of a program, so a differing rank never leaves the others waiting
-        agree(sig, None, self._mf_programs.names)
+        agree(sig, None, self._mf_programs.names, self._mf_world)
         program = self._mf_programs.get(inputs, sig)
         self._mf_verifier = None
         low = program.lowered
@@ -274,7 +276,7 @@ class ParallelModule(nn.Module):
         """Seed the generator every random op of this module's programs draws from (dropout masks).
         Collective: call it on every rank with the same seed (a differing seed raises on every rank)."""
         flags = torch.tensor([seed, -seed], dtype=torch.int64)
-        got = funcol.all_reduce(flags, "max", dist.group.WORLD).tolist()
+        got = funcol.all_reduce(flags, "max", self._mf_world).tolist()
         if int(got[0]) != -int(got[1]):
             raise ValueError(
                 f"manual_seed: the ranks gave different seeds ({-int(got[1])} to {int(got[0])}); give one seed"

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
 from meshfold import ir
+from meshfold.backends.watch import CollectiveError
 from meshfold.passes import PassError
 
 
@@ -98,19 +99,30 @@ def arg_names(model: torch.nn.Module) -> list[str]:
     return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
-def agree(sig: Signature, problem: str | None, names: Sequence[str] = ()) -> None:
+def agree(
+    sig: Signature, problem: str | None, names: Sequence[str] = (), group: dist.ProcessGroup | None = None
+) -> None:
     """Raise ``CallMismatch`` on every rank when any rank's ``problem`` is set or the ranks' signatures
     differ. NOTE: one all-reduce of three integers per call; messages are gathered only on failure."""
     h = sig.digest()
     flags = torch.tensor([1 if problem else 0, h, -h], dtype=torch.int64)
     # NOTE: a functional collective, like every other the program runs (profilers and the demo's
     # table see it as one small all-reduce over the world)
-    got = funcol.all_reduce(flags, "max", dist.group.WORLD).tolist()
+    world = group if group is not None else dist.group.WORLD
+    try:
+        got = funcol.all_reduce(flags, "max", world).tolist()
+    except RuntimeError as e:
+        raise CollectiveError(
+            f"the call check (an all_reduce over all {dist.get_world_size()} ranks before each call) did not "
+            f"complete: {str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}. A rank is not "
+            "calling the module (stuck: look at what it is doing) or has exited; a longer wait: "
+            "parallelize(..., timeout=)"
+        ) from e
     failed, most, least = int(got[0]), int(got[1]), -int(got[2])
     if not failed and most == least:
         return
     said: list[tuple[str | None, str]] = [(None, "")] * dist.get_world_size()
-    dist.all_gather_object(said, (problem, sig.describe(names)))
+    dist.all_gather_object(said, (problem, sig.describe(names)), group=world)
     if failed:
         rank, first = next((r, m) for r, (m, _) in enumerate(said) if m)
         raise CallMismatch(f"rank {rank}: {first}")

@@ -1,0 +1,23 @@
+"""A rank that stops answering (alive but blocked) surfaces on the others within the module's timeout,
+as an error naming the collective, the op and the mesh axis it was waiting on."""
+
+from __future__ import annotations
+
+from tests.dist.conftest import RankPools
+
+TIMEOUT = 2.0
+
+
+def test_a_stuck_rank_is_named_within_the_timeout(rank_pools: RankPools) -> None:
+    results = rank_pools.get(4).run("tests.dist.cases_stuck:stuck_rank", wait=TIMEOUT)
+    waiting = [r for rank, r in enumerate(results) if rank != 3]
+    for said in waiting:
+        message, seconds = said["before a call"]
+        assert message.startswith("the call check (an all_reduce over all 4 ranks before each call) did not complete")
+        assert "parallelize(..., timeout=)" in message
+        assert seconds < TIMEOUT + 1.5, seconds
+        message, seconds = said["inside the program"]
+        assert seconds < TIMEOUT + 1.5, seconds
+        assert "over mesh axis" in message and " did not complete" in message, message
+        assert message.split(" of ")[0] in ("all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor"), message
+    print(waiting[0]["inside the program"][0])
