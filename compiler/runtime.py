@@ -211,7 +211,7 @@ class ParallelModule(nn.Module):
     def forward(self, *inputs: Any) -> Any:
         sig = Signature.of(inputs, self.training)
         # NOTE: before any collective of a program, so a differing rank never leaves the others waiting
-        agree(sig, None, self._mf_programs.names, self._mf_world)
+        agree(sig, _needs_input_grad(inputs, sig, self._mf_programs.names), self._mf_programs.names, self._mf_world)
         program = self._mf_programs.get(inputs, sig)
         self._mf_verifier = None
         low = program.lowered
@@ -300,6 +300,20 @@ class ParallelModule(nn.Module):
         }
         own = as_unstacked(self._mf_programs.first.graph.stacks, whole)
         return {key: own[name].detach() for key, name in self._mf_state_keys.items()}
+
+
+def _needs_input_grad(inputs: Sequence[Any], sig: Signature, names: Sequence[str]) -> str | None:
+    """Why the call cannot run when autograd would want a gradient of an input (not computed yet)."""
+    if not sig.grad:
+        return None
+    for i, x in enumerate(inputs):
+        if isinstance(x, torch.Tensor) and x.requires_grad:
+            name = names[i] if i < len(names) else f"arg{i}"
+            return (
+                f"input {name!r} requires grad; a compiled module computes gradients of the model's parameters, "
+                "not of its inputs: pass it detached (x.detach()), or run that part of the model outside parallelize"
+            )
+    return None
 
 
 def _state_dict_names(model: nn.Module) -> dict[str, str]:

@@ -64,7 +64,8 @@ class Signature:
         for i, spec in enumerate(self.inputs):
             name = names[i] if i < len(names) else f"arg{i}"
             if spec[0] == "tensor":
-                parts.append(f"{name}: {ir.dtype_name(spec[2])}{list(spec[1])}")
+                grad = " requiring grad" if spec[4] else ""
+                parts.append(f"{name}: {ir.dtype_name(spec[2])}{list(spec[1])}{grad}")
             else:
                 parts.append(f"{name}={spec[1]}")
         return f"({', '.join(parts)}) in {self.mode()} mode"

@@ -41,6 +41,9 @@ def mismatched_calls() -> dict[str, str]:
     mlp, (x, y) = build("mlp")
     pm_mlp = parallelize(mlp, mesh, (x, y), plan="fsdp+tp")
     said["bf16"] = _refused(lambda: pm_mlp(x.bfloat16(), y))
+    said["input grad"] = _refused(lambda: pm_mlp(x.clone().requires_grad_(), y))
+    with torch.no_grad():  # NOTE: no gradient is asked for: the call runs
+        torch.testing.assert_close(pm_mlp(x.clone().requires_grad_(), y), mlp(x, y), rtol=RTOL, atol=ATOL)
 
     @parallelize(mesh=mesh, plan="fsdp+tp", example_inputs=(x, y))
     class Net(type(mlp)):  # type: ignore[misc]

@@ -18,3 +18,4 @@ def test_calls_no_program_can_run_are_refused_on_every_rank_alike(rank_pools: Ra
     assert said["bf16"].startswith("input 'x' is bf16; the program was compiled for f32")
     assert "no program can be compiled for this call" in said["bf16"]
     assert "in eval mode" in said["decorated programs"]
+    assert said["input grad"].startswith("rank 0: input 'x' requires grad; a compiled module computes gradients")
