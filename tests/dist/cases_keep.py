@@ -182,16 +182,25 @@ def _llama_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def gradient_accumulation(micro: int = 3, steps: int = 2) -> float:
-    """``micro`` backward calls summed into ``.grad`` before each AdamW step (the loss scaled by
-    1/micro), under fsdp+tp: accumulated gradients and the parameters after equal single device."""
+def _llama_fsdp_tp() -> tuple[Any, nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
+    """llama-tiny compiled with fsdp+tp on (dp=2, tp=2) beside its single-device twin, each with AdamW."""
     warnings.filterwarnings("ignore")
     mesh = device_mesh((2, 2), ("dp", "tp"))
     net, inputs = build("llama-tiny")
     ref, _ = build("llama-tiny")
     pm = parallelize(net, mesh, inputs, plan="fsdp+tp")
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    return (
+        pm,
+        ref,
+        torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS),
+        torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS),
+    )
+
+
+def gradient_accumulation(micro: int = 3, steps: int = 2) -> float:
+    """``micro`` backward calls summed into ``.grad`` before each AdamW step (the loss scaled by
+    1/micro), under fsdp+tp: accumulated gradients and the parameters after equal single device."""
+    pm, ref, opt, ref_opt = _llama_fsdp_tp()
     batches = _llama_batches(micro * steps)
     total = 0.0
     for step in range(steps):
@@ -214,13 +223,7 @@ def gradient_accumulation(micro: int = 3, steps: int = 2) -> float:
 def clip_grad_norm(max_norm: float = 0.05, steps: int = 2) -> list[float]:
     """``torch.nn.utils.clip_grad_norm_`` over the compiled module's parameters (DTensors sharded
     differently under fsdp+tp) returns the single-device total norm and clips alike. Returns the norms."""
-    warnings.filterwarnings("ignore")
-    mesh = device_mesh((2, 2), ("dp", "tp"))
-    net, inputs = build("llama-tiny")
-    ref, _ = build("llama-tiny")
-    pm = parallelize(net, mesh, inputs, plan="fsdp+tp")
-    opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    pm, ref, opt, ref_opt = _llama_fsdp_tp()
     norms = []
     for ids, labels in _llama_batches(steps):
         opt.zero_grad()

@@ -11,9 +11,9 @@ import torch.distributed as dist
 from torch import nn
 
 from meshfold.api import parallelize
-from meshfold.signature import CallMismatch
 from meshfold.tools.zoo import build
 from tests.dist.cases import ATOL, RTOL
+from tests.dist.cases_calls import _refused
 from tests.dist.pool import device_mesh
 
 
@@ -29,14 +29,6 @@ def _same_step(pm: nn.Module, ref: nn.Module, *inputs: torch.Tensor) -> None:
     for name, p in pm.named_parameters():
         assert p.grad is not None, name
         torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name].grad, rtol=RTOL, atol=ATOL)
-
-
-def _refused(call: Any) -> str:
-    try:
-        call()
-    except CallMismatch as e:
-        return str(e)
-    raise AssertionError("the call was not refused")
 
 
 def new_shapes() -> dict[str, Any]:

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from meshfold.api import parallelize
 from meshfold.tools.zoo import build
 from tests.dist.cases import EPS, LR, PARAM_ATOL, RTOL
+from tests.dist.hf_models import SMALL
 from tests.dist.pool import device_mesh
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -185,17 +186,7 @@ def _hf_llama_config() -> Any:
     """A tiny Llama config whose LM head is tied to the embedding."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
+    return LlamaConfig(**SMALL, tie_word_embeddings=True, attn_implementation="sdpa")
 
 
 def _hf_llama(config: Any) -> torch.nn.Module:
