@@ -15,8 +15,10 @@ from collections.abc import Mapping
 import sympy
 
 from meshfold.ir.graph import Arg, Graph, GraphBuilder, GraphOutput, Op, Value
+from meshfold.ir.ops import OpDef
 from meshfold.ir.symbolic import Dim
 from meshfold.ir.types import TensorType, Type
+from meshfold.ir.verifier import verify_op_types
 
 
 def symbols_of(graph: Graph) -> set[sympy.Symbol]:
@@ -32,7 +34,9 @@ def symbols_of(graph: Graph) -> set[sympy.Symbol]:
 
 def specialize(graph: Graph, binding: Mapping[str, int]) -> Graph:
     """``graph`` with every symbol replaced by its size in ``binding`` (by symbol name): in types and
-    in op arguments. Layouts, names and provenance stay; the result has static shapes."""
+    in op arguments. Layouts, names and provenance stay; the result has static shapes. The ops whose
+    arguments held a symbolic size (which the verifier could not type-check before) are checked
+    now; raises ``VerifyError`` naming the first whose result types differ from what it computes."""
     subs = {sympy.Symbol(name, integer=True, positive=True): value for name, value in binding.items()}
 
     def dim(d: Dim) -> Dim:
@@ -66,16 +70,25 @@ def specialize(graph: Graph, binding: Mapping[str, int]) -> Graph:
     b.stacks = graph.stacks
     for i in graph.inputs:
         b._inputs.append(type(i)(i.kind, value(i.value)))
+    sized: list[Op] = []
     for op in graph.ops:
-        b.append(
-            Op(
-                op.target,
-                tuple(arg(a) for a in op.args),
-                tuple((k, arg(v)) for k, v in op.kwargs),
-                tuple(value(r) for r in op.results),
-                op.prov,
-            )
+        new = Op(
+            op.target,
+            tuple(arg(a) for a in op.args),
+            tuple((k, arg(v)) for k, v in op.kwargs),
+            tuple(value(r) for r in op.results),
+            op.prov,
         )
+        if not isinstance(op.target, OpDef) and _symbolic((op.args, tuple(v for _, v in op.kwargs))):
+            sized.append(new)
+        b.append(new)
     for o in graph.outputs:
         b._outputs.append(GraphOutput(o.kind, o.name, value(o.value)))
+    verify_op_types(sized)
     return b.build()
+
+
+def _symbolic(a: object) -> bool:
+    if isinstance(a, tuple):
+        return any(_symbolic(x) for x in a)
+    return isinstance(a, sympy.Expr) and not a.is_Integer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import sympy
 import torch
@@ -47,6 +47,17 @@ def verify(graph: Graph, *, check_types: bool = True) -> None:
     except _Failure as f:
         line = graph.line_of(f.item) if isinstance(graph, ParsedGraph) and f.item is not None else None
         raise VerifyError(f"line {line}: {f.message}" if line is not None else f.message) from None
+
+
+def verify_op_types(ops: Sequence[Op]) -> None:
+    """Raise :class:`VerifyError` unless each op's result types are what it computes on fake tensors
+    of its operand types (the type check of :func:`verify`, for some ops of a static graph)."""
+    fake = _FakeRunner()
+    for op in ops:
+        try:
+            fake.check(op)
+        except _Failure as f:
+            raise VerifyError(f.message) from None
 
 
 class _Failure(Exception):
