@@ -46,7 +46,7 @@ class Signature:
         specs = tuple(
             ("tensor", tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
             if isinstance(x, torch.Tensor)
-            else ("value", repr(x))
+            else ("value", _value_text(x))
             for x in inputs
         )
         return Signature(specs, training, torch.is_grad_enabled() if grad is None else grad)
@@ -89,6 +89,21 @@ class Signature:
         if len(self.inputs) != len(other.inputs):
             return f"the call has {len(self.inputs)} inputs; the program was compiled for {len(other.inputs)}"
         return f"the module is in {self.mode()} mode; the program was compiled in {other.mode()} mode"
+
+
+def _value_text(x: object) -> str:
+    """A non-tensor argument as the signature keys it: plain values by ``repr``, containers by their
+    items, tensors inside them by shape and dtype, other objects by type (an address differs per rank)."""
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return repr(x)
+    if isinstance(x, torch.Tensor):
+        return f"{ir.dtype_name(x.dtype)}{list(x.shape)}"
+    if isinstance(x, (list, tuple)):
+        inner = ", ".join(_value_text(v) for v in x)
+        return f"[{inner}]" if isinstance(x, list) else f"({inner})"
+    if isinstance(x, dict):
+        return "{" + ", ".join(f"{_value_text(k)}: {_value_text(v)}" for k, v in x.items()) + "}"
+    return f"<{type(x).__module__}.{type(x).__qualname__}>"
 
 
 def arg_names(model: torch.nn.Module) -> list[str]:
