@@ -64,15 +64,15 @@ class Op:
     kwargs: tuple[tuple[str, Arg], ...]
     results: tuple[Value, ...]
     prov: Provenance = Provenance()
+    operands: tuple[Value, ...] = field(init=False, repr=False)
+    """Every value used by this op, in argument order (duplicates kept)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "operands", tuple(_values_in((self.args, tuple(v for _, v in self.kwargs)))))
 
     @property
     def name(self) -> str:
         return target_name(self.target)
-
-    @property
-    def operands(self) -> tuple[Value, ...]:
-        """Every value used by this op, in argument order (duplicates kept)."""
-        return tuple(_values_in((self.args, tuple(v for _, v in self.kwargs))))
 
     @property
     def result(self) -> Value:

@@ -1,16 +1,26 @@
 """Repeated blocks: ops and parameters of ``layers.3`` that mirror those of ``layers.0``.
 
 A block is a module path up to its first numeric component (``layers.3.mlp.up_proj`` is in block
-``layers.3`` of family ``layers``). Passes use this to treat a stack of identical layers once: the
-sharding solve shares one set of strategy variables across them.
+``layers.3`` of family ``layers``). Two blocks of a family mirror each other when their ops, in
+program order and over both phases, match one for one: the same target, operand and result types,
+and the same arguments besides the values they read (which values, and so which parameters and
+names, may differ). Two things capture and cleanup do are seen through: a backward op capture
+attributes to no module (a sum of gradients) belongs to the block of its latest operand, and ops
+of the first block that later blocks read instead of repeating (common-subexpression elimination
+keeps one view of the rotary tables, of the attention mask) are left out of the match. A family
+may hold several kinds (a dense first layer, then MoE layers; linear
+and softmax attention in turn): each block mirrors the first block of its kind. Passes use this to
+treat a stack of identical layers once: the sharding solve shares one set of strategy variables
+across them.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Hashable
 
-from meshfold.ir import Graph, Op
+from meshfold.ir import Graph, Op, Value
+from meshfold.ir.graph import Arg
 
 
 def block_of(path: str) -> str:
@@ -26,43 +36,104 @@ def _family(block: str) -> str:
     return block.rsplit(".", 1)[0]
 
 
+def op_key(op: Op) -> Hashable:
+    """What two mirroring ops share: target, operand and result types, and the arguments with each
+    value read replaced by its type (``cat([%a, %b], -1)`` in one layer is ``cat([%c, %d], -1)`` in
+    the next)."""
+    return (
+        op.target,
+        _skeleton(op.args),
+        tuple((k, _skeleton(v)) for k, v in op.kwargs),
+        tuple(r.type for r in op.results),
+    )
+
+
+def _skeleton(a: Arg) -> Hashable:
+    if isinstance(a, Value):
+        return ("%", a.type)
+    if isinstance(a, tuple | list):
+        return tuple(_skeleton(x) for x in a)
+    return a
+
+
 def _block_ops(graph: Graph) -> dict[str, list[int]]:
+    """Each block's ops in program order. A backward op capture attributes to no module (the sum of
+    a value's gradients from its several uses, such as the residual stream's) belongs to the block
+    of its latest operand."""
     blocks: dict[str, list[int]] = defaultdict(list)
+    owner: dict[Value, tuple[int, str]] = {}
     for i, op in enumerate(graph.ops):
         b = block_of(op.prov.module)
+        if not op.prov.module and op.prov.phase == "bwd":
+            b = max((owner[v] for v in op.operands if v in owner), default=(-1, ""))[1]
+        for r in op.results:
+            if b:
+                owner[r] = (i, b)
         if b:
             blocks[b].append(i)
     return blocks
 
 
-def mirrored_blocks(graph: Graph, same: Callable[[Op, Op], bool]) -> dict[str, str]:
-    """Block → the earlier block of its family it mirrors: whose ops (in program order, both
-    phases) pair up one to one with its own under ``same``. A block that mirrors none is absent
-    (and may itself be mirrored: the first layer often differs, as its input needs no gradient)."""
+def _hoisted(graph: Graph, rep: list[int], block: list[int], prefix: str) -> set[int]:
+    """Ops of ``rep`` that ``block`` shares rather than repeats: computed from nothing of ``rep``'s
+    own (no parameter under ``prefix``, no value of another ``rep`` op that is not itself shared),
+    and read by ``block`` (or by such ops that are). Common-subexpression elimination keeps a
+    layer's view of the rotary tables or of the attention mask in the first layer only: the later
+    layers read the first layer's."""
+    own_inputs = {i.value for i in graph.inputs if i.name.startswith(prefix + ".")}
+    made_by = {r: i for i in rep for r in graph.ops[i].results}
+    invariant: set[int] = set()
+    for i in rep:
+        if all(v not in own_inputs and (v not in made_by or made_by[v] in invariant) for v in graph.ops[i].operands):
+            invariant.add(i)
+    read = {made_by[v] for j in block for v in graph.ops[j].operands if v in made_by}
+    shared: set[int] = set()
+    for i in reversed(rep):
+        if i in invariant and (i in read or any(made_by.get(v) == i for j in shared for v in graph.ops[j].operands)):
+            shared.add(i)
+    return shared
+
+
+def _mirror(
+    graph: Graph, keys: list[Hashable], rep: str, block: list[int], blocks: dict[str, list[int]]
+) -> dict[int, int] | None:
+    """``block``'s ops → the ``rep`` ops they repeat, one for one and in order; None if they do not."""
+    shared = _hoisted(graph, blocks[rep], block, rep)
+    repeated = [i for i in blocks[rep] if i not in shared]
+    if len(repeated) != len(block) or any(keys[i] != keys[j] for i, j in zip(block, repeated, strict=True)):
+        return None
+    return dict(zip(block, repeated, strict=True))
+
+
+def mirrors(graph: Graph) -> tuple[dict[str, str], dict[int, int]]:
+    """``mirrored_blocks`` and ``mirrored_ops`` at once."""
+    keys = [op_key(op) for op in graph.ops]
     blocks = _block_ops(graph)
-    reps: dict[str, list[str]] = defaultdict(list)
+    kinds: dict[str, list[str]] = defaultdict(list)
     out: dict[str, str] = {}
+    ops: dict[int, int] = {}
     for b, members in blocks.items():
-        family = reps[_family(b)]
+        family = kinds[_family(b)]
         for r in family:
-            rep = blocks[r]
-            if len(rep) == len(members) and all(
-                same(graph.ops[i], graph.ops[j]) for i, j in zip(members, rep, strict=True)
-            ):
+            pairs = _mirror(graph, keys, r, members, blocks)
+            if pairs is not None:
                 out[b] = r
+                ops.update(pairs)
                 break
         else:
             family.append(b)
-    return out
+    return out, ops
 
 
-def mirrored_ops(graph: Graph, same: Callable[[Op, Op], bool]) -> dict[int, int]:
+def mirrored_blocks(graph: Graph) -> dict[str, str]:
+    """Block → the earlier block of its family and kind it mirrors. The first block of each kind is
+    absent (it mirrors none)."""
+    return mirrors(graph)[0]
+
+
+def mirrored_ops(graph: Graph) -> dict[int, int]:
     """Op index → index of the op it mirrors (see ``mirrored_blocks``)."""
-    blocks = _block_ops(graph)
-    out: dict[int, int] = {}
-    for b, r in mirrored_blocks(graph, same).items():
-        out.update(zip(blocks[b], blocks[r], strict=True))
-    return out
+    return mirrors(graph)[1]
 
 
 def mirrored_inputs(graph: Graph, blocks: dict[str, str]) -> dict[str, str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from rich.console import Console
@@ -101,6 +101,26 @@ def _summary(title: str, steps: Sequence[tuple[str, int, int]]) -> Table:
     return table
 
 
+def _solve_table(stats: Mapping[str, object]) -> Table | None:
+    """The sharding solve's program per mesh axis, how far HiGHS got, and the modelled step time."""
+    axes = stats.get("sharding.solve")
+    if not isinstance(axes, tuple) or not axes:
+        return None
+    step = stats.get("sharding.step_time")
+    preset = stats.get("sharding.preset")
+    caption = f"modelled step {1e3 * step:.3f} ms" if isinstance(step, float) else None
+    if caption and isinstance(preset, tuple):
+        caption += f"; the {preset[0]} preset's layouts: {1e3 * preset[1]:.3f} ms"
+    table = Table(title="sharding solve", caption=caption)
+    for column in ("axis", "binaries", "columns", "rows", "shared ops", "nodes", "gap", "state"):
+        table.add_column(column, justify="left" if column in ("axis", "state") else "right")
+    for a in axes:
+        state = "optimal" if a.optimal else "node limit"
+        row = (a.axis, a.binaries, a.columns, a.rows, a.shared_ops, a.nodes, f"{100 * a.gap:.2f}%", state)
+        table.add_row(*map(str, row))
+    return table
+
+
 def options_from(args: argparse.Namespace, graph_mesh: ir.Mesh | None) -> CompileOptions:
     """The ``CompileOptions`` the flags spell (``--mesh`` defaults to the mesh an IR file declares)."""
     mesh = parse_mesh(args.mesh)
@@ -182,6 +202,9 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
         plan = result.options.effective_plan() if "sharding" in names else None
         for table in moe_tables(result.graph, plan, mesh, result.options.moe):
             out.print(table)
+        solve = _solve_table(result.stats)
+        if solve is not None:
+            out.print(solve)
         if writer is not None:
             out.print(f"dumps: {len(writer.records)} steps in {args.dump_dir}; open {args.dump_dir / 'index.html'}")
     return 0

@@ -6,7 +6,7 @@ from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
-from meshfold.ir import Graph, Layout, Mesh, Op, Value
+from meshfold.ir import Graph, Layout, Mesh, Op, Placement, Value
 from meshfold.passes.base import quiet
 from meshfold.passes.cost.axis import AxisModel
 from meshfold.passes.sharding.strategy import Strategy
@@ -31,9 +31,12 @@ class Problem:
     models: tuple[AxisModel, ...]
     valid: Callable[[Op, Strategy, list[Strategy]], bool]
     memory: float | None = None
-    time_limit: float = 30.0
-    """Seconds HiGHS may spend per axis; past it the best solution found so far is used. The
-    result may then depend on machine speed: compile on one rank and share the graph."""
+    gap: float = 1e-3
+    """Relative gap at which a plan counts as optimal: its modelled time is within this fraction of
+    the proven lower bound."""
+    node_limit: int = 20000
+    """Branch-and-bound nodes HiGHS may explore per axis before it settles for the best plan
+    found (a unit of work, not of time: the same model and mesh always give the same plan)."""
     status: Callable[[str], AbstractContextManager[object]] = quiet
     """Shown while each axis is solved (see ``PassContext.status``)."""
     share_blocks: bool = True
@@ -47,14 +50,41 @@ class Problem:
 
 
 @dataclass(frozen=True)
+class AxisStart:
+    """A known plan for one axis (a preset's): each op's strategy and each free input's placement."""
+
+    strategies: list[Strategy]
+    inputs: dict[Value, Placement]
+
+
+@dataclass(frozen=True)
 class AxisStats:
-    """What one axis's integer program was: its binaries, how many ops shared another op's, and the
-    optimum it reached (seconds of modelled step time)."""
+    """What one axis's integer program was and what HiGHS made of it: its binaries, how many ops
+    shared another op's columns, its columns and rows, how many value moves folded into a mirrored
+    block's (``folded``), the objective reached (seconds of modelled step time on this axis), the
+    relative ``gap`` to the proven bound, whether that is within the asked gap (``optimal``) or
+    the node limit stopped the search, and the nodes explored."""
 
     axis: str
     binaries: int
     shared_ops: int
     objective: float
+    compute: float = 0.0
+    """The part of ``objective`` that is the ops' own compute (the rest is this axis's traffic)."""
+    columns: int = 0
+    rows: int = 0
+    gap: float = 0.0
+    optimal: bool = True
+    nodes: int = 0
+    folded: int = 0
+
+    def describe(self) -> str:
+        state = "optimal" if self.optimal else "stopped at the node limit"
+        return (
+            f"mesh axis {self.axis!r}: {self.binaries} binaries, {self.columns} columns, {self.rows} rows, "
+            f"{self.shared_ops} ops sharing a repeated block's columns; {state} after {self.nodes} nodes, "
+            f"gap {100 * self.gap:.2f}%, {self.objective * 1e3:.3f} ms"
+        )
 
 
 @dataclass(frozen=True)
@@ -64,3 +94,16 @@ class Solution:
     strategies: list[list[Strategy]]
     inputs: dict[Value, Layout]
     stats: tuple[AxisStats, ...] = ()
+
+    @property
+    def step_time(self) -> float:
+        """Modelled seconds per step: the ops' compute as the last axis prices it (split by every
+        axis) plus every axis's traffic."""
+        if not self.stats:
+            return 0.0
+        *earlier, last = self.stats
+        return last.objective + sum(s.objective - s.compute for s in earlier)
+
+    @property
+    def optimal(self) -> bool:
+        return all(s.optimal for s in self.stats)

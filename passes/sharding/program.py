@@ -9,65 +9,32 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
-from scipy.optimize import Bounds, LinearConstraint, milp
-from scipy.sparse import coo_array
 
 from meshfold.ir import Layout, Mesh, Op, Placement, Replicate, Shard, TensorType, Value
 from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
 from meshfold.ir.symbolic import divides
 from meshfold.passes.base import PassError
-from meshfold.passes.blocks import mirrored_blocks, mirrored_inputs, mirrored_ops
+from meshfold.passes.blocks import op_key
 from meshfold.passes.sharding.batch import batch_values
 from meshfold.passes.sharding.cost import nbytes
+from meshfold.passes.sharding.milp import Columns
 from meshfold.passes.sharding.opwork import op_bytes, op_flops
-from meshfold.passes.sharding.problem import AxisStats, Problem
+from meshfold.passes.sharding.problem import AxisStart, AxisStats, Problem
 from meshfold.passes.sharding.strategy import Strategy
+from meshfold.passes.sharding.ties import Ties
 
 # NOTE: fp32 Adam keeps the parameter, its gradient and two moments: four copies of its bytes.
 STATE_COPIES = 4.0
 
 
-@dataclass(frozen=True)
-class Ties:
-    """Which ops and free inputs mirror an earlier block's (see ``passes.blocks``): they share the
-    program's columns (``Problem.share_blocks``)."""
-
-    ops: dict[int, int]
-    inputs: dict[Value, Value]
-
-    @staticmethod
-    def of(problem: Problem) -> Ties:
-        if not problem.share_blocks:
-            return Ties({}, {})
-        graph = problem.graph
-        ops = {i: r for i, r in mirrored_ops(graph, _same_op).items() if problem.candidates[i] == problem.candidates[r]}
-        blocks = mirrored_blocks(graph, _same_op)
-        by_name = {i.name: i.value for i in graph.inputs}
-        inputs = {
-            by_name[n]: by_name[t]
-            for n, t in mirrored_inputs(graph, blocks).items()
-            if by_name[n] in problem.free and by_name[t] in problem.free and by_name[n].type == by_name[t].type
-        }
-        return Ties(ops, inputs)
-
-
-def _same_op(a: Op, b: Op) -> bool:
-    """Same target, same operand and result types, same non-tensor arguments."""
-    return (
-        a.target == b.target
-        and [v.type for v in a.operands] == [v.type for v in b.operands]
-        and [v.type for v in a.results] == [v.type for v in b.results]
-        and _consts(a) == _consts(b)
-    )
-
-
-def _consts(op: Op) -> tuple[object, ...]:
-    return tuple(a for a in (*op.args, *(v for _, v in op.kwargs)) if not isinstance(a, Value))
+Terms = dict[int, float]
+"""A linear expression over the program's columns (empty: the constant 1)."""
+Demands = list[tuple[str, dict[Placement, Terms]]]
+"""Per consumer of a value: its phase, and for each placement it may read the value in, the terms
+that are 1 when it does."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,7 +61,10 @@ class AxisProgram:
         placed: dict[Value, list[Placement]],
         budget: float | None,
         ties: Ties,
+        work: dict[Hashable, tuple[float, float]],
     ) -> None:
+        """``work``: each op's FLOPs and bytes by ``op_key``, filled as needed and shared by the axes
+        (a mirrored layer's ops cost the same)."""
         graph, mesh = problem.graph, problem.mesh
         self.problem, self.graph, self.mesh, self.axis, self.per_op = problem, graph, mesh, axis, per_op
         self.k = mesh.names.index(axis)
@@ -111,12 +81,9 @@ class AxisProgram:
         ]
         self.budget = budget
         self.ties = ties
+        self.work = work
         self.stats = AxisStats(axis, 0, 0, 0.0)
-        self.cost: list[float] = []
-        self.lo: list[float] = []
-        self.hi: list[float] = []
-        self.integer: list[int] = []
-        self.rows: list[tuple[dict[int, float], float, float]] = []
+        self.m = Columns()
         # where each value comes from: (op index, result index), a fixed placement, or a choice
         self.source: dict[Value, tuple[int, int]] = {}
         self.fixed: dict[Value, Placement] = {}
@@ -136,22 +103,16 @@ class AxisProgram:
                     continue
                 self.choice[v] = {}
                 for p in _input_options(v, self.n, placed[v], mesh):
-                    self.choice[v][p] = self._var(0.0, integer=True)
-                self.rows.append(({x: 1.0 for x in self.choice[v].values()}, 1.0, 1.0))
+                    self.choice[v][p] = self.m.var(0.0, integer=True)
+                self.m.rows.append(({x: 1.0 for x in self.choice[v].values()}, 1.0, 1.0))
                 continue
             lay = problem.start.get(v, Layout.replicated(mesh))
             self.fixed[v] = lay.placement(axis)
             self.shrink[v] = _ways(mesh, [lay.placement(a) for a in mesh.names[: self.k]])
         self.earlier = earlier
 
-    def _var(self, cost: float, lo: float = 0.0, hi: float = 1.0, integer: bool = False) -> int:
-        self.cost.append(cost)
-        self.lo.append(lo)
-        self.hi.append(hi)
-        self.integer.append(1 if integer else 0)
-        return len(self.cost) - 1
-
-    def solve(self) -> tuple[list[Strategy], dict[Value, Placement]]:
+    def solve(self, start: AxisStart | None = None) -> tuple[list[Strategy], dict[Value, Placement]]:
+        """Build and solve; ``start``: a known plan of this axis to begin from (see ``AxisStart``)."""
         tied = {i: t for i, t in self.ties.ops.items() if self.per_op[t] == self.per_op[i]}
         x: list[list[int]] = [[] for _ in self.graph.ops]
         for op_i in sorted(range(len(x)), key=lambda i: i in tied):  # NOTE: columns first, then their users
@@ -161,10 +122,10 @@ class AxisProgram:
             if op_i in tied:
                 x[op_i] = x[tied[op_i]]
                 for var, c in zip(x[op_i], costs, strict=True):
-                    self.cost[var] += c  # NOTE: one column stands for the op in every repeated block
+                    self.m.cost[var] += c  # NOTE: one column stands for the op in every repeated block
                 continue
-            x[op_i] = [self._var(c, integer=True) for c in costs]
-            self.rows.append(({v: 1.0 for v in x[op_i]}, 1.0, 1.0))
+            x[op_i] = [self.m.var(c, integer=True) for c in costs]
+            self.m.rows.append(({v: 1.0 for v in x[op_i]}, 1.0, 1.0))
         shared = len(tied)
         uses: dict[Value, list[_Use]] = defaultdict(list)
         for op_i, op in enumerate(self.graph.ops):
@@ -181,14 +142,49 @@ class AxisProgram:
             self._moves(v, us, x)
         if self.budget is not None:
             self._memory(x)
-        res = self._run()
-        self.stats = AxisStats(self.axis, sum(self.integer), shared, float(np.dot(self.cost, res)))
+        res = self._run(self._start_values(start, x) if start is not None else None)
         picks = []
         for ss, vars_ in zip(self.per_op, x, strict=True):
             best = max(range(len(vars_)), key=lambda i: (res[vars_[i]], -i))
             picks.append(ss[best])
         inputs = {v: max(opts, key=lambda p: (res[opts[p]], -list(opts).index(p))) for v, opts in self.choice.items()}
+        compute = sum(
+            self._work(self._op_work(op, i), _splits(s))
+            for i, (op, s) in enumerate(zip(self.graph.ops, picks, strict=True))
+        )
+        a = self.answer
+        self.stats = AxisStats(
+            self.axis,
+            sum(self.m.integer),
+            shared,
+            a.objective,
+            compute,
+            len(self.m.cost),
+            len(self.m.rows),
+            a.gap,
+            a.optimal,
+            a.nodes,
+            self.m.folded,
+        )
         return picks, inputs
+
+    def _start_values(self, start: AxisStart, x: list[list[int]]) -> dict[int, float]:
+        """The integral columns ``start`` sets: one strategy per op and one placement per free input,
+        where they are among this program's choices (the first of ops sharing a column decides)."""
+        vals: dict[int, float] = {}
+
+        def put(columns: Sequence[int], pick: int) -> None:
+            if not any(c in vals for c in columns):
+                vals.update((c, 1.0 if j == pick else 0.0) for j, c in enumerate(columns))
+
+        for i, s in enumerate(start.strategies):
+            if s in self.per_op[i]:
+                put(x[i], self.per_op[i].index(s))
+        for v, opts in self.choice.items():
+            p = start.inputs.get(v)
+            if p in opts:
+                put(list(opts.values()), list(opts).index(p))
+        return vals
 
     def _memory(self, x: list[list[int]]) -> None:
         """Parameter state (param, grad, Adam moments) plus activations the backward keeps, per device."""
@@ -196,9 +192,9 @@ class AxisProgram:
         row: dict[int, float] = defaultdict(float)
         const = 0.0
         fwd = {r for op in self.graph.ops if op.prov.phase == "fwd" for r in op.results}
-        saved = {v for op in self.graph.ops if op.prov.phase == "bwd" for v in op.operands if v in fwd}
-        params = {i.value for i in self.graph.inputs if i.kind in ("param", "buffer")}
-        for v in saved | params:
+        saved = [v for op in self.graph.ops if op.prov.phase == "bwd" for v in op.operands if v in fwd]
+        params = {i.value: None for i in self.graph.inputs if i.kind in ("param", "buffer")}
+        for v in dict.fromkeys([*saved, *params]):  # NOTE: program order, so the row is the same every run
             if not isinstance(v.type, TensorType):
                 continue
             size = nbytes(v.type) / self.shrink.get(v, 1) * (STATE_COPIES if v in params else 1.0)
@@ -216,7 +212,7 @@ class AxisProgram:
                 size = nbytes(v.type) / self.shrink.get(v, 1) * STATE_COPIES
                 for p, var in opts.items():
                     row[var] += size / (self.n if isinstance(p, Shard) else 1)
-        self.rows.append((dict(row), -math.inf, self.budget - const))
+        self.m.rows.append((dict(row), -math.inf, self.budget - const))
 
     def _placement_terms(self, v: Value, x: list[list[int]]) -> dict[Placement, dict[int, float]]:
         """``Y[v, p]`` as linear terms over ``x`` (an empty dict: the constant 1)."""
@@ -236,47 +232,81 @@ class AxisProgram:
         have = self._placement_terms(v, x)
         if v in self.batch:
             self._keep_split(v, uses, have, x)
-        need: dict[tuple[Placement, str], list[dict[int, float]]] = defaultdict(list)
+        demands: Demands = []
         for u in uses:
             if u.op < 0:
                 if isinstance(u.want, Value):  # the gradient of a free parameter: wherever it lives
-                    for q, var in self.choice[u.want].items():
-                        need[(q, u.phase)].append({var: 1.0})
+                    demands.append((u.phase, {q: {var: 1.0} for q, var in self.choice[u.want].items()}))
                 elif u.want is not None:
-                    need[(u.want, u.phase)].append({})
+                    demands.append((u.phase, {u.want: {}}))
                 continue
             terms: dict[Placement, dict[int, float]] = defaultdict(dict)
             for s, var in zip(self.per_op[u.op], x[u.op], strict=True):
                 terms[s.inputs[u.index]][var] = 1.0
-            for q, t in terms.items():
-                need[(q, u.phase)].append(t)
-        for (q, _phase), demands in need.items():
-            if all(p == q for p in have):
-                continue
-            forced = any(not t for t in demands)
-            if not forced and len(have) == 1:
-                # NOTE: one source placement p != q: the move is paid iff some consumer asks for q
-                (p,) = have
-                c = self._move_time(p, q, size)
-                nvar = self._var(c)
-                for t in demands:  # N >= demand
-                    self.rows.append(({nvar: 1.0, **{k: -c for k, c in t.items()}}, 0.0, math.inf))
-                continue
-            # M[p] <= Y[p]; sum_p M[p] >= N (the need for q is met from the placements u may have)
-            ms: dict[int, float] = {}
-            for p, t in have.items():
-                m = self._var(self._move_time(p, q, size) if p != q else 0.0)
-                ms[m] = 1.0
+            demands.append((u.phase, terms))
+        # NOTE: consumers in mirrored blocks read a value shared by every layer (a view of the rotary
+        # tables) through the same columns: one demand stands for them all
+        unique = {(ph, tuple((q, tuple(t.items())) for q, t in d.items())): (ph, d) for ph, d in demands}
+        key = (size, _frozen(have), tuple(unique))
+        demands = list(unique.values())
+        if len(have) == 1:
+            self.m.once(key, lambda: self._moves_from((*have,)[0], size, demands))
+        else:
+            self.m.once(key, lambda: self._flows(have, size, demands))
+
+    def _moves_from(
+        self, p: Placement, size: float, demands: list[tuple[str, dict[Placement, dict[int, float]]]]
+    ) -> None:
+        """One source placement ``p``: the move to ``q`` is paid once per phase iff some consumer
+        there asks for ``q`` (``N >= Z_u[q]``; exact)."""
+        need: dict[tuple[Placement, str], list[dict[int, float]]] = defaultdict(list)
+        for phase, d in demands:
+            for q, t in d.items():
+                if q != p:
+                    need[(q, phase)].append(t)
+        for (q, _phase), ts in need.items():
+            c = self._move_time(p, q, size)
+            forced = any(not t for t in ts)
+            nvar = self.m.var(c, lo=1.0 if forced else 0.0)
+            for t in ts:
                 if t:
-                    self.rows.append(({m: 1.0, **{k: -c for k, c in t.items()}}, -math.inf, 0.0))
-            if forced:
-                self.rows.append((ms, 1.0, math.inf))
-            else:
-                for t in demands:
-                    row = dict(ms)
-                    for k, c in t.items():
-                        row[k] = row.get(k, 0.0) - c
-                    self.rows.append((row, 0.0, math.inf))
+                    self.m.rows.append(({nvar: 1.0, **{k: -w for k, w in t.items()}}, 0.0, math.inf))
+
+    def _flows(
+        self,
+        have: dict[Placement, dict[int, float]],
+        size: float,
+        demands: Demands,
+    ) -> None:
+        """Several source placements: per consumer ``u``, a flow ``f_u[p, q] >= 0`` whose sums over
+        ``q`` are the value's placement ``Y[p]`` and over ``p`` the placement ``u`` reads ``Z_u[q]``
+        (the edge's joint choice, exact where the graph is a tree and tight elsewhere); the move
+        ``p -> q`` of a phase is paid once, ``M[p, q] >= f_u[p, q]`` for its every consumer."""
+        paid: dict[tuple[Placement, Placement, str], list[int]] = defaultdict(list)
+        for phase, d in demands:
+            f = {(p, q): self.m.var(0.0, hi=math.inf) for p in have for q in d}
+            for p, t in have.items():
+                row = {f[p, q]: 1.0 for q in d}
+                for k, w in t.items():
+                    row[k] = row.get(k, 0.0) - w
+                self.m.rows.append((row, 0.0, 0.0))
+            for q, t in d.items():
+                row = {f[p, q]: 1.0 for p in have}
+                for k, w in t.items():
+                    row[k] = row.get(k, 0.0) - w
+                rhs = 0.0 if t else 1.0
+                self.m.rows.append((row, rhs, rhs))
+            for (p, q), col in f.items():
+                if p != q:
+                    paid[(p, q, phase)].append(col)
+        for (p, q, _phase), cols in paid.items():
+            c = self._move_time(p, q, size)
+            if len(cols) == 1:
+                self.m.cost[cols[0]] += c
+                continue
+            m = self.m.var(c)
+            for col in cols:
+                self.m.rows.append(({m: 1.0, col: -1.0}, 0.0, math.inf))
 
     def _keep_split(
         self, v: Value, uses: list[_Use], have: dict[Placement, dict[int, float]], x: list[list[int]]
@@ -293,7 +323,7 @@ class AxisProgram:
                 q = s.inputs[u.index]
                 for p, t in have.items():
                     if isinstance(p, Shard) and not isinstance(q, Shard):
-                        self.rows.append(({var: 1.0, **t}, -math.inf, 1.0 if t else 0.0))
+                        self.m.row_once({var: 1.0, **t}, -math.inf, 1.0 if t else 0.0)
 
     def _exchange_time(self, s: Strategy) -> float:
         """Time of the traffic an op makes itself under ``s`` (the all-to-all dispatcher): each rank
@@ -312,7 +342,10 @@ class AxisProgram:
         for a, s in enumerate(self.earlier[op_i]):
             if _splits(s):
                 shrink *= self.mesh.sizes[a]
-        return op_flops(op), op_bytes(op), shrink
+        key = op_key(op)
+        if key not in self.work:
+            self.work[key] = (op_flops(op), op_bytes(op))
+        return *self.work[key], shrink
 
     def _work(self, work: tuple[float, float, int], splits: bool) -> float:
         """Compute time of one rank's part of ``work`` (``_op_work``), this axis splitting it or not."""
@@ -320,26 +353,9 @@ class AxisProgram:
         ways = shrink * (self.n if splits else 1)
         return self.model.compute(flops / ways, nbytes_ / ways)
 
-    def _run(self) -> Any:
-        nvar = len(self.cost)
-        if nvar == 0:
-            return np.zeros(0)  # NOTE: nothing to choose (no ops, nothing moves): HiGHS needs a column
-        r_idx, c_idx, vals, lo, hi = [], [], [], [], []
-        for r, (row, lb, ub) in enumerate(self.rows):
-            for c, v in row.items():
-                r_idx.append(r)
-                c_idx.append(c)
-                vals.append(v)
-            lo.append(lb)
-            hi.append(ub)
-        a = coo_array((vals, (r_idx, c_idx)), shape=(len(self.rows), nvar)).tocsr()
-        res = milp(
-            c=np.asarray(self.cost),
-            constraints=LinearConstraint(a, np.asarray(lo), np.asarray(hi)),
-            integrality=np.asarray(self.integer),
-            bounds=Bounds(np.asarray(self.lo), np.asarray(self.hi)),
-            options={"disp": False, "mip_rel_gap": 1e-4, "time_limit": self.problem.time_limit},
-        )
+    def _run(self, start: dict[int, float] | None) -> Any:
+        res = self.m.solve(gap=self.problem.gap, node_limit=self.problem.node_limit, start=start)
+        self.answer = res
         if res.x is None:
             raise PassError(
                 f"sharding solve on mesh axis {self.axis!r} failed: {res.message}"
@@ -365,6 +381,10 @@ def _input_options(v: Value, n: int, earlier: list[Placement], mesh: Mesh) -> li
         if divides(size, ways):
             out.append(Shard(d))
     return out
+
+
+def _frozen(terms: dict[Placement, dict[int, float]]) -> tuple[object, ...]:
+    return tuple((p, tuple(t.items())) for p, t in terms.items())
 
 
 def _splits(s: Strategy) -> bool:

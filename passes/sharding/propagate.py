@@ -10,7 +10,7 @@ layout its parameter is stored in.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
@@ -34,13 +34,14 @@ from meshfold.ir.graph import Arg
 from meshfold.ir.ops import REDISTRIBUTE
 from meshfold.ir.symbolic import divides
 from meshfold.passes.base import JOINT, Pass, PassContext, PassError
+from meshfold.passes.blocks import op_key
 from meshfold.passes.cost.axis import AxisModel, axis_models
 from meshfold.passes.moe.spec import plan_with_experts
 from meshfold.passes.sharding.batch import batch_splits
 from meshfold.passes.sharding.cost import nbytes
 from meshfold.passes.sharding.plans import AUTO, Plan, Seeds, data_parallel_axes, default_preset, resolve
 from meshfold.passes.sharding.rules import RuleTable, rule_table, strategies_for
-from meshfold.passes.sharding.solve import Problem, solve
+from meshfold.passes.sharding.solve import Problem, Solution, solve
 from meshfold.passes.sharding.strategy import Strategy
 
 SHARDED = "sharded"
@@ -62,9 +63,10 @@ class Sharding(Pass):
     mode: Literal["solve", "greedy"] = "solve"
     """``solve``: one integer program per mesh axis over the whole graph (``solve.py``); ``greedy``:
     the cheapest strategy per op in program order, seeing only its operands."""
-    time_limit: float = 30.0
-    """Seconds the solve may spend per mesh axis before it settles for the best plan found; with
-    none found by then, a preset plan falls back to the greedy choice (with a warning)."""
+    node_limit: int = 20000
+    """Branch-and-bound nodes the solve may explore per mesh axis before it settles for the best
+    plan found (with a warning giving the gap); with none found by then, a preset plan falls back to
+    the greedy choice (with a warning). A unit of work, not time: the plan never depends on load."""
     share_blocks: bool = True
     """Repeated blocks (``layers.1``... mirroring ``layers.0``) share the solve's variables."""
 
@@ -99,7 +101,13 @@ def _solved(
 ) -> Seeds:
     """Every op's strategy per axis from the integer program (and, with ``auto``, every parameter's
     and input's layout); returns the seeds to build with."""
-    candidates = [prop.candidates(op) for op in graph.ops]
+    known: dict[Hashable, list[Strategy]] = {}
+    candidates = []
+    for op in graph.ops:  # NOTE: a mirrored layer's op has the same strategies (they read only types)
+        key = op_key(op)
+        if key not in known:
+            known[key] = prop.candidates(op)
+        candidates.append(known[key])
     free = frozenset(i.value for i in graph.inputs if auto and i.kind in ("param", "input"))
     by_name = {i.name: i.value for i in graph.inputs}
     start = {
@@ -122,10 +130,19 @@ def _solved(
     problem = Problem(graph, mesh, candidates, start, free, wants, models, valid, memory)
     batch_axes = frozenset(data_parallel_axes(seeds.roles))
     problem = replace(
-        problem, time_limit=opts.time_limit, status=ctx.status, share_blocks=opts.share_blocks, batch_axes=batch_axes
+        problem, node_limit=opts.node_limit, status=ctx.status, share_blocks=opts.share_blocks, batch_axes=batch_axes
     )
-    solution = solve(problem)
-    ctx.stats["sharding.solve"] = solution.stats
+    preset = _preset_plan(graph, mesh, problem, prop) if auto else None
+    solution = solve(problem, start=preset[1] if preset is not None else None)
+    if preset is not None:
+        ctx.stats["sharding.preset"] = (preset[0], preset[1].step_time)
+    if preset is not None and preset[1].step_time < solution.step_time:
+        ctx.warn(
+            f"plan 'auto': the {preset[0]} preset's layouts model faster ({preset[1].step_time * 1e3:.3f} ms per "
+            f"step against {solution.step_time * 1e3:.3f} ms for the solved ones); using them"
+        )
+        solution = preset[1]
+    _report(ctx, solution)
     prop.decided = solution.strategies
     if not auto:
         return seeds
@@ -137,6 +154,46 @@ def _solved(
         lay = solution.inputs.get(i.value, seeds.storage.get(i.name, Layout.replicated(mesh)))
         out.storage[i.name] = out.compute[i.name] = lay
     return out
+
+
+def _report(ctx: PassContext, solution: Solution) -> None:
+    ctx.stats["sharding.solve"] = solution.stats
+    ctx.stats["sharding.step_time"] = solution.step_time
+    for s in solution.stats:
+        if not s.optimal:
+            ctx.warn(
+                f"sharding solve on mesh axis {s.axis!r} stopped at its node limit ({s.nodes} nodes) with the "
+                f"plan within {100 * s.gap:.1f}% of optimal; raise sharding{{node-limit=...}} to search further"
+            )
+
+
+def _preset_plan(graph: Graph, mesh: Mesh, auto: Problem, prop: _Propagator) -> tuple[str, Solution] | None:
+    """The preset the mesh's axis names imply, as a plan of the ``auto`` program: every free input
+    fixed where the preset stores it (so a parameter the preset gathers for compute pays for the
+    gather, as it would under ``auto``), each op's strategy solved. None when the axis names imply
+    no preset, the plan pins expert weights (which presets do not lay out), or the preset has no
+    plan (a memory bound it cannot meet)."""
+    if prop.pinned:
+        return None
+    try:
+        name = default_preset(mesh)
+        seeds = resolve(Plan.of(name), graph, mesh)
+    except PassError:
+        return None
+    stored = {i.value: seeds.storage.get(i.name, Layout.replicated(mesh)) for i in graph.inputs}
+    wants: dict[int, Layout | Value] = {k: stored[w] if isinstance(w, Value) else w for k, w in auto.wants.items()}
+    problem = replace(
+        auto,
+        start=dict(auto.start) | {v: stored[v] for v in auto.free},
+        free=frozenset(),
+        wants=wants,
+        batch_axes=frozenset(data_parallel_axes(seeds.roles)),
+    )
+    try:
+        plan = solve(problem)
+    except PassError:
+        return None
+    return name, replace(plan, inputs={v: stored[v] for v in auto.free})
 
 
 @dataclass

@@ -23,23 +23,28 @@ HiGHS (``scipy.optimize.milp``) solves it exactly (``program.AxisProgram`` build
 from __future__ import annotations
 
 import math
+from collections.abc import Hashable
 
 from meshfold.ir import Layout, Placement, Value
 from meshfold.passes.base import PassError
-from meshfold.passes.sharding.problem import AxisStats, Problem, Solution
-from meshfold.passes.sharding.program import AxisProgram, Ties
+from meshfold.passes.sharding.problem import AxisStart, AxisStats, Problem, Solution
+from meshfold.passes.sharding.program import AxisProgram
 from meshfold.passes.sharding.strategy import Strategy
+from meshfold.passes.sharding.ties import Ties
 
 __all__ = ["AxisStats", "Problem", "Solution", "solve"]
 
 
-def solve(problem: Problem) -> Solution:
-    """Solve ``problem`` one mesh axis at a time (in mesh order)."""
+def solve(problem: Problem, start: Solution | None = None) -> Solution:
+    """Solve ``problem`` one mesh axis at a time (in mesh order). ``start``: a known plan (a
+    preset's) each axis's search begins from, so what it returns on reaching its node limit is
+    never worse on that axis."""
     graph, mesh = problem.graph, problem.mesh
     chosen: list[list[Strategy]] = [[] for _ in graph.ops]
     placed: dict[Value, list[Placement]] = {v: [] for v in problem.free}
     ties = Ties.of(problem)
     stats: list[AxisStats] = []
+    work: dict[Hashable, tuple[float, float]] = {}
     for k, axis in enumerate(mesh.names):
         per_op = []
         for i, op in enumerate(graph.ops):
@@ -49,9 +54,14 @@ def solve(problem: Problem) -> Solution:
             per_op.append(ok)
         later = math.prod(mesh.sizes[k + 1 :])
         budget = None if problem.memory is None else problem.memory * later
-        program = AxisProgram(problem, axis, per_op, chosen, placed, budget, ties)
-        with problem.status(f"sharding solve: mesh axis {axis!r}, {len(graph.ops)} ops (≤ {problem.time_limit:g} s)"):
-            picks, inputs = program.solve()
+        program = AxisProgram(problem, axis, per_op, chosen, placed, budget, ties, work)
+        with problem.status(f"sharding solve: mesh axis {axis!r}, {len(graph.ops)} ops"):
+            hint = None
+            if start is not None:
+                hint = AxisStart(
+                    [ss[k] for ss in start.strategies], {v: lay.placement(axis) for v, lay in start.inputs.items()}
+                )
+            picks, inputs = program.solve(hint)
         stats.append(program.stats)
         for i, s in enumerate(picks):
             chosen[i].append(s)

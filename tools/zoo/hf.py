@@ -104,30 +104,32 @@ def _hf_qwen3_moe() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     )
 
 
+# NOTE: also the deepseek-v3 stacks of any depth the solve-scale tests build.
+DEEPSEEK_V3_TINY: dict[str, Any] = {
+    "num_key_value_heads": 4,
+    "intermediate_size": 128,
+    "moe_intermediate_size": 32,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 2,
+    "n_group": 2,
+    "topk_group": 1,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "q_lora_rank": None,
+    "kv_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+}
+
+
 @register("hf-deepseek-v3")
 def _hf_deepseek_v3() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """transformers' DeepseekV3ForCausalLM (MLA, group-limited sigmoid routing, a shared expert, dense
     first layer; 8 routed experts, top-2) with random weights."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-    return _hf_causal_lm(
-        DeepseekV3Config,
-        DeepseekV3ForCausalLM,
-        _HF_COMMON | {"num_key_value_heads": 4},
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        n_shared_experts=1,
-        first_k_dense_replace=1,
-        q_lora_rank=None,
-        kv_lora_rank=16,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=8,
-        v_head_dim=16,
-    )
+    return _hf_causal_lm(DeepseekV3Config, DeepseekV3ForCausalLM, _HF_COMMON | DEEPSEEK_V3_TINY)
 
 
 @register("hf-lfm2-moe")
