@@ -48,6 +48,12 @@ def op_key(op: Op) -> Hashable:
     )
 
 
+def op_kinds(graph: Graph) -> list[int]:
+    """Each op's ``op_key`` as a small integer, equal where the keys are (cheap to hash and compare)."""
+    ids: dict[Hashable, int] = {}
+    return [ids.setdefault(op_key(op), len(ids)) for op in graph.ops]
+
+
 def _skeleton(a: Arg) -> Hashable:
     if isinstance(a, Value):
         return ("%", a.type)
@@ -95,7 +101,7 @@ def _hoisted(graph: Graph, rep: list[int], block: list[int], prefix: str) -> set
 
 
 def _mirror(
-    graph: Graph, keys: list[Hashable], rep: str, block: list[int], blocks: dict[str, list[int]]
+    graph: Graph, keys: list[int], rep: str, block: list[int], blocks: dict[str, list[int]]
 ) -> dict[int, int] | None:
     """``block``'s ops → the ``rep`` ops they repeat, one for one and in order; None if they do not."""
     shared = _hoisted(graph, blocks[rep], block, rep)
@@ -107,7 +113,7 @@ def _mirror(
 
 def mirrors(graph: Graph) -> tuple[dict[str, str], dict[int, int]]:
     """``mirrored_blocks`` and ``mirrored_ops`` at once."""
-    keys = [op_key(op) for op in graph.ops]
+    keys = op_kinds(graph)
     blocks = _block_ops(graph)
     kinds: dict[str, list[str]] = defaultdict(list)
     out: dict[str, str] = {}

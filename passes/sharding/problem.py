@@ -43,6 +43,10 @@ class Problem:
     """Ops and parameters of repeated blocks (``layers.1`` ... mirroring ``layers.0``) share one set
     of strategy and layout variables: every layer of a stack gets the same plan, and the integer
     program has one layer's binaries instead of all of them."""
+    keys: Sequence[int] = ()
+    """Per op, in program order, an integer equal for ops with the same ``blocks.op_kinds`` and the
+    same pinned operands (a mirrored layer's op: the same work and the same strategies fit it);
+    empty: each op its own."""
     batch_axes: frozenset[str] = frozenset()
     """Mesh axes that keep the batch split (a preset's ``ddp`` / ``fsdp`` axes): on them a value
     computed from the user's inputs is never moved off a Shard for an op to read (only a graph

@@ -13,11 +13,11 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from meshfold.ir import Layout, Mesh, Op, Placement, Replicate, Shard, TensorType, Value
+from meshfold.ir import Layout, Mesh, Placement, Replicate, Shard, TensorType, Value
 from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
 from meshfold.ir.symbolic import divides
 from meshfold.passes.base import PassError
-from meshfold.passes.blocks import op_key
+from meshfold.passes.blocks import op_kinds
 from meshfold.passes.sharding.batch import batch_values
 from meshfold.passes.sharding.cost import nbytes
 from meshfold.passes.sharding.milp import Columns
@@ -63,7 +63,7 @@ class AxisProgram:
         ties: Ties,
         work: dict[Hashable, tuple[float, float]],
     ) -> None:
-        """``work``: each op's FLOPs and bytes by ``op_key``, filled as needed and shared by the axes
+        """``work``: each op's FLOPs and bytes by its key (``Problem.keys``), filled as needed and shared by the axes
         (a mirrored layer's ops cost the same)."""
         graph, mesh = problem.graph, problem.mesh
         self.problem, self.graph, self.mesh, self.axis, self.per_op = problem, graph, mesh, axis, per_op
@@ -82,6 +82,7 @@ class AxisProgram:
         self.budget = budget
         self.ties = ties
         self.work = work
+        self.keys = problem.keys or op_kinds(graph)
         self.stats = AxisStats(axis, 0, 0, 0.0)
         self.m = Columns()
         # where each value comes from: (op index, result index), a fixed placement, or a choice
@@ -115,10 +116,12 @@ class AxisProgram:
         """Build and solve; ``start``: a known plan of this axis to begin from (see ``AxisStart``)."""
         tied = {i: t for i, t in self.ties.ops.items() if self.per_op[t] == self.per_op[i]}
         x: list[list[int]] = [[] for _ in self.graph.ops]
+        works = [self._op_work(i) for i in range(len(x))]
+        priced: dict[int, list[float]] = {}  # NOTE: by list: ops sharing one (``solve``) cost the same
         for op_i in sorted(range(len(x)), key=lambda i: i in tied):  # NOTE: columns first, then their users
-            ss = self.per_op[op_i]
-            work = self._op_work(self.graph.ops[op_i], op_i)
-            costs = [self._work(work, _splits(s)) + self._exchange_time(s) for s in ss]
+            if id(ss := self.per_op[op_i]) not in priced:
+                priced[id(ss)] = [self._work(works[op_i], _splits(s)) + self._exchange_time(s) for s in ss]
+            costs = priced[id(ss)]
             if op_i in tied:
                 x[op_i] = x[tied[op_i]]
                 for var, c in zip(x[op_i], costs, strict=True):
@@ -143,15 +146,9 @@ class AxisProgram:
         if self.budget is not None:
             self._memory(x)
         res = self._run(self._start_values(start, x) if start is not None else None)
-        picks = []
-        for ss, vars_ in zip(self.per_op, x, strict=True):
-            best = max(range(len(vars_)), key=lambda i: (res[vars_[i]], -i))
-            picks.append(ss[best])
+        picks = [ss[max(range(len(xs)), key=lambda i: (res[xs[i]], -i))] for ss, xs in zip(self.per_op, x, strict=True)]
         inputs = {v: max(opts, key=lambda p: (res[opts[p]], -list(opts).index(p))) for v, opts in self.choice.items()}
-        compute = sum(
-            self._work(self._op_work(op, i), _splits(s))
-            for i, (op, s) in enumerate(zip(self.graph.ops, picks, strict=True))
-        )
+        compute = sum(self._work(works[i], _splits(s)) for i, s in enumerate(picks))
         a = self.answer
         self.stats = AxisStats(
             self.axis,
@@ -336,14 +333,15 @@ class AxisProgram:
         """Time of turning ``p`` into ``q`` for a value of ``size`` bytes on this axis."""
         return self.model.redistribute(p, q, size)
 
-    def _op_work(self, op: Op, op_i: int) -> tuple[float, float, int]:
+    def _op_work(self, op_i: int) -> tuple[float, float, int]:
         """The op's FLOPs and bytes, and how many ways the earlier axes' strategies divide them."""
         shrink = 1
         for a, s in enumerate(self.earlier[op_i]):
             if _splits(s):
                 shrink *= self.mesh.sizes[a]
-        key = op_key(op)
+        key = self.keys[op_i]
         if key not in self.work:
+            op = self.graph.ops[op_i]
             self.work[key] = (op_flops(op), op_bytes(op))
         return *self.work[key], shrink
 

@@ -34,7 +34,7 @@ from meshfold.ir.graph import Arg
 from meshfold.ir.ops import REDISTRIBUTE
 from meshfold.ir.symbolic import divides
 from meshfold.passes.base import JOINT, Pass, PassContext, PassError
-from meshfold.passes.blocks import op_key
+from meshfold.passes.blocks import op_kinds
 from meshfold.passes.cost.axis import AxisModel, axis_models
 from meshfold.passes.moe.spec import plan_with_experts
 from meshfold.passes.sharding.batch import batch_splits
@@ -101,13 +101,17 @@ def _solved(
 ) -> Seeds:
     """Every op's strategy per axis from the integer program (and, with ``auto``, every parameter's
     and input's layout); returns the seeds to build with."""
-    known: dict[Hashable, list[Strategy]] = {}
+    known: dict[int, list[Strategy]] = {}
     candidates = []
-    for op in graph.ops:  # NOTE: a mirrored layer's op has the same strategies (they read only types)
-        key = op_key(op)
+    keys = op_kinds(graph)
+    for op, key in zip(graph.ops, keys, strict=True):  # NOTE: a mirrored layer's op has the same strategies
         if key not in known:
             known[key] = prop.candidates(op)
         candidates.append(known[key])
+    if prop.pinned:  # NOTE: which strategies fit an op reads its pinned operands' layouts too
+        pins: dict[Hashable, int] = {}
+        keyed = zip(keys, graph.ops, strict=True)
+        keys = [pins.setdefault((k, *map(prop.pinned.get, op.operands)), len(pins)) for k, op in keyed]
     free = frozenset(i.value for i in graph.inputs if auto and i.kind in ("param", "input"))
     by_name = {i.name: i.value for i in graph.inputs}
     start = {
@@ -130,7 +134,12 @@ def _solved(
     problem = Problem(graph, mesh, candidates, start, free, wants, models, valid, memory)
     batch_axes = frozenset(data_parallel_axes(seeds.roles))
     problem = replace(
-        problem, node_limit=opts.node_limit, status=ctx.status, share_blocks=opts.share_blocks, batch_axes=batch_axes
+        problem,
+        node_limit=opts.node_limit,
+        status=ctx.status,
+        share_blocks=opts.share_blocks,
+        batch_axes=batch_axes,
+        keys=keys,
     )
     preset = _preset_plan(graph, mesh, problem, prop) if auto else None
     solution = solve(problem, start=preset[1] if preset is not None else None)

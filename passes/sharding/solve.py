@@ -47,8 +47,12 @@ def solve(problem: Problem, start: Solution | None = None) -> Solution:
     work: dict[Hashable, tuple[float, float]] = {}
     for k, axis in enumerate(mesh.names):
         per_op = []
+        fits: dict[Hashable, list[Strategy]] = {}
         for i, op in enumerate(graph.ops):
-            ok = [s for s in problem.candidates[i] if problem.valid(op, s, chosen[i])]
+            kind = (problem.keys[i], *chosen[i]) if problem.keys else i
+            ok = fits.get(kind)
+            if ok is None:  # NOTE: ops of one kind share the list (``AxisProgram`` prices it once)
+                ok = fits[kind] = [s for s in problem.candidates[i] if problem.valid(op, s, chosen[i])]
             if not ok:
                 raise PassError(f"{op.describe()}: no valid sharding strategy on mesh axis {axis!r}")
             per_op.append(ok)
