@@ -195,8 +195,8 @@ def _compile_once(
     """Compile on rank 0 only; every rank gets the graph as IR text, rank 0's generator state and
     the guards of the graph's symbolic sizes.
 
-    NOTE: one plan for all ranks by construction (the sharding solve may stop at a time limit,
-    where results depend on machine speed), and the other ranks do not repeat the work. A failure
+    NOTE: one plan for all ranks by construction (whatever a rank's library versions or state),
+    and the other ranks do not repeat the work. A failure
     on rank 0 is sent as its message and raised on every rank (on rank 0 as itself when ``first``)."""
     payload: list[Any] = [None]
     if dist.get_rank() == 0:

@@ -38,6 +38,10 @@ def _hf(kind: str, layers: int) -> Any:
     if kind == "deepseek-v3":
         config = hf.DeepseekV3Config(**_SMALL, num_hidden_layers=layers, **DEEPSEEK_V3_TINY)
         return _hf_loss_cls(hf.DeepseekV3ForCausalLM)(config)
+    if kind == "lfm2":
+        types = ["conv", "full_attention"] * (layers // 2)
+        config = hf.Lfm2Config(**_SMALL, num_hidden_layers=layers, num_key_value_heads=2, layer_types=types)
+        return _hf_loss_cls(hf.Lfm2ForCausalLM)(config)
     cls, extra = {
         "llama": ("Llama", {}),
         "qwen2": ("Qwen2", {}),
@@ -61,19 +65,27 @@ def _cleaned(kind: str, layers: int) -> ir.Graph:
 
 @pytest.mark.hf
 @pytest.mark.parametrize(
-    ("kind", "layers", "kinds"),
-    [("llama", 4, 1), ("qwen2", 3, 1), ("mixtral", 3, 1), ("gpt2", 3, 1), ("deepseek-v3", 4, 2)],
+    ("kind", "reps"),
+    [
+        ("llama", (None, 0, 0, 0)),
+        ("qwen2", (None, 0, 0)),
+        ("mixtral", (None, 0, 0)),
+        ("gpt2", (None, 0, 0)),
+        # NOTE: a dense first layer, then MoE ones: one plan per kind
+        ("deepseek-v3", (None, None, 1, 1)),
+        # NOTE: a hybrid stack, short-convolution and attention layers taking turns
+        ("lfm2", (None, None, 0, 1)),
+    ],
 )
-def test_real_models_decoder_layers_are_found_as_repeats(kind: str, layers: int, kinds: int) -> None:
+def test_real_models_decoder_layers_are_found_as_repeats(kind: str, reps: tuple[int | None, ...]) -> None:
+    """``reps[i]``: the layer that layer ``i`` repeats (None: the first of its kind)."""
     pytest.importorskip("transformers")
-    g = _cleaned(kind, layers)
+    g = _cleaned(kind, len(reps))
     mirrors = mirrored_blocks(g)
     family = {b.rsplit(".", 1)[0] for b in mirrors}
     assert len(family) == 1, mirrors
     prefix = family.pop()
-    # NOTE: every layer but the first of each kind (DeepSeek-V3: a dense first layer, then MoE ones)
-    assert sorted(mirrors) == [f"{prefix}.{i}" for i in range(kinds, layers)], mirrors
-    assert set(mirrors.values()) == {f"{prefix}.{kinds - 1}"}, mirrors
+    assert mirrors == {f"{prefix}.{i}": f"{prefix}.{r}" for i, r in enumerate(reps) if r is not None}, mirrors
     # NOTE: both phases of a layer repeat, op for op
     pairs = mirrored_ops(g)
     phases = {g.ops[i].prov.phase for i in pairs}
