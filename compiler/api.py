@@ -21,6 +21,7 @@ from meshfold.groups import MeshGroups, as_timeout
 from meshfold.passes import PassError
 from meshfold.passes.base import quiet
 from meshfold.passes.cost.hardware import Cluster
+from meshfold.passes.sharding.problem import solve_report
 from meshfold.programs import DEFAULT_CACHE, Program
 from meshfold.runtime import ParallelModule
 from meshfold.session import DEFAULT_PIPELINE, CompileOptions, PlanSpec, compile_model, progress
@@ -124,9 +125,10 @@ def _compile(
     # NOTE: the program's random ops draw from their own generator, seeded from rank 0's default
     # generator as it is now, so every rank draws alike whatever its own seed (backends/random.py)
     rng = torch.Generator()
-    compiled, rng_state, _ = _compile_once(model, example_inputs, options, first=True)
+    compiled, rng_state, _, report = _compile_once(model, example_inputs, options, first=True)
     rng.set_state(rng_state)
     first = _program(compiled, groups, options, Signature.of(example_inputs, model.training, grad=True), rng)
+    first.report = report
     compiler = _Recompiler(_skeleton(model), groups, options, rng)
     return ParallelModule(model, mesh, first, compiler, cache_size, shapes=compiler.shapes, rng=rng, world=groups.world)
 
@@ -150,7 +152,7 @@ class _Recompiler:
         was = self.shapes.training
         self.shapes.train(sig.training)
         try:
-            graph, _, guards = _compile_once(self.shapes, inputs, opts, first=False)
+            graph, _, guards, _ = _compile_once(self.shapes, inputs, opts, first=False)
         finally:
             self.shapes.train(was)
         return graph, guards
@@ -191,9 +193,9 @@ def _skeleton(model: nn.Module) -> nn.Module:
 
 def _compile_once(
     model: nn.Module, example_inputs: Sequence[Any], options: CompileOptions, *, first: bool
-) -> tuple[ir.Graph, torch.Tensor, tuple[sympy.Basic, ...]]:
-    """Compile on rank 0 only; every rank gets the graph as IR text, rank 0's generator state and
-    the guards of the graph's symbolic sizes.
+) -> tuple[ir.Graph, torch.Tensor, tuple[sympy.Basic, ...], tuple[str, ...]]:
+    """Compile on rank 0 only; every rank gets the graph as IR text, rank 0's generator state, the
+    guards of the graph's symbolic sizes and the sharding solve's report (``solve_report``).
 
     NOTE: one plan for all ranks by construction (whatever a rank's library versions or state),
     and the other ranks do not repeat the work. A failure
@@ -203,18 +205,18 @@ def _compile_once(
         try:
             rng_state = torch.get_rng_state()
             result = compile_model(model, example_inputs, options)
-            payload[0] = ("ok", str(result.graph), rng_state, result.guards)
+            payload[0] = ("ok", str(result.graph), rng_state, result.guards, solve_report(result.stats))
         except Exception as e:
-            payload[0] = ("error", f"{type(e).__name__}: {e}", None, ())
+            payload[0] = ("error", f"{type(e).__name__}: {e}", None, (), ())
             dist.broadcast_object_list(payload, src=0)
             if first:
                 raise
             raise PassError(f"{type(e).__name__}: {e}") from e
     dist.broadcast_object_list(payload, src=0)
-    kind, text, rng_state, guards = payload[0]
+    kind, text, rng_state, guards, report = payload[0]
     if kind != "ok":
         raise PassError(text if not first else f"compilation failed on rank 0: {text}")
-    return ir.parse(text), rng_state, tuple(guards)
+    return ir.parse(text), rng_state, tuple(guards), tuple(report)
 
 
 M = TypeVar("M", bound=nn.Module)

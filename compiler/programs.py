@@ -42,6 +42,8 @@ class Program:
     """The model's output pytree for this signature (``tracer.output_structure``), learned on the
     first call; None: the flat outputs."""
     structure_known: bool = False
+    report: tuple[str, ...] = ()
+    """The sharding solve of the compile that made this program (``solve_report``), when it solved."""
     kinds: dict[str, str] = field(init=False)
     input_layouts: list[ir.Layout] = field(init=False)
     grad_sources: dict[str, set[str]] = field(init=False)

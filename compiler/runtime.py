@@ -272,6 +272,12 @@ class ParallelModule(nn.Module):
         """The SPMD graph (layouts and collectives) compiled for the example inputs, for inspection."""
         return self._mf_programs.first.graph
 
+    def plan_report(self) -> list[str]:
+        """How the sharding solve went for the example inputs' program: per mesh axis its program
+        size, whether HiGHS proved the plan optimal or stopped at the node limit, and the gap; then
+        the modelled step time beside the mesh's preset's. Empty for a plan that solved nothing."""
+        return list(self._mf_programs.first.report)
+
     def manual_seed(self, seed: int) -> None:
         """Seed the generator every random op of this module's programs draws from (dropout masks).
         Collective: call it on every rank with the same seed (a differing seed raises on every rank)."""

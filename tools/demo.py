@@ -143,7 +143,9 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: An
             (Path(args["dump_dir"]) / "parallel.txt").write_text(str(graph))
             layouts = [(i.name, str(i.value.layout)) for i in graph.inputs if i.kind == "param"]
             labels = group_labels(mesh, {c.group for c in calls})
-            queue.put(("result", {"losses": losses, "layouts": layouts, "comms": summarize(calls, labels)}))
+            comms = summarize(calls, labels)
+            result = {"losses": losses, "layouts": layouts, "comms": comms, "solve": pm.plan_report()}
+            queue.put(("result", result))
     finally:
         dist.destroy_process_group()
 
@@ -240,6 +242,8 @@ def run_demo(
     for name, lay in result["layouts"]:
         layouts.add_row(name, lay if lay != "{}" else "replicated")
     console.print(layouts)
+    for line in result["solve"]:
+        console.print(f"sharding solve: {line}")
     comms, total_in, total_out = collectives_table(result["comms"])
     console.print(comms)
     console.print(f"bytes per step on rank 0: {total_in / 2**20:.3f} MiB in, {total_out / 2**20:.3f} MiB out")

@@ -24,6 +24,7 @@ from rich.table import Table
 
 from meshfold import ir
 from meshfold.passes import Pass, PassError, PassFailure, PassPipeline, PassTiming, pass_spelling
+from meshfold.passes.sharding.problem import step_line
 from meshfold.session import DEFAULT_PIPELINE, CompileOptions, compile_model, progress
 from meshfold.tools.common import CliError, load_source, moe_items, moe_tables, parse_mesh, parse_moe, show_progress
 from meshfold.tools.dumps import DumpWriter, phase_counts
@@ -106,12 +107,7 @@ def _solve_table(stats: Mapping[str, object]) -> Table | None:
     axes = stats.get("sharding.solve")
     if not isinstance(axes, tuple) or not axes:
         return None
-    step = stats.get("sharding.step_time")
-    preset = stats.get("sharding.preset")
-    caption = f"modelled step {1e3 * step:.3f} ms" if isinstance(step, float) else None
-    if caption and isinstance(preset, tuple):
-        caption += f"; the {preset[0]} preset's layouts: {1e3 * preset[1]:.3f} ms"
-    table = Table(title="sharding solve", caption=caption)
+    table = Table(title="sharding solve", caption=step_line(stats))
     for column in ("axis", "binaries", "columns", "rows", "shared ops", "nodes", "gap", "state"):
         table.add_column(column, justify="left" if column in ("axis", "state") else "right")
     for a in axes:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
@@ -111,3 +111,25 @@ class Solution:
     @property
     def optimal(self) -> bool:
         return all(s.optimal for s in self.stats)
+
+
+def step_line(stats: Mapping[str, object]) -> str | None:
+    """The solved plan's modelled step time beside the preset's, from a compile's ``PassContext.stats``."""
+    step = stats.get("sharding.step_time")
+    if not isinstance(step, float):
+        return None
+    line = f"modelled step time {1e3 * step:.3f} ms"
+    preset = stats.get("sharding.preset")
+    if isinstance(preset, tuple):
+        line += f"; the {preset[0]} preset's layouts: {1e3 * preset[1]:.3f} ms"
+    return line
+
+
+def solve_report(stats: Mapping[str, object]) -> tuple[str, ...]:
+    """The sharding solve of a compile in lines: each mesh axis's program and how far HiGHS got
+    (optimal or stopped at the node limit, and the gap), then ``step_line``; empty if none ran."""
+    axes = stats.get("sharding.solve")
+    if not isinstance(axes, tuple):
+        return ()
+    step = step_line(stats)
+    return (*(a.describe() for a in axes if isinstance(a, AxisStats)), *([step] if step else []))

@@ -97,7 +97,12 @@ def equivalence(
                 t, want[name].detach(), rtol=0, atol=PARAM_ATOL, msg=lambda m, n=name: f"{n}: {m}"
             )
     layouts = {i.name: str(i.value.layout) for i in pm.graph().inputs if i.kind == "param"}
-    out: dict[str, Any] = {"worst_grad_abs_diff": worst, "loss": float(loss), "layouts": layouts}
+    out: dict[str, Any] = {
+        "worst_grad_abs_diff": worst,
+        "loss": float(loss),
+        "layouts": layouts,
+        "report": pm.plan_report(),
+    }
     if keep_module:
         out["module"] = pm
     return out

@@ -88,6 +88,12 @@ def test_auto_plan_equivalence(
     assert len(results) == _world(shape)
     layouts = results[0]["layouts"]
     assert all(r["layouts"] == layouts for r in results), "ranks compiled different plans"
+    # NOTE: the plan report: one line per mesh axis (solved to a proven optimum), then the step time
+    report = results[0]["report"]
+    assert all(r["report"] == report for r in results), [r["report"] for r in results]
+    assert [line.split(":")[0] for line in report[:-1]] == [f"mesh axis {a!r}" for a in names], report
+    assert all("optimal after" in line and "gap 0.0" in line for line in report[:-1]), report
+    assert report[-1].startswith("modelled step time "), report
     if memory is not None:
         assert any("S(" in lay for lay in layouts.values()), f"auto left every parameter replicated: {layouts}"
 

@@ -213,5 +213,5 @@ def test_pass_debug_reports_the_solve(capsys: pytest.CaptureFixture[str]) -> Non
     rows = [line.split("│")[1:-1] for line in out.splitlines() if line.startswith("│ dp") or line.startswith("│ tp")]
     assert [r[0].strip() for r in rows] == ["dp", "tp"], out
     assert all(r[-1].strip() == "optimal" and r[-2].strip() == "0.00%" for r in rows), rows
-    step = re.search(r"modelled step ([\d.]+) ms; the fsdp\+tp preset's layouts: ([\d.]+) ms", out)
+    step = re.search(r"modelled step time ([\d.]+) ms; the fsdp\+tp preset's layouts: ([\d.]+) ms", out)
     assert step is not None and float(step.group(1)) <= float(step.group(2)), out
