@@ -5,7 +5,7 @@ Values and ops are immutable; a pass builds a new graph with :class:`GraphBuilde
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
@@ -90,6 +90,18 @@ class Op:
         """Short description for errors: op name, module path, phase and source line."""
         return f"{self.name} at {self.prov.describe()}"
 
+    def key(self) -> Hashable:
+        """What the op computes, up to which values it reads: target, arguments with each value
+        replaced by its type, and result types (``cat([%a, %b], -1)`` in one layer keys as
+        ``cat([%c, %d], -1)`` in the next). Anything decided from an op's types alone (its type
+        check, its sharding strategies, its work) is the same for ops of one key."""
+        return (
+            self.target,
+            _skeleton(self.args),
+            tuple((k, _skeleton(v)) for k, v in self.kwargs),
+            tuple(r.type for r in self.results),
+        )
+
 
 def _values_in(arg: Arg) -> Iterator[Value]:
     if isinstance(arg, Value):
@@ -97,6 +109,14 @@ def _values_in(arg: Arg) -> Iterator[Value]:
     elif isinstance(arg, tuple):
         for a in arg:
             yield from _values_in(a)
+
+
+def _skeleton(a: Arg) -> Hashable:
+    if isinstance(a, Value):
+        return ("%", a.type)
+    if isinstance(a, tuple):
+        return tuple(_skeleton(x) for x in a)
+    return a
 
 
 def freeze_arg(arg: object) -> Arg:

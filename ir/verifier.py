@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Hashable, Iterator, Sequence
 
 import sympy
 import torch
@@ -130,13 +130,22 @@ def _check_layout(graph: Graph, v: Value, where: str) -> None:
 
 
 class _FakeRunner:
-    """Runs ATen ops on fake tensors to recompute result types."""
+    """Runs ATen ops on fake tensors to recompute result types; an op whose ``Op.key`` passed before
+    (the same op in every layer of a stack) is not run again: the check reads nothing else."""
 
     def __init__(self) -> None:
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.passed: set[Hashable] = set()
 
     def check(self, op: Op) -> None:
         _check_dtypes(op)
+        key = op.key()
+        if key in self.passed:
+            return
+        self._run(op)
+        self.passed.add(key)
+
+    def _run(self, op: Op) -> None:
         if any(not isinstance(v.type, TensorType) or not v.type.is_static() for v in op.operands):
             return
         if _symbolic(op.args) or _symbolic(tuple(v for _, v in op.kwargs)):

@@ -19,8 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Hashable
 
-from meshfold.ir import Graph, Op, Value
-from meshfold.ir.graph import Arg
+from meshfold.ir import Graph, Value
 
 
 def block_of(path: str) -> str:
@@ -36,30 +35,11 @@ def _family(block: str) -> str:
     return block.rsplit(".", 1)[0]
 
 
-def op_key(op: Op) -> Hashable:
-    """What two mirroring ops share: target, operand and result types, and the arguments with each
-    value read replaced by its type (``cat([%a, %b], -1)`` in one layer is ``cat([%c, %d], -1)`` in
-    the next)."""
-    return (
-        op.target,
-        _skeleton(op.args),
-        tuple((k, _skeleton(v)) for k, v in op.kwargs),
-        tuple(r.type for r in op.results),
-    )
-
-
 def op_kinds(graph: Graph) -> list[int]:
-    """Each op's ``op_key`` as a small integer, equal where the keys are (cheap to hash and compare)."""
+    """Each op's ``Op.key`` as a small integer, equal where the keys are (cheap to hash and compare):
+    two mirroring ops share it."""
     ids: dict[Hashable, int] = {}
-    return [ids.setdefault(op_key(op), len(ids)) for op in graph.ops]
-
-
-def _skeleton(a: Arg) -> Hashable:
-    if isinstance(a, Value):
-        return ("%", a.type)
-    if isinstance(a, tuple | list):
-        return tuple(_skeleton(x) for x in a)
-    return a
+    return [ids.setdefault(op.key(), len(ids)) for op in graph.ops]
 
 
 def _block_ops(graph: Graph) -> dict[str, list[int]]:

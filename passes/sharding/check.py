@@ -4,9 +4,12 @@ exactly the layout the producer wrote (collectives are explicit ops)."""
 
 from __future__ import annotations
 
+from collections.abc import Hashable
+
 from meshfold.ir import Graph, Op, OpDef, VerifyError
 from meshfold.ir.ops import REDISTRIBUTE
 from meshfold.passes.sharding.rules import rule_table, strategies_for
+from meshfold.passes.sharding.strategy import Strategy
 
 
 def check_layouts(graph: Graph, *, allow_redistribute: bool = True) -> None:
@@ -14,13 +17,23 @@ def check_layouts(graph: Graph, *, allow_redistribute: bool = True) -> None:
     if graph.mesh is None:
         return
     table = rule_table()
+    # NOTE: a rule reads the op's types and arguments only, so ops of one ``Op.key`` (the same op in
+    # every layer of a stack) share their strategies, and with the same layouts their verdict
+    passed: set[Hashable] = set()
+    known: dict[Hashable, list[Strategy]] = {}
     for op in graph.ops:
         if isinstance(op.target, OpDef):
             if op.target == REDISTRIBUTE and not allow_redistribute:
                 raise VerifyError(f"{op.describe()}: comm.redistribute left after boxing")
             _check_collective(graph, op)
             continue
-        strategies, _ = strategies_for(op, table)
+        key = op.key()
+        seen = (key, tuple(v.layout for v in op.operands), tuple(r.layout for r in op.results))
+        if seen in passed:
+            continue
+        if key not in known:
+            known[key] = strategies_for(op, table)[0]
+        strategies = known[key]
         for i, axis in enumerate(graph.mesh.names):
             have = (
                 tuple(v.layout.placements[i] for v in op.operands),
@@ -33,6 +46,7 @@ def check_layouts(graph: Graph, *, allow_redistribute: bool = True) -> None:
                     f"{op.describe()}: on mesh axis {axis!r} the placements ({ins}) -> ({outs}) are not a "
                     f"strategy of its sharding rule; a pass wrote inconsistent layouts (run boxing after sharding)"
                 )
+        passed.add(seen)
 
 
 def _check_collective(graph: Graph, op: Op) -> None:

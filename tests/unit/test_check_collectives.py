@@ -50,3 +50,48 @@ def test_inconsistent_collective_is_named(edit: tuple[str, str]) -> None:
     assert GOOD.count(old) == 1
     with pytest.raises(ir.VerifyError, match=r"comm\.\w+ at m \(fwd\).*inconsistent layouts"):
         check_layouts(ir.parse(GOOD.replace(old, new)))
+
+
+STACK = """graph @g mesh<tp=2> {
+  input %x : f32[8, 16]
+  input %w0 : f32[16, 16] {tp: S(1)}
+  input %w1 : f32[16, 16] {tp: S(1)}
+  input %w2 : f32[16, 16] {tp: S(1)}
+  %a = aten.mm(%x, %w0) : f32[8, 16] {tp: S(1)}  # layers.0 fwd
+  %b = comm.all_gather(%a, axis="tp", dim=1) : f32[8, 16]  # layers.0 fwd
+  %c = aten.mm(%b, %w1) : f32[8, 16] {tp: S(1)}  # layers.1 fwd
+  %d = comm.all_gather(%c, axis="tp", dim=1) : f32[8, 16]  # layers.1 fwd
+  %e = aten.mm(%d, %w2) : f32[8, 16] {tp: S(1)}  # layers.2 fwd
+  output out(0) = %e
+}
+"""
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "message"),
+    [
+        # the last layer's product claims a layout its rule does not give: same op key, other layouts
+        (
+            "%e = aten.mm(%d, %w2) : f32[8, 16] {tp: S(1)}",
+            "%e = aten.mm(%d, %w2) : f32[8, 16] {tp: S(0)}",
+            r"aten\.mm at layers\.2 .*not a strategy of its sharding rule",
+        ),
+        # the last layer's product declares a type the op does not compute: another op key
+        (
+            "%e = aten.mm(%d, %w2) : f32[8, 16] {tp: S(1)}",
+            "%e = aten.mm(%d, %w2) : f32[8, 17] {tp: S(1)}",
+            r"aten\.mm at layers\.2 .*declared f32\[8, 17\]",
+        ),
+    ],
+    ids=["layout", "type"],
+)
+def test_checks_shared_by_repeated_layers_still_see_a_layer_that_differs(old: str, new: str, message: str) -> None:
+    """The verifier and the layout check decide once per op key (and layouts), so layers 1 and 2
+    repeat layer 0's verdict; a later layer that differs is still refused, by its own line."""
+    g = ir.parse(STACK)
+    ir.verify(g)
+    check_layouts(g)
+    bad = ir.parse(STACK.replace(old, new))
+    with pytest.raises(ir.VerifyError, match=message):
+        ir.verify(bad)
+        check_layouts(bad)

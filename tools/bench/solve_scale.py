@@ -8,7 +8,8 @@ with 80 layers (seq 2048, global batch 16), and DeepSeek-V3-shaped MoE at 8 laye
 then 256 routed experts, top 8), whose expert split ``auto`` chooses itself; all on ``dp=8,tp=8``
 of h100:8x8.
 
-Per case: capture and pipeline wall time, each mesh axis's program (binaries, columns, rows), its
+Per case: capture and whole-pipeline wall time (the default pipeline ``parallelize`` runs, the
+verifier included), each mesh axis's program (binaries, columns, rows), its
 gap and nodes, peak RSS, and the modelled step time of the ``auto`` plan against the preset the
 mesh names (``fsdp+tp``) priced by the same program (a parameter the preset stores sharded pays
 for its gathers). The load average is printed beside each row; the machine is shared.
@@ -34,7 +35,6 @@ CASES = {
     "llama70b-80": ("llama70b", 80),
     "deepseek-v3-8": ("deepseek", 8),
 }
-PIPELINE = "cleanup,moe-fold,sharding"
 
 
 def _model(kind: str, layers: int) -> Any:
@@ -92,7 +92,7 @@ def run_case(name: str) -> dict[str, Any]:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from meshfold import capture
-    from meshfold.session import CompileOptions, compile_model
+    from meshfold.session import DEFAULT_PIPELINE, CompileOptions, compile_model
 
     kind, layers = CASES[name]
     with FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True):
@@ -103,7 +103,7 @@ def run_case(name: str) -> dict[str, Any]:
         warnings.simplefilter("ignore")
         graph = capture(model, (ids, ids))
         t1 = time.perf_counter()
-        opts = CompileOptions.of(mesh="dp=8,tp=8", plan="auto", cluster="h100:8x8", pipeline=PIPELINE)
+        opts = CompileOptions.of(mesh="dp=8,tp=8", plan="auto", cluster="h100:8x8", pipeline=DEFAULT_PIPELINE)
         result = compile_model(graph, None, opts, status=lambda _m: nullcontext())
     t2 = time.perf_counter()
     stats = result.stats
