@@ -85,6 +85,8 @@ class AxisProgram:
         self.keys = problem.keys or op_kinds(graph)
         self.stats = AxisStats(axis, 0, 0, 0.0)
         self.m = Columns()
+        self._read_terms: dict[tuple[int, int], tuple[Hashable, dict[Placement, Terms]]] = {}
+        self._have_terms: dict[tuple[int, int], Hashable] = {}
         # where each value comes from: (op index, result index), a fixed placement, or a choice
         self.source: dict[Value, tuple[int, int]] = {}
         self.fixed: dict[Value, Placement] = {}
@@ -114,7 +116,7 @@ class AxisProgram:
 
     def solve(self, start: AxisStart | None = None) -> tuple[list[Strategy], dict[Value, Placement]]:
         """Build and solve; ``start``: a known plan of this axis to begin from (see ``AxisStart``)."""
-        tied = {i: t for i, t in self.ties.ops.items() if self.per_op[t] == self.per_op[i]}
+        tied = {i: t for i, t in self.ties.ops.items() if _same(self.per_op[t], self.per_op[i])}
         x: list[list[int]] = [[] for _ in self.graph.ops]
         works = [self._op_work(i) for i in range(len(x))]
         priced: dict[int, list[float]] = {}  # NOTE: by list: ops sharing one (``solve``) cost the same
@@ -141,8 +143,16 @@ class AxisProgram:
                 phase = "bwd" if o.kind == "grad" else "fwd"
                 placement = want.placement(self.axis) if isinstance(want, Layout) else want
                 uses[o.value].append(_Use(o.value, -1, out_i, phase, placement))
+        # NOTE: consumers tied to one op read through its columns in one way: one stands for them all
+        # (a value every layer reads, such as a view of the rotary tables, has two uses per layer)
+        uses = {v: list({(tied.get(u.op, u.op), u.index, u.phase): u for u in us}.values()) for v, us in uses.items()}
+        built: dict[Value, Hashable] = {}
         for v, us in uses.items():
-            self._moves(v, us, x)
+            w = self._mirror(v, us, uses, tied)
+            if w is not None and w in built:
+                self.m.once(built[w], _unreachable)  # NOTE: the same program as ``w``'s: folded into it
+                continue
+            built[v] = self._moves(v, us, x)
         if self.budget is not None:
             self._memory(x)
         res = self._run(self._start_values(start, x) if start is not None else None)
@@ -223,33 +233,83 @@ class AxisProgram:
             out[s.outputs[j]][var] = 1.0
         return out
 
-    def _moves(self, v: Value, uses: list[_Use], x: list[list[int]]) -> None:
+    def _mirror(self, v: Value, us: list[_Use], uses: dict[Value, list[_Use]], tied: dict[int, int]) -> Value | None:
+        """The value of a repeated block's first copy whose moves are ``v``'s (see ``_moves``), or None.
+
+        ``v`` made by an op tied to another (so it has that op's columns) has the same placement
+        terms as the same result of that op; if its consumers, each mapped to the op it is tied to,
+        are that result's, in order (index and phase alike), its demands and so its whole key are
+        equal too, and building it again would only fold. A graph output among the uses (its own
+        wanted layout) or a different size or batch rule keeps it apart."""
+        src = self.source.get(v)
+        if src is None or src[0] not in tied:
+            return None
+        w = self.graph.ops[tied[src[0]]].results[src[1]]
+        theirs = uses.get(w)
+        if theirs is None or len(theirs) != len(us) or self.shrink[v] != self.shrink[w]:
+            return None
+        if (v in self.batch) != (w in self.batch):
+            return None
+        for a, b in zip(us, theirs, strict=True):
+            if a.op < 0 or b.op < 0 or (a.index, a.phase) != (b.index, b.phase):
+                return None
+            if tied.get(a.op, a.op) != tied.get(b.op, b.op):
+                return None
+        return w
+
+    def _moves(self, v: Value, uses: list[_Use], x: list[list[int]]) -> Hashable:
+        """Columns and rows pricing every move of ``v`` its consumers ask for; returns the key they
+        were built (or folded) under."""
         assert isinstance(v.type, TensorType)
         size = nbytes(v.type) / self.shrink.get(v, 1)
         have = self._placement_terms(v, x)
         if v in self.batch:
             self._keep_split(v, uses, have, x)
-        demands: Demands = []
+        # NOTE: consumers in mirrored blocks read a value shared by every layer (a view of the rotary
+        # tables) through the same columns: one demand stands for them all
+        unique: dict[Hashable, tuple[str, dict[Placement, Terms]]] = {}
         for u in uses:
             if u.op < 0:
                 if isinstance(u.want, Value):  # the gradient of a free parameter: wherever it lives
-                    demands.append((u.phase, {q: {var: 1.0} for q, var in self.choice[u.want].items()}))
+                    d = {q: {var: 1.0} for q, var in self.choice[u.want].items()}
                 elif u.want is not None:
-                    demands.append((u.phase, {u.want: {}}))
+                    d = {u.want: {}}
+                else:
+                    continue
+                unique.setdefault((u.phase, _frozen(d)), (u.phase, d))
                 continue
-            terms: dict[Placement, dict[int, float]] = defaultdict(dict)
-            for s, var in zip(self.per_op[u.op], x[u.op], strict=True):
-                terms[s.inputs[u.index]][var] = 1.0
-            demands.append((u.phase, terms))
-        # NOTE: consumers in mirrored blocks read a value shared by every layer (a view of the rotary
-        # tables) through the same columns: one demand stands for them all
-        unique = {(ph, tuple((q, tuple(t.items())) for q, t in d.items())): (ph, d) for ph, d in demands}
-        key = (size, _frozen(have), tuple(unique))
+            frozen, d = self._reads(u.op, u.index, x)
+            unique.setdefault((u.phase, frozen), (u.phase, d))
+        key = (size, self._frozen_have(v, have, x), tuple(unique))
         demands = list(unique.values())
         if len(have) == 1:
             self.m.once(key, lambda: self._moves_from((*have,)[0], size, demands))
         else:
             self.m.once(key, lambda: self._flows(have, size, demands))
+        return key
+
+    def _reads(self, op_i: int, index: int, x: list[list[int]]) -> tuple[Hashable, dict[Placement, Terms]]:
+        """``Z[op, index, q]``: the terms that are 1 when the op reads operand ``index`` in ``q``, and
+        their frozen form; the same for every op sharing the columns (kept by the columns' list)."""
+        key = (id(x[op_i]), index)
+        hit = self._read_terms.get(key)
+        if hit is None:
+            terms: dict[Placement, Terms] = defaultdict(dict)
+            for s, var in zip(self.per_op[op_i], x[op_i], strict=True):
+                terms[s.inputs[index]][var] = 1.0
+            hit = self._read_terms[key] = (_frozen(terms), terms)
+        return hit
+
+    def _frozen_have(self, v: Value, have: dict[Placement, Terms], x: list[list[int]]) -> Hashable:
+        """``_frozen(have)``, kept by the producer's columns (the same for its every mirror)."""
+        src = self.source.get(v)
+        if src is None:
+            return _frozen(have)
+        key = (id(x[src[0]]), -1 - src[1])
+        hit = self._have_terms.get(key)
+        if hit is None:
+            hit = self._have_terms[key] = _frozen(have)
+        return hit
 
     def _moves_from(
         self, p: Placement, size: float, demands: list[tuple[str, dict[Placement, dict[int, float]]]]
@@ -379,6 +439,15 @@ def _input_options(v: Value, n: int, earlier: list[Placement], mesh: Mesh) -> li
         if divides(size, ways):
             out.append(Shard(d))
     return out
+
+
+def _same(a: list[Strategy], b: list[Strategy]) -> bool:
+    """Equal strategy lists (ops of one kind share the very list: ``solve``)."""
+    return a is b or a == b
+
+
+def _unreachable() -> None:
+    raise AssertionError("a mirrored value's moves are folded into its first copy's, never built")
 
 
 def _frozen(terms: dict[Placement, dict[int, float]]) -> tuple[object, ...]:

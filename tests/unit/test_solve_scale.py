@@ -117,6 +117,36 @@ def test_the_program_does_not_grow_with_depth_and_every_layer_gets_one_plan() ->
             assert lay == layouts["model.layers.0." + name.split(".", 3)[3]], name
 
 
+@pytest.mark.hf
+def test_a_mirrored_layers_moves_taken_from_its_first_copy_give_the_same_program(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The solve skips building the moves of a value a repeated layer makes when the first layer's
+    copy has the same consumers; the program, its optimum and the plan are what building them all
+    gives."""
+    pytest.importorskip("transformers")
+    from meshfold.passes.sharding.program import AxisProgram
+
+    g = _cleaned("llama", 4)
+    taken = []
+    real = AxisProgram._mirror
+
+    def counted(self: AxisProgram, *args: Any) -> Any:
+        w = real(self, *args)
+        taken.append(w is not None)
+        return w
+
+    monkeypatch.setattr(AxisProgram, "_mirror", counted)
+    fast, fast_layouts = _solve_stats(g)
+    assert sum(taken) > len(taken) // 2, (sum(taken), len(taken))
+    monkeypatch.setattr(AxisProgram, "_mirror", lambda self, *args: None)
+    full, full_layouts = _solve_stats(g)
+    assert fast_layouts == full_layouts
+    for a, b in zip(fast, full, strict=True):
+        assert (a.binaries, a.columns, a.rows, a.folded) == (b.binaries, b.columns, b.rows, b.folded), (a, b)
+        assert a.objective == pytest.approx(b.objective, rel=1e-9), (a, b)
+
+
 def test_folding_a_repeated_build_keeps_the_optimum() -> None:
     """Two identical copies of a set of columns under the same rows solve to the optimum of one
     copy with its cost doubled."""
