@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from meshfold.ir import Layout, Mesh, Placement, Replicate, Shard, TensorType, Value
@@ -21,6 +20,7 @@ from meshfold.passes.blocks import op_kinds
 from meshfold.passes.sharding.batch import batch_values
 from meshfold.passes.sharding.cost import nbytes
 from meshfold.passes.sharding.milp import Columns
+from meshfold.passes.sharding.moves import MoveColumns, Terms, Use, unreachable
 from meshfold.passes.sharding.opwork import op_bytes, op_flops
 from meshfold.passes.sharding.problem import AxisStart, AxisStats, Problem
 from meshfold.passes.sharding.strategy import Strategy
@@ -30,26 +30,7 @@ from meshfold.passes.sharding.ties import Ties
 STATE_COPIES = 4.0
 
 
-Terms = dict[int, float]
-"""A linear expression over the program's columns (empty: the constant 1)."""
-Demands = list[tuple[str, dict[Placement, Terms]]]
-"""Per consumer of a value: its phase, and for each placement it may read the value in, the terms
-that are 1 when it does."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Use:
-    """``value`` is operand ``index`` of op ``op``; ``op`` -1: a graph output, ``want`` its layout
-    or, for the gradient of a free parameter, that parameter (the gradient lands where it is)."""
-
-    value: Value
-    op: int
-    index: int
-    phase: str
-    want: Placement | Value | None = None
-
-
-class AxisProgram:
+class AxisProgram(MoveColumns):
     """The program for one mesh axis; see the module docstring."""
 
     def __init__(
@@ -132,17 +113,17 @@ class AxisProgram:
             x[op_i] = [self.m.var(c, integer=True) for c in costs]
             self.m.rows.append(({v: 1.0 for v in x[op_i]}, 1.0, 1.0))
         shared = len(tied)
-        uses: dict[Value, list[_Use]] = defaultdict(list)
+        uses: dict[Value, list[Use]] = defaultdict(list)
         for op_i, op in enumerate(self.graph.ops):
             for k, v in enumerate(op.operands):
                 if isinstance(v.type, TensorType):
-                    uses[v].append(_Use(v, op_i, k, op.prov.phase))
+                    uses[v].append(Use(v, op_i, k, op.prov.phase))
         for out_i, o in enumerate(self.graph.outputs):
             want = self.problem.wants.get(out_i)
             if want is not None and isinstance(o.value.type, TensorType):
                 phase = "bwd" if o.kind == "grad" else "fwd"
                 placement = want.placement(self.axis) if isinstance(want, Layout) else want
-                uses[o.value].append(_Use(o.value, -1, out_i, phase, placement))
+                uses[o.value].append(Use(o.value, -1, out_i, phase, placement))
         # NOTE: consumers tied to one op read through its columns in one way: one stands for them all
         # (a value every layer reads, such as a view of the rotary tables, has two uses per layer)
         uses = {v: list({(tied.get(u.op, u.op), u.index, u.phase): u for u in us}.values()) for v, us in uses.items()}
@@ -150,7 +131,7 @@ class AxisProgram:
         for v, us in uses.items():
             w = self._mirror(v, us, uses, tied)
             if w is not None and w in built:
-                self.m.once(built[w], _unreachable)  # NOTE: the same program as ``w``'s: folded into it
+                self.m.once(built[w], unreachable)  # NOTE: the same program as ``w``'s: folded into it
                 continue
             built[v] = self._moves(v, us, x)
         if self.budget is not None:
@@ -221,177 +202,12 @@ class AxisProgram:
                     row[var] += size / (self.n if isinstance(p, Shard) else 1)
         self.m.rows.append((dict(row), -math.inf, self.budget - const))
 
-    def _placement_terms(self, v: Value, x: list[list[int]]) -> dict[Placement, dict[int, float]]:
-        """``Y[v, p]`` as linear terms over ``x`` (an empty dict: the constant 1)."""
-        if v in self.fixed:
-            return {self.fixed[v]: {}}
-        if v in self.choice:
-            return {p: {var: 1.0} for p, var in self.choice[v].items()}
-        op_i, j = self.source[v]
-        out: dict[Placement, dict[int, float]] = defaultdict(dict)
-        for s, var in zip(self.per_op[op_i], x[op_i], strict=True):
-            out[s.outputs[j]][var] = 1.0
-        return out
-
-    def _mirror(self, v: Value, us: list[_Use], uses: dict[Value, list[_Use]], tied: dict[int, int]) -> Value | None:
-        """The value of a repeated block's first copy whose moves are ``v``'s (see ``_moves``), or None.
-
-        ``v`` made by an op tied to another (so it has that op's columns) has the same placement
-        terms as the same result of that op; if its consumers, each mapped to the op it is tied to,
-        are that result's, in order (index and phase alike), its demands and so its whole key are
-        equal too, and building it again would only fold. A graph output among the uses (its own
-        wanted layout) or a different size or batch rule keeps it apart."""
-        src = self.source.get(v)
-        if src is None or src[0] not in tied:
-            return None
-        w = self.graph.ops[tied[src[0]]].results[src[1]]
-        theirs = uses.get(w)
-        if theirs is None or len(theirs) != len(us) or self.shrink[v] != self.shrink[w]:
-            return None
-        if (v in self.batch) != (w in self.batch):
-            return None
-        for a, b in zip(us, theirs, strict=True):
-            if a.op < 0 or b.op < 0 or (a.index, a.phase) != (b.index, b.phase):
-                return None
-            if tied.get(a.op, a.op) != tied.get(b.op, b.op):
-                return None
-        return w
-
-    def _moves(self, v: Value, uses: list[_Use], x: list[list[int]]) -> Hashable:
-        """Columns and rows pricing every move of ``v`` its consumers ask for; returns the key they
-        were built (or folded) under."""
-        assert isinstance(v.type, TensorType)
-        size = nbytes(v.type) / self.shrink.get(v, 1)
-        have = self._placement_terms(v, x)
-        if v in self.batch:
-            self._keep_split(v, uses, have, x)
-        # NOTE: consumers in mirrored blocks read a value shared by every layer (a view of the rotary
-        # tables) through the same columns: one demand stands for them all
-        unique: dict[Hashable, tuple[str, dict[Placement, Terms]]] = {}
-        for u in uses:
-            if u.op < 0:
-                if isinstance(u.want, Value):  # the gradient of a free parameter: wherever it lives
-                    d = {q: {var: 1.0} for q, var in self.choice[u.want].items()}
-                elif u.want is not None:
-                    d = {u.want: {}}
-                else:
-                    continue
-                unique.setdefault((u.phase, _frozen(d)), (u.phase, d))
-                continue
-            frozen, d = self._reads(u.op, u.index, x)
-            unique.setdefault((u.phase, frozen), (u.phase, d))
-        key = (size, self._frozen_have(v, have, x), tuple(unique))
-        demands = list(unique.values())
-        if len(have) == 1:
-            self.m.once(key, lambda: self._moves_from((*have,)[0], size, demands))
-        else:
-            self.m.once(key, lambda: self._flows(have, size, demands))
-        return key
-
-    def _reads(self, op_i: int, index: int, x: list[list[int]]) -> tuple[Hashable, dict[Placement, Terms]]:
-        """``Z[op, index, q]``: the terms that are 1 when the op reads operand ``index`` in ``q``, and
-        their frozen form; the same for every op sharing the columns (kept by the columns' list)."""
-        key = (id(x[op_i]), index)
-        hit = self._read_terms.get(key)
-        if hit is None:
-            terms: dict[Placement, Terms] = defaultdict(dict)
-            for s, var in zip(self.per_op[op_i], x[op_i], strict=True):
-                terms[s.inputs[index]][var] = 1.0
-            hit = self._read_terms[key] = (_frozen(terms), terms)
-        return hit
-
-    def _frozen_have(self, v: Value, have: dict[Placement, Terms], x: list[list[int]]) -> Hashable:
-        """``_frozen(have)``, kept by the producer's columns (the same for its every mirror)."""
-        src = self.source.get(v)
-        if src is None:
-            return _frozen(have)
-        key = (id(x[src[0]]), -1 - src[1])
-        hit = self._have_terms.get(key)
-        if hit is None:
-            hit = self._have_terms[key] = _frozen(have)
-        return hit
-
-    def _moves_from(
-        self, p: Placement, size: float, demands: list[tuple[str, dict[Placement, dict[int, float]]]]
-    ) -> None:
-        """One source placement ``p``: the move to ``q`` is paid once per phase iff some consumer
-        there asks for ``q`` (``N >= Z_u[q]``; exact)."""
-        need: dict[tuple[Placement, str], list[dict[int, float]]] = defaultdict(list)
-        for phase, d in demands:
-            for q, t in d.items():
-                if q != p:
-                    need[(q, phase)].append(t)
-        for (q, _phase), ts in need.items():
-            c = self._move_time(p, q, size)
-            forced = any(not t for t in ts)
-            nvar = self.m.var(c, lo=1.0 if forced else 0.0)
-            for t in ts:
-                if t:
-                    self.m.rows.append(({nvar: 1.0, **{k: -w for k, w in t.items()}}, 0.0, math.inf))
-
-    def _flows(
-        self,
-        have: dict[Placement, dict[int, float]],
-        size: float,
-        demands: Demands,
-    ) -> None:
-        """Several source placements: per consumer ``u``, a flow ``f_u[p, q] >= 0`` whose sums over
-        ``q`` are the value's placement ``Y[p]`` and over ``p`` the placement ``u`` reads ``Z_u[q]``
-        (the edge's joint choice, exact where the graph is a tree and tight elsewhere); the move
-        ``p -> q`` of a phase is paid once, ``M[p, q] >= f_u[p, q]`` for its every consumer."""
-        paid: dict[tuple[Placement, Placement, str], list[int]] = defaultdict(list)
-        for phase, d in demands:
-            f = {(p, q): self.m.var(0.0, hi=math.inf) for p in have for q in d}
-            for p, t in have.items():
-                row = {f[p, q]: 1.0 for q in d}
-                for k, w in t.items():
-                    row[k] = row.get(k, 0.0) - w
-                self.m.rows.append((row, 0.0, 0.0))
-            for q, t in d.items():
-                row = {f[p, q]: 1.0 for p in have}
-                for k, w in t.items():
-                    row[k] = row.get(k, 0.0) - w
-                rhs = 0.0 if t else 1.0
-                self.m.rows.append((row, rhs, rhs))
-            for (p, q), col in f.items():
-                if p != q:
-                    paid[(p, q, phase)].append(col)
-        for (p, q, _phase), cols in paid.items():
-            c = self._move_time(p, q, size)
-            if len(cols) == 1:
-                self.m.cost[cols[0]] += c
-                continue
-            m = self.m.var(c)
-            for col in cols:
-                self.m.rows.append(({m: 1.0, col: -1.0}, 0.0, math.inf))
-
-    def _keep_split(
-        self, v: Value, uses: list[_Use], have: dict[Placement, dict[int, float]], x: list[list[int]]
-    ) -> None:
-        """Forbid every op but a whole-batch reduction to a scalar to read the batch value ``v`` whole
-        when it has a Shard: ``Y[v, p] + x[o, s] <= 1`` for each such strategy ``s``. Reading it as
-        another Shard (an all-to-all: a concatenation along the batch dim, say) keeps the work split."""
-        # NOTE: a graph output may still gather ``v``, and so may an op whose every result is a
-        # scalar (the token count of a mean loss: an integer sum, which has no Partial form).
-        for u in uses:
-            if u.op < 0 or self.scalar_only[u.op]:
-                continue
-            for s, var in zip(self.per_op[u.op], x[u.op], strict=True):
-                q = s.inputs[u.index]
-                for p, t in have.items():
-                    if isinstance(p, Shard) and not isinstance(q, Shard):
-                        self.m.row_once({var: 1.0, **t}, -math.inf, 1.0 if t else 0.0)
-
     def _exchange_time(self, s: Strategy) -> float:
         """Time of the traffic an op makes itself under ``s`` (the all-to-all dispatcher): each rank
         sends its ``1/n`` share of ``s.exchange``."""
         if not s.exchange or self.n == 1:
             return 0.0
         return self.model.collective("all_to_all", s.exchange / self.n)
-
-    def _move_time(self, p: Placement, q: Placement, size: float) -> float:
-        """Time of turning ``p`` into ``q`` for a value of ``size`` bytes on this axis."""
-        return self.model.redistribute(p, q, size)
 
     def _op_work(self, op_i: int) -> tuple[float, float, int]:
         """The op's FLOPs and bytes, and how many ways the earlier axes' strategies divide them."""
@@ -444,14 +260,6 @@ def _input_options(v: Value, n: int, earlier: list[Placement], mesh: Mesh) -> li
 def _same(a: list[Strategy], b: list[Strategy]) -> bool:
     """Equal strategy lists (ops of one kind share the very list: ``solve``)."""
     return a is b or a == b
-
-
-def _unreachable() -> None:
-    raise AssertionError("a mirrored value's moves are folded into its first copy's, never built")
-
-
-def _frozen(terms: dict[Placement, dict[int, float]]) -> tuple[object, ...]:
-    return tuple((p, tuple(t.items())) for p, t in terms.items())
 
 
 def _splits(s: Strategy) -> bool:
