@@ -64,6 +64,20 @@ def default_preset(mesh: Mesh) -> str:
     return "+".join(by_axis[a] for a in mesh.names)
 
 
+def mesh_presets(mesh: Mesh) -> list[str]:
+    """Every preset the mesh's axis names allow, ``default_preset``'s first: a ``dp`` axis is fsdp or
+    ddp (ddp alone beside an ``fsdp`` axis), ``fsdp`` is fsdp, ``tp`` is tp; none for other names."""
+    try:
+        first = default_preset(mesh)
+    except PassError:
+        return []
+    options = {"dp": ("ddp",) if "fsdp" in mesh.names else ("fsdp", "ddp"), "fsdp": ("fsdp",), "tp": ("tp",)}
+    names = [""]
+    for a in mesh.names:
+        names = [f"{n}+{o}" if n else o for n in names for o in options[a]]
+    return [first, *(n for n in names if n != first)]
+
+
 @dataclass(frozen=True)
 class Seeds:
     """Resolved plan: storage and compute layouts per input name, and the axes' roles."""

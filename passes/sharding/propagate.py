@@ -39,7 +39,15 @@ from meshfold.passes.cost.axis import AxisModel, axis_models
 from meshfold.passes.moe.spec import plan_with_experts
 from meshfold.passes.sharding.batch import batch_splits
 from meshfold.passes.sharding.cost import nbytes
-from meshfold.passes.sharding.plans import AUTO, Plan, Seeds, data_parallel_axes, default_preset, resolve
+from meshfold.passes.sharding.plans import (
+    AUTO,
+    Plan,
+    Seeds,
+    data_parallel_axes,
+    default_preset,
+    mesh_presets,
+    resolve,
+)
 from meshfold.passes.sharding.rules import RuleTable, rule_table, strategies_for
 from meshfold.passes.sharding.solve import Problem, Solution, solve
 from meshfold.passes.sharding.strategy import Strategy
@@ -141,16 +149,24 @@ def _solved(
         batch_axes=batch_axes,
         keys=keys,
     )
-    preset = _preset_plan(graph, mesh, problem, prop) if auto else None
+    presets = mesh_presets(mesh) if auto else []
+    preset = _preset_plan(graph, mesh, problem, prop, presets[0]) if presets else None
     solution = solve(problem, start=preset[1] if preset is not None else None)
     if preset is not None:
         ctx.stats["sharding.preset"] = (preset[0], preset[1].step_time)
-    if preset is not None and preset[1].step_time < solution.step_time:
+    known = [preset] if preset is not None else []
+    if not solution.optimal and len(presets) > 1:
+        # NOTE: a search stopped by its node limit is only known to beat the plan it started from; the
+        # mesh's other presets are priced too, so ``auto`` is never worse than any of them
+        known += [p for p in (_preset_plan(graph, mesh, problem, prop, n) for n in presets[1:]) if p is not None]
+        ctx.stats["sharding.presets"] = {name: plan.step_time for name, plan in known}
+    best = min(known, key=lambda p: p[1].step_time, default=None)
+    if best is not None and best[1].step_time < solution.step_time:
         ctx.warn(
-            f"plan 'auto': the {preset[0]} preset's layouts model faster ({preset[1].step_time * 1e3:.3f} ms per "
+            f"plan 'auto': the {best[0]} preset's layouts model faster ({best[1].step_time * 1e3:.3f} ms per "
             f"step against {solution.step_time * 1e3:.3f} ms for the solved ones); using them"
         )
-        solution = preset[1]
+        solution = best[1]
     _report(ctx, solution)
     prop.decided = solution.strategies
     if not auto:
@@ -176,16 +192,15 @@ def _report(ctx: PassContext, solution: Solution) -> None:
             )
 
 
-def _preset_plan(graph: Graph, mesh: Mesh, auto: Problem, prop: _Propagator) -> tuple[str, Solution] | None:
-    """The preset the mesh's axis names imply, as a plan of the ``auto`` program: every free input
+def _preset_plan(graph: Graph, mesh: Mesh, auto: Problem, prop: _Propagator, name: str) -> tuple[str, Solution] | None:
+    """Preset ``name`` (one of ``mesh_presets``) as a plan of the ``auto`` program: every free input
     fixed where the preset stores it (so a parameter the preset gathers for compute pays for the
-    gather, as it would under ``auto``), each op's strategy solved. None when the axis names imply
-    no preset, the plan pins expert weights (which presets do not lay out), or the preset has no
-    plan (a memory bound it cannot meet)."""
+    gather, as it would under ``auto``), each op's strategy solved. None when the plan pins expert
+    weights (which presets do not lay out) or the preset has no plan (sizes it cannot split, a
+    memory bound it cannot meet)."""
     if prop.pinned:
         return None
     try:
-        name = default_preset(mesh)
         seeds = resolve(Plan.of(name), graph, mesh)
     except PassError:
         return None

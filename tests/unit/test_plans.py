@@ -10,7 +10,7 @@ import torch
 
 from meshfold import DEFAULT_PIPELINE, CompileOptions, capture, compile_model, ir
 from meshfold.passes import PassContext, PassError, parse_pipeline
-from meshfold.passes.sharding.plans import Plan, default_preset, resolve
+from meshfold.passes.sharding.plans import Plan, default_preset, mesh_presets, resolve
 from meshfold.passes.sharding.tp import megatron_roles
 from meshfold.tools.zoo import build
 
@@ -182,3 +182,17 @@ def test_a_preset_that_cannot_split_a_parameter_says_which_and_why(hidden: int) 
     assert [d.split(" ")[3] for d in said] == ["fc1.weight", "fc1.bias", "fc2.weight"]
     assert all("size 30" in d and "4 ranks of mesh axis 'tp'" in d for d in said), said
     assert all(layouts[n].placement("tp") == ir.R for n in ("fc1.weight", "fc1.bias", "fc2.weight"))
+
+
+@pytest.mark.parametrize(
+    ("mesh", "presets"),
+    [
+        ("dp=2,tp=2", ["fsdp+tp", "ddp+tp"]),
+        ("dp=4", ["fsdp", "ddp"]),
+        ("fsdp=2,dp=2,tp=2", ["fsdp+ddp+tp"]),  # NOTE: beside an fsdp axis, dp is the replicated HSDP axis
+        ("tp=4", ["tp"]),
+        ("ep=2,tp=2", []),  # NOTE: an axis name no preset uses
+    ],
+)
+def test_mesh_presets_are_every_preset_the_axis_names_allow_default_first(mesh: str, presets: list[str]) -> None:
+    assert mesh_presets(ir.Mesh.parse(mesh)) == presets

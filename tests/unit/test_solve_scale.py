@@ -218,6 +218,33 @@ def test_a_plan_stopped_early_warns_with_its_gap(monkeypatch: pytest.MonkeyPatch
     assert isinstance(stats, tuple) and all(not s.optimal and s.gap == pytest.approx(0.25) for s in stats)
 
 
+def test_a_plan_stopped_early_is_no_worse_than_any_preset_of_the_mesh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A search the node limit stopped vouches only for beating the preset it started from, so every
+    preset the mesh's axis names allow is priced as well and the cheapest plan of all is kept; a
+    proven optimum needs none of that."""
+    model, inputs = build("mlp")
+    opts = CompileOptions.of(mesh="dp=2,tp=2", plan="auto", cluster="h100:8x1", pipeline="cleanup,sharding")
+
+    def compiled() -> dict[str, object]:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return compile_model(model, inputs, opts, status=lambda _m: nullcontext()).stats
+
+    proven = compiled()
+    assert "sharding.presets" not in proven
+    real = Columns.solve
+
+    def stopped(self: Columns, **kwargs: Any) -> MilpAnswer:
+        return dataclasses.replace(real(self, **kwargs), optimal=False)
+
+    monkeypatch.setattr(Columns, "solve", stopped)
+    stats = compiled()
+    presets = stats["sharding.presets"]
+    assert isinstance(presets, dict) and set(presets) == {"fsdp+tp", "ddp+tp"}, presets
+    step = stats["sharding.step_time"]
+    assert isinstance(step, float) and all(step <= t * (1 + 1e-9) for t in presets.values()), (step, presets)
+
+
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny", "mlp"])
 def test_auto_models_no_slower_than_the_preset_and_gives_the_same_plan_every_time(name: str) -> None:
     model, inputs = build(name)
