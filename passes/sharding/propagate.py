@@ -154,13 +154,13 @@ def _solved(
     solution = solve(problem, start=preset[1] if preset is not None else None)
     if preset is not None:
         ctx.stats["sharding.preset"] = (preset[0], preset[1].step_time)
-    known = [preset] if preset is not None else []
+    priced: list[tuple[str, Solution]] = [preset] if preset is not None else []
     if not solution.optimal and len(presets) > 1:
         # NOTE: a search stopped by its node limit is only known to beat the plan it started from; the
         # mesh's other presets are priced too, so ``auto`` is never worse than any of them
-        known += [p for p in (_preset_plan(graph, mesh, problem, prop, n) for n in presets[1:]) if p is not None]
-        ctx.stats["sharding.presets"] = {name: plan.step_time for name, plan in known}
-    best = min(known, key=lambda p: p[1].step_time, default=None)
+        priced += [p for p in (_preset_plan(graph, mesh, problem, prop, n) for n in presets[1:]) if p is not None]
+        ctx.stats["sharding.presets"] = {name: plan.step_time for name, plan in priced}
+    best = min(priced, key=lambda p: p[1].step_time, default=None)
     if best is not None and best[1].step_time < solution.step_time:
         ctx.warn(
             f"plan 'auto': the {best[0]} preset's layouts model faster ({best[1].step_time * 1e3:.3f} ms per "
