@@ -13,6 +13,7 @@ from meshfold.passes.cost.axis import AxisModel
 from meshfold.passes.sharding.cost import nbytes
 from meshfold.passes.sharding.milp import Columns
 from meshfold.passes.sharding.strategy import Strategy
+from meshfold.passes.sharding.ties import Ties
 
 Terms = dict[int, float]
 """A linear expression over the program's columns (empty: the constant 1)."""
@@ -46,6 +47,7 @@ class MoveColumns:
     shrink: dict[Value, int]
     batch: frozenset[Value]
     scalar_only: list[bool]
+    ties: Ties
     _read_terms: dict[tuple[int, int], tuple[Hashable, dict[Placement, Terms]]]
     _have_terms: dict[tuple[int, int], Hashable]
 
@@ -64,26 +66,43 @@ class MoveColumns:
     def _mirror(self, v: Value, us: list[Use], uses: dict[Value, list[Use]], tied: dict[int, int]) -> Value | None:
         """The value of a repeated block's first copy whose moves are ``v``'s (see ``_moves``), or None.
 
-        ``v`` made by an op tied to another (so it has that op's columns) has the same placement
-        terms as the same result of that op; if its consumers, each mapped to the op it is tied to,
-        are that result's, in order (index and phase alike), its demands and so its whole key are
-        equal too, and building it again would only fold. A graph output among the uses (its own
-        wanted layout) or a different size or batch rule keeps it apart."""
-        src = self.source.get(v)
-        if src is None or src[0] not in tied:
-            return None
-        w = self.graph.ops[tied[src[0]]].results[src[1]]
-        theirs = uses.get(w)
-        if theirs is None or len(theirs) != len(us) or self.shrink[v] != self.shrink[w]:
+        ``v`` made by an op tied to another (so it has that op's columns), or a parameter sharing its
+        twin's layout columns, has the same placement terms as the same result of that op (the
+        twin); if its consumers, each mapped to the op it is tied to, are that value's, in order
+        (operand index and phase alike; a graph output wanting the same placement, or the layout of
+        parameters that share columns), its demands and so its whole key are equal too, and
+        building it again would only fold. A different size or batch rule keeps it apart."""
+        w = self._counterpart(v, tied)
+        theirs = None if w is None else uses.get(w)
+        if w is None or theirs is None or len(theirs) != len(us) or self.shrink[v] != self.shrink[w]:
             return None
         if (v in self.batch) != (w in self.batch):
             return None
         for a, b in zip(us, theirs, strict=True):
-            if a.op < 0 or b.op < 0 or (a.index, a.phase) != (b.index, b.phase):
+            if a.phase != b.phase or (a.op < 0) != (b.op < 0):
                 return None
-            if tied.get(a.op, a.op) != tied.get(b.op, b.op):
+            if a.op < 0:
+                if not self._same_want(a.want, b.want):
+                    return None
+            elif a.index != b.index or tied.get(a.op, a.op) != tied.get(b.op, b.op):
                 return None
         return w
+
+    def _counterpart(self, v: Value, tied: dict[int, int]) -> Value | None:
+        """The same result of the op ``v``'s producer is tied to, or the parameter whose layout
+        columns ``v`` shares."""
+        src = self.source.get(v)
+        if src is not None:
+            return self.graph.ops[tied[src[0]]].results[src[1]] if src[0] in tied else None
+        twin = self.ties.inputs.get(v)
+        if twin is None or v not in self.choice or self.choice.get(twin) is not self.choice[v]:
+            return None
+        return twin
+
+    def _same_want(self, a: Placement | Value | None, b: Placement | Value | None) -> bool:
+        if isinstance(a, Value) and isinstance(b, Value):
+            return self.choice[a] is self.choice[b]
+        return not isinstance(a, Value) and not isinstance(b, Value) and a == b
 
     def _moves(self, v: Value, uses: list[Use], x: list[list[int]]) -> Hashable:
         """Columns and rows pricing every move of ``v`` its consumers ask for; returns the key they
