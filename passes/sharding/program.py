@@ -134,6 +134,8 @@ class AxisProgram(MoveColumns):
                 self.m.once(built[w], unreachable)  # NOTE: the same program as ``w``'s: folded into it
                 continue
             built[v] = self._moves(v, us, x)
+            if w is not None:  # NOTE: a value read only in the backward meets later layers' copies first
+                built.setdefault(w, built[v])
         if self.budget is not None:
             self._memory(x)
         res = self._run(self._start_values(start, x) if start is not None else None)
