@@ -175,16 +175,20 @@ class Columns:
         ``key`` must say everything ``build`` depends on (a mirrored block's value: the same size,
         placements and consumers' columns). Exact: two identical copies of a set of columns under
         the same rows take the same values at an optimum."""
-        hit = self.seen.get(key)
-        if hit is not None:
-            first, costs = hit
-            for i, c in enumerate(costs):
-                self.cost[first + i] += c
-            self.folded += 1
+        if key in self.seen:
+            self.fold(key)
             return
         n0 = len(self.cost)
         build()
         self.seen[key] = (n0, tuple(self.cost[n0:]))
+
+    def fold(self, key: Hashable) -> None:
+        """One more copy of what ``once`` built under ``key``: its columns' costs grow by their first
+        costs again."""
+        first, costs = self.seen[key]
+        for i, c in enumerate(costs):
+            self.cost[first + i] += c
+        self.folded += 1
 
     def row_once(self, row: dict[int, float], lo: float, hi: float) -> None:
         """Add a row unless the same row was added before."""

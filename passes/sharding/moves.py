@@ -234,9 +234,5 @@ class MoveColumns:
         return self.model.redistribute(p, q, size)
 
 
-def unreachable() -> None:
-    raise AssertionError("a mirrored value's moves are folded into its first copy's, never built")
-
-
 def _frozen(terms: dict[Placement, dict[int, float]]) -> tuple[object, ...]:
     return tuple((p, tuple(t.items())) for p, t in terms.items())

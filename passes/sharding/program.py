@@ -20,7 +20,7 @@ from meshfold.passes.blocks import op_kinds
 from meshfold.passes.sharding.batch import batch_values
 from meshfold.passes.sharding.cost import nbytes
 from meshfold.passes.sharding.milp import Columns
-from meshfold.passes.sharding.moves import MoveColumns, Terms, Use, unreachable
+from meshfold.passes.sharding.moves import MoveColumns, Terms, Use
 from meshfold.passes.sharding.opwork import op_bytes, op_flops
 from meshfold.passes.sharding.problem import AxisStart, AxisStats, Problem
 from meshfold.passes.sharding.strategy import Strategy
@@ -131,7 +131,7 @@ class AxisProgram(MoveColumns):
         for v, us in uses.items():
             w = self._mirror(v, us, uses, tied)
             if w is not None and w in built:
-                self.m.once(built[w], unreachable)  # NOTE: the same program as ``w``'s: folded into it
+                self.m.fold(built[w])  # NOTE: the same program as ``w``'s
                 continue
             built[v] = self._moves(v, us, x)
             if w is not None:  # NOTE: a value read only in the backward meets later layers' copies first
