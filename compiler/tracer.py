@@ -39,8 +39,10 @@ from meshfold.fakes import fake_copies, guards_of
 from meshfold.ir import GraphBuilder, Provenance, Value, tensor_type
 from meshfold.ir.constant import CONSTANT, literal
 from meshfold.ir.types import type_of
+from meshfold.layer_runs import Run, find_runs, reduced
 from meshfold.moe import MoeSpec, experts_as_ops, op_options
 from meshfold.moe_lists import fold_expert_lists
+from meshfold.unroll import Unfoldable, unroll
 
 __all__ = ["CaptureError", "capture", "module_path", "output_structure", "sharding_decompositions"]
 
@@ -72,6 +74,7 @@ def capture(
     moe: MoeSpec | None = None,
     dynamic: Sequence[tuple[int, int]] = (),
     guards: list[sympy.Basic] | None = None,
+    fold: bool = True,
 ) -> ir.Graph:
     """Capture ``model(*example_inputs)`` and its backward as one joint ``ir.Graph``.
 
@@ -87,24 +90,36 @@ def capture(
     ``dynamic``: ``(input index, dim)`` pairs captured as symbolic sizes (a sequence length): shapes
     and shape arguments then hold sympy expressions of them, and ``guards`` (when given) receives
     the conditions on their values under which the graph is the model's (ranges, equalities).
+
+    ``fold``: runs of identical layers are traced once and the rest stamped (``meshfold.layer_runs``,
+    ``meshfold.unroll``): the same graph as tracing every layer, in time that hardly grows with depth.
     """
     graph_name = name or _snake(type(model).__name__)
     with fake_copies(model, example_inputs, dynamic) as (fake_mode, fake_inputs), experts_as_ops(model, moe):
-        gm = _dynamo_capture(model, fake_inputs)
-        stacked, stacks = fold_expert_lists(gm, model, fake_mode, op_options(moe))
-        fqns = _flat_name_to_fqn(gm, model) | stacked
-        with contextlib.ExitStack() as stack:
-            with fake_mode:
-                try:
-                    decomps = sharding_decompositions() if decompose else None
-                    joint = aot_export_joint_with_descriptors(stack, gm, tuple(fake_inputs), decompositions=decomps)
-                except Exception as e:
-                    raise capture_error(e, "tracing the backward") from e
-            arg_names = _forward_arg_names(model, len(fake_inputs))
-            graph = _Lifter(graph_name, fqns, arg_names).lift(joint.graph_module)
-        if guards is not None and dynamic:
-            guards.extend(guards_of(fake_mode))
-    return _in_model_order(dataclasses.replace(graph, stacks=stacks), model)
+
+        def traced(runs: list[Run]) -> ir.Graph:
+            with reduced(model, runs):
+                gm = _dynamo_capture(model, fake_inputs)
+                stacked, stacks = fold_expert_lists(gm, model, fake_mode, op_options(moe))
+                fqns = _flat_name_to_fqn(gm, model) | stacked
+            with contextlib.ExitStack() as stack:
+                with fake_mode:
+                    try:
+                        decomps = sharding_decompositions() if decompose else None
+                        joint = aot_export_joint_with_descriptors(stack, gm, tuple(fake_inputs), decompositions=decomps)
+                    except Exception as e:
+                        raise capture_error(e, "tracing the backward") from e
+                graph = _Lifter(graph_name, fqns, _forward_arg_names(model, len(fake_inputs))).lift(joint.graph_module)
+            if guards is not None and dynamic:
+                guards.extend(guards_of(fake_mode))
+            return _in_model_order(unroll(dataclasses.replace(graph, stacks=stacks), runs), model)
+
+        # NOTE: with symbolic sizes every layer is traced (the records compare concrete runs)
+        runs = find_runs(model, fake_inputs) if fold and not dynamic else []
+        try:
+            return traced(runs)
+        except Unfoldable:
+            return traced([])
 
 
 def output_structure(model: nn.Module, inputs: Sequence[Any]) -> tuple[Any, list[Any]]:

@@ -257,3 +257,31 @@ class GraphBuilder:
 
     def build(self) -> Graph:
         return Graph(self.name, tuple(self._inputs), tuple(self._ops), tuple(self._outputs), self.mesh, self.stacks)
+
+
+def first_difference(a: Graph, b: Graph) -> str | None:
+    """Where two graphs first differ as programs, or None if they are the same program: inputs and
+    outputs of the same kinds, names and types; ops in the same order with the same targets,
+    arguments, result types and provenance, reading corresponding values. Value names (hints) and
+    layouts are not compared."""
+    sizes = [(len(g.inputs), len(g.ops), len(g.outputs)) for g in (a, b)]
+    if sizes[0] != sizes[1]:
+        return f"(inputs, ops, outputs) differ: {sizes[0]} against {sizes[1]}"
+    to_b: dict[Value, Value] = {}
+    for x, y in zip(a.inputs, b.inputs, strict=True):
+        if (x.kind, x.name, x.value.type) != (y.kind, y.name, y.value.type):
+            return f"input {x.kind} {x.name}: {x.value.type} against {y.kind} {y.name}: {y.value.type}"
+        to_b[x.value] = y.value
+    for n, (p, q) in enumerate(zip(a.ops, b.ops, strict=True)):
+        mapped = (tuple(map_values(x, to_b) for x in p.args), tuple((k, map_values(x, to_b)) for k, x in p.kwargs))
+        if p.target != q.target or p.prov != q.prov or mapped != (q.args, q.kwargs):
+            return f"op {n}: {p.describe()} against {q.describe()}"
+        if tuple(r.type for r in p.results) != tuple(r.type for r in q.results):
+            return f"op {n}: result types of {p.describe()} differ"
+        to_b.update(zip(p.results, q.results, strict=True))
+    for x2, y2 in zip(a.outputs, b.outputs, strict=True):
+        if (x2.kind, x2.name, to_b.get(x2.value, x2.value)) != (y2.kind, y2.name, y2.value):
+            return f"output {x2.kind}({x2.name}) against {y2.kind}({y2.name})"
+    if a.stacks != b.stacks:
+        return "parameter stacks differ"
+    return None

@@ -42,7 +42,7 @@ def op_kinds(graph: Graph) -> list[int]:
     return [ids.setdefault(op.key(), len(ids)) for op in graph.ops]
 
 
-def _block_ops(graph: Graph) -> dict[str, list[int]]:
+def block_ops(graph: Graph) -> dict[str, list[int]]:
     """Each block's ops in program order. A backward op capture attributes to no module (the sum of
     a value's gradients from its several uses, such as the residual stream's) belongs to the block
     of its latest operand."""
@@ -94,7 +94,7 @@ def _mirror(
 def mirrors(graph: Graph) -> tuple[dict[str, str], dict[int, int]]:
     """``mirrored_blocks`` and ``mirrored_ops`` at once."""
     keys = op_kinds(graph)
-    blocks = _block_ops(graph)
+    blocks = block_ops(graph)
     kinds: dict[str, list[str]] = defaultdict(list)
     out: dict[str, str] = {}
     ops: dict[int, int] = {}

@@ -161,6 +161,8 @@ class Columns:
         """What ``once`` has built: its key → the first column it added and the added columns' costs."""
         self.rows_seen: set[Hashable] = set()
         self.folded = 0
+        self.copies: dict[Hashable, int] = {}
+        """How many more copies of what ``once`` built under a key ``fold`` added (priced at ``solve``)."""
 
     def var(self, cost: float, lo: float = 0.0, hi: float = 1.0, integer: bool = False) -> int:
         self.cost.append(cost)
@@ -185,10 +187,15 @@ class Columns:
     def fold(self, key: Hashable) -> None:
         """One more copy of what ``once`` built under ``key``: its columns' costs grow by their first
         costs again."""
-        first, costs = self.seen[key]
-        for i, c in enumerate(costs):
-            self.cost[first + i] += c
+        self.copies[key] = self.copies.get(key, 0) + 1
         self.folded += 1
+
+    def _price_copies(self) -> None:
+        for key, n in self.copies.items():
+            first, costs = self.seen[key]
+            for i, c in enumerate(costs):
+                self.cost[first + i] += n * c
+        self.copies.clear()
 
     def row_once(self, row: dict[int, float], lo: float, hi: float) -> None:
         """Add a row unless the same row was added before."""
@@ -198,6 +205,7 @@ class Columns:
             self.rows.append((row, lo, hi))
 
     def solve(self, *, gap: float, node_limit: int, start: dict[int, float] | None = None) -> MilpAnswer:
+        self._price_copies()
         n = len(self.cost)
         if n == 0:  # NOTE: nothing to choose (no ops, nothing moves): HiGHS needs a column
             return MilpAnswer(np.zeros(0), 0.0, 0.0, True, 0, "empty")

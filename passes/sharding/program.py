@@ -101,17 +101,19 @@ class AxisProgram(MoveColumns):
         x: list[list[int]] = [[] for _ in self.graph.ops]
         works = [self._op_work(i) for i in range(len(x))]
         priced: dict[int, list[float]] = {}  # NOTE: by list: ops sharing one (``solve``) cost the same
+        copies: dict[tuple[int, int], int] = defaultdict(int)
         for op_i in sorted(range(len(x)), key=lambda i: i in tied):  # NOTE: columns first, then their users
             if id(ss := self.per_op[op_i]) not in priced:
                 priced[id(ss)] = [self._work(works[op_i], _splits(s)) + self._exchange_time(s) for s in ss]
-            costs = priced[id(ss)]
             if op_i in tied:
                 x[op_i] = x[tied[op_i]]
-                for var, c in zip(x[op_i], costs, strict=True):
-                    self.m.cost[var] += c  # NOTE: one column stands for the op in every repeated block
+                copies[tied[op_i], id(ss)] += 1  # NOTE: one column stands for the op in every repeated block
                 continue
-            x[op_i] = [self.m.var(c, integer=True) for c in costs]
+            x[op_i] = [self.m.var(c, integer=True) for c in priced[id(ss)]]
             self.m.rows.append(({v: 1.0 for v in x[op_i]}, 1.0, 1.0))
+        for (op_i, costs), n in copies.items():
+            for var, c in zip(x[op_i], priced[costs], strict=True):
+                self.m.cost[var] += n * c
         shared = len(tied)
         uses: dict[Value, list[Use]] = defaultdict(list)
         for op_i, op in enumerate(self.graph.ops):

@@ -229,14 +229,14 @@ def decorated_usual_order() -> float:
     return float(net(*inputs))
 
 
-def hf_equivalence(arch: str, shape: tuple[int, ...], names: tuple[str, ...], plan: str) -> float:
+def hf_equivalence(arch: str, shape: tuple[int, ...], names: tuple[str, ...], plan: str, layers: int = 2) -> float:
     """One step of an HF model from ``tests.dist.hf_models``: loss and every gradient as single device."""
     from tests.dist.hf_models import build_hf
 
     warnings.filterwarnings("ignore")
     mesh = device_mesh(tuple(shape), tuple(names))
-    net, inputs = build_hf(arch)
-    ref, _ = build_hf(arch)
+    net, inputs = build_hf(arch, layers)
+    ref, _ = build_hf(arch, layers)
     pm = parallelize(net, mesh, inputs, plan=plan)
     loss = pm(*inputs)
     loss.backward()

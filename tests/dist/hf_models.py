@@ -20,8 +20,10 @@ SMALL = dict(
 )
 
 
-def build_hf(arch: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    """``(model, (ids, labels))`` for one of ``gpt2``, ``qwen2``, ``mistral``, ``phi3``, ``gemma``."""
+def build_hf(arch: str, layers: int = 2) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """``(model, (ids, labels))`` for one of ``gpt2``, ``qwen2``, ``mistral``, ``phi3``, ``gemma``, with
+    ``layers`` decoder layers."""
+    small = SMALL | {"num_hidden_layers": layers}
     import transformers as tf
 
     configs: dict[str, tuple[Any, Any]] = {
@@ -29,7 +31,7 @@ def build_hf(arch: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
             tf.GPT2Config(
                 vocab_size=256,
                 n_embd=64,
-                n_layer=2,
+                n_layer=layers,
                 n_head=4,
                 n_positions=64,
                 resid_pdrop=0.0,
@@ -38,10 +40,10 @@ def build_hf(arch: str) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
             ),
             tf.GPT2LMHeadModel,
         ),
-        "qwen2": (tf.Qwen2Config(**SMALL), tf.Qwen2ForCausalLM),
-        "mistral": (tf.MistralConfig(**SMALL), tf.MistralForCausalLM),
-        "phi3": (tf.Phi3Config(**SMALL, pad_token_id=0), tf.Phi3ForCausalLM),
-        "gemma": (tf.GemmaConfig(**SMALL, head_dim=16), tf.GemmaForCausalLM),
+        "qwen2": (tf.Qwen2Config(**small), tf.Qwen2ForCausalLM),
+        "mistral": (tf.MistralConfig(**small), tf.MistralForCausalLM),
+        "phi3": (tf.Phi3Config(**small, pad_token_id=0), tf.Phi3ForCausalLM),
+        "gemma": (tf.GemmaConfig(**small, head_dim=16), tf.GemmaForCausalLM),
     }
     config, cls = configs[arch]
     config._attn_implementation = "sdpa"

@@ -4,12 +4,15 @@
 
 Weights are never allocated: the model is built under a ``FakeTensorMode``. Prints the joint
 graph's op count, capture and print times, and the process's peak RSS against the bytes the
-parameters would take if they were real (the baseline this run proves we avoid).
+parameters would take if they were real (the baseline this run proves we avoid). Then, ``--repeat``
+times, the capture with every layer traced (``fold=False``) beside the default one that traces each
+run of identical layers once: their time ratio, and whether the two programs are the same.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import time
 
@@ -18,6 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from meshfold import capture
+from meshfold.ir.graph import first_difference
 
 
 def _peak_rss_bytes() -> int:
@@ -32,6 +36,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--seq", type=int, default=2048)
     ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--repeat", type=int, default=1, help="folded/whole capture pairs timed after the first capture")
     args = ap.parse_args(argv)
 
     cfg = LlamaConfig(
@@ -67,10 +72,23 @@ def main(argv: list[str] | None = None) -> None:
     print(f"parameters      {n_params / 1e9:.2f} B ({param_bytes / 2**30:.1f} GiB if allocated in fp32)")
     print(f"joint graph     {len(graph.ops)} ops, {len(text.splitlines())} lines of IR text")
     print(f"build (fake)    {t1 - t0:.1f} s")
-    print(f"capture         {t2 - t1:.1f} s")
+    print(f"capture         {t2 - t1:.1f} s (load {os.getloadavg()[0]:.2f})")
     print(f"print           {t3 - t2:.1f} s")
     print(f"peak RSS        {peak / 2**30:.2f} GiB (at start {rss0 / 2**30:.2f} GiB)")
     print(f"ratio           peak RSS / fp32 parameter bytes = {peak / param_bytes:.3f}")
+    for _ in range(args.repeat):
+        # NOTE: the baseline, in this run: every layer traced (capture(fold=False)), then folded again
+        t4 = time.perf_counter()
+        whole = capture(model, (ids, ids), fold=False)
+        t5 = time.perf_counter()
+        folded = capture(model, (ids, ids))
+        t6 = time.perf_counter()
+        same = first_difference(folded, whole)
+        print(
+            f"fold vs whole   {t6 - t5:.1f} s folded, {t5 - t4:.1f} s every layer traced: ratio "
+            f"{(t6 - t5) / (t5 - t4):.3f} (load {os.getloadavg()[0]:.2f}); "
+            f"{'the same program' if same is None else 'programs differ: ' + same}"
+        )
 
 
 if __name__ == "__main__":
