@@ -64,6 +64,7 @@ class _Stamp:
         self.in_t = {r: (n, k) for n, i in enumerate(t_ops) for k, r in enumerate(graph.ops[i].results)}
         self.in_l = {r: (n, k) for n, i in enumerate(l_ops) for k, r in enumerate(graph.ops[i].results)}
         self.params = {i.value: i for i in graph.inputs if _rename(i.name, self.t_pre, "") is not None}
+        self.l_params = {i.value: _rename(i.name, self.l_pre, "") for i in graph.inputs}
         self.fwd_chain: dict[Value, Value] = {}
         """What ``t`` reads from the layer before it → the value of ``t`` that ``l`` reads instead."""
         self.bwd_chain: dict[Value, Value] = {}
@@ -83,7 +84,7 @@ class _Stamp:
                     ok = y in self.in_l and self.in_t[x] == self.in_l[y]
                 elif x in self.params:
                     rel = _rename(self.params[x].name, self.t_pre, "")
-                    ok = y not in self.in_l and _rename(getattr(y, "name", ""), self.l_pre, "") == rel
+                    ok = rel is not None and self.l_params.get(y) == rel
                 elif x is y:
                     ok = x not in self.in_l
                     shared.add(x)
@@ -91,7 +92,7 @@ class _Stamp:
                     ok = self.fwd_chain.setdefault(x, y) is y
                 elif x in self.in_l:
                     self.bwd_chain[x] = self._in_t(x)
-                    ok = True
+                    ok = y not in self.in_l  # NOTE: ``l`` reads the code after the run there
                 else:
                     ok = False
                 if not ok:

@@ -11,11 +11,12 @@ import pytest
 import torch
 from torch import nn
 
-from meshfold import capture, layer_runs
+from meshfold import capture, layer_runs, tracer
 from meshfold.fakes import fake_copies
 from meshfold.ir.graph import first_difference
 from meshfold.layer_runs import Run, find_runs
 from meshfold.moe import experts_as_ops
+from meshfold.unroll import Unfoldable, unroll
 from tests.dist.hf_models import build_hf
 from tests.unit.test_solve_scale import _hf
 
@@ -172,3 +173,17 @@ def test_deep_hf_models_of_the_rank_tests_fold() -> None:
     for arch, layers, path in (("qwen2", 5, "model.layers"), ("gpt2", 4, "transformer.h")):
         model, inputs = build_hf(arch, layers)
         assert _runs(model, inputs) == [Run(path, 1, layers - 1)]
+
+
+def test_layers_that_do_not_line_up_are_traced_after_all(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE: told (wrongly) that blocks 1-4 run alike, the stamping finds block 1 (odd: one op more)
+    # and block 4 unlike and says so; capture then traces every block
+    torch.manual_seed(0)
+    model = _Stack("parity")
+    inputs = (torch.randn(4, 16), torch.randn(4, 16))
+    monkeypatch.setattr(tracer, "find_runs", lambda *_: [Run("blocks", 1, 4)])
+    with layer_runs.reduced(model, [Run("blocks", 1, 4)]):
+        reduced = capture(model, inputs, fold=False)
+    with pytest.raises(Unfoldable, match=r"blocks\.1 and blocks\.4"):
+        unroll(reduced, [Run("blocks", 1, 4)])
+    _same_as_whole(model, inputs)
