@@ -157,12 +157,14 @@ class Columns:
         self.hi: list[float] = []
         self.integer: list[int] = []
         self.rows: list[tuple[dict[int, float], float, float]] = []
-        self.seen: dict[Hashable, tuple[int, tuple[float, ...]]] = {}
-        """What ``once`` has built: its key → the first column it added and the added columns' costs."""
+        self.seen: dict[Hashable, int] = {}
+        """What ``once`` has built: its key → its build's number."""
+        self.builds: list[tuple[int, tuple[float, ...]]] = []
+        """Each build's first column and the costs of the columns it added."""
+        self.copies: list[int] = []
+        """How many more copies of each build ``fold`` added (priced at ``solve``)."""
         self.rows_seen: set[Hashable] = set()
         self.folded = 0
-        self.copies: dict[Hashable, int] = {}
-        """How many more copies of what ``once`` built under a key ``fold`` added (priced at ``solve``)."""
 
     def var(self, cost: float, lo: float = 0.0, hi: float = 1.0, integer: bool = False) -> int:
         self.cost.append(cost)
@@ -171,31 +173,36 @@ class Columns:
         self.integer.append(1 if integer else 0)
         return len(self.cost) - 1
 
-    def once(self, key: Hashable, build: Callable[[], None]) -> None:
+    def once(self, key: Hashable, build: Callable[[], None]) -> int:
         """Run ``build`` (which adds columns and rows) unless a call with the same ``key`` ran before:
         then fold this one into that one, whose columns' costs grow by their first costs again.
         ``key`` must say everything ``build`` depends on (a mirrored block's value: the same size,
         placements and consumers' columns). Exact: two identical copies of a set of columns under
-        the same rows take the same values at an optimum."""
-        if key in self.seen:
-            self.fold(key)
-            return
+        the same rows take the same values at an optimum. Returns the build's number (for ``fold``)."""
+        done = self.seen.get(key)
+        if done is not None:
+            self.fold(done)
+            return done
         n0 = len(self.cost)
         build()
-        self.seen[key] = (n0, tuple(self.cost[n0:]))
+        self.builds.append((n0, tuple(self.cost[n0:])))
+        self.copies.append(0)
+        self.seen[key] = len(self.builds) - 1
+        return len(self.builds) - 1
 
-    def fold(self, key: Hashable) -> None:
-        """One more copy of what ``once`` built under ``key``: its columns' costs grow by their first
-        costs again."""
-        self.copies[key] = self.copies.get(key, 0) + 1
+    def fold(self, done: int) -> None:
+        """One more copy of build ``done`` (a number ``once`` returned): its columns' costs grow by
+        their first costs again."""
+        self.copies[done] += 1
         self.folded += 1
 
     def _price_copies(self) -> None:
-        for key, n in self.copies.items():
-            first, costs = self.seen[key]
-            for i, c in enumerate(costs):
-                self.cost[first + i] += n * c
-        self.copies.clear()
+        for done, n in enumerate(self.copies):
+            if n:
+                first, costs = self.builds[done]
+                for i, c in enumerate(costs):
+                    self.cost[first + i] += n * c
+                self.copies[done] = 0
 
     def row_once(self, row: dict[int, float], lo: float, hi: float) -> None:
         """Add a row unless the same row was added before."""

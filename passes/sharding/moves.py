@@ -104,9 +104,9 @@ class MoveColumns:
             return self.choice[a] is self.choice[b]
         return not isinstance(a, Value) and not isinstance(b, Value) and a == b
 
-    def _moves(self, v: Value, uses: list[Use], x: list[list[int]]) -> Hashable:
-        """Columns and rows pricing every move of ``v`` its consumers ask for; returns the key they
-        were built (or folded) under."""
+    def _moves(self, v: Value, uses: list[Use], x: list[list[int]]) -> int:
+        """Columns and rows pricing every move of ``v`` its consumers ask for; returns the number of
+        the build they are (or folded into)."""
         assert isinstance(v.type, TensorType)
         size = nbytes(v.type) / self.shrink.get(v, 1)
         have = self._placement_terms(v, x)
@@ -130,10 +130,8 @@ class MoveColumns:
         key = (size, self._frozen_have(v, have, x), tuple(unique))
         demands = list(unique.values())
         if len(have) == 1:
-            self.m.once(key, lambda: self._moves_from((*have,)[0], size, demands))
-        else:
-            self.m.once(key, lambda: self._flows(have, size, demands))
-        return key
+            return self.m.once(key, lambda: self._moves_from((*have,)[0], size, demands))
+        return self.m.once(key, lambda: self._flows(have, size, demands))
 
     def _reads(self, op_i: int, index: int, x: list[list[int]]) -> tuple[Hashable, dict[Placement, Terms]]:
         """``Z[op, index, q]``: the terms that are 1 when the op reads operand ``index`` in ``q``, and

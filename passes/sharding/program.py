@@ -129,7 +129,7 @@ class AxisProgram(MoveColumns):
         # NOTE: consumers tied to one op read through its columns in one way: one stands for them all
         # (a value every layer reads, such as a view of the rotary tables, has two uses per layer)
         uses = {v: list({(tied.get(u.op, u.op), u.index, u.phase): u for u in us}.values()) for v, us in uses.items()}
-        built: dict[Value, Hashable] = {}
+        built: dict[Value, int] = {}
         for v, us in uses.items():
             w = self._mirror(v, us, uses, tied)
             if w is not None and w in built:
