@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from meshfold import ir
+from meshfold.backends.comm import Issued, issue, local_shapes
 from meshfold.backends.interpret import runnable_target
 from meshfold.backends.local import LOCAL, LocalForms
 from meshfold.backends.moe import exchange_backward, exchange_forward
@@ -28,20 +29,7 @@ from meshfold.backends.watch import Watch, watch_waits
 from meshfold.ir import Graph, Op, OpDef, Shard, TensorType, Value
 from meshfold.ir.graph import Arg
 from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
-from meshfold.ir.ops import (
-    ALL_GATHER,
-    ALL_GATHER_BUCKET,
-    ALL_REDUCE,
-    ALL_TO_ALL,
-    PARTIAL,
-    REDISTRIBUTE,
-    REDUCE_SCATTER,
-    REDUCE_SCATTER_BUCKET,
-    SHARD,
-)
-
-c10d = torch.ops._c10d_functional
-aten = torch.ops.aten
+from meshfold.ir.ops import REDISTRIBUTE, WAIT
 
 
 @dataclass(frozen=True)
@@ -140,7 +128,9 @@ def lower(graph: Graph, rank: RankContext, *, record: bool = False, rng: torch.G
 
 
 def _recorded(ops: Sequence[Op]) -> list[Value]:
-    return [r for op in ops for r in op.results if isinstance(r.type, TensorType)]
+    """The values ``ops`` compute (a started collective's handles are its wait's results)."""
+    handles = {v for op in ops if op.target == WAIT for v in op.operands}
+    return [r for op in ops for r in op.results if isinstance(r.type, TensorType) and r not in handles]
 
 
 def _build(
@@ -154,11 +144,22 @@ def _build(
     env: dict[Value, fx.Node] = {}
     for k, v in enumerate(inputs):
         env[v] = g.placeholder(f"in{k}")
+    # NOTE: a collective a comm.wait reads is issued where it stands and finished at the wait
+    started = {op.operands[0]: op for op in ops if op.target == WAIT}
+    pending: dict[Op, tuple[Op, Issued]] = {}
     for op in ops:
         last = g._root.prev  # NOTE: the node before this op's; its collectives' waits are named after it
-        outs = _emit(g, op, env, rank, LOCAL, rng)
-        if isinstance(op.target, OpDef) or op.target in _EXCHANGES:
-            _watched(g, last, op, rank)
+        if op.results and op.results[0] in started:
+            pending[started[op.results[0]]] = (op, _issue(g, op, env, rank))
+            continue
+        if op.target == WAIT:
+            start, issued = pending.pop(op)
+            outs = issued.complete(g)
+            _watched(g, last, start, rank)
+        else:
+            outs = _emit(g, op, env, rank, LOCAL, rng)
+            if isinstance(op.target, OpDef) or op.target in _EXCHANGES:
+                _watched(g, last, op, rank)
         for r, node in zip(op.results, outs, strict=True):
             env[r] = node
     g.output(tuple(env[v] for v in outputs))
@@ -196,11 +197,8 @@ def _load(a: Arg, env: dict[Value, fx.Node]) -> Any:
 def _emit(
     g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext, table: LocalForms, rng: torch.Generator
 ) -> list[fx.Node]:
-    if op.target in (ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET):
-        return _bucket(g, op, [env[x] for x in op.operands], rank)
     if isinstance(op.target, OpDef):
-        (x,) = op.operands
-        return [_collective(g, op, env[x], x, rank)]
+        return _issue(g, op, env, rank).complete(g)
     if is_random(op):
         site = random_site(op, rng, rank.mesh, rank.coordinate)
         node = g.call_function(site, tuple(_load(a, env) for a in op.args), {k: _load(v, env) for k, v in op.kwargs})
@@ -225,6 +223,12 @@ def _emit(
     return _unpacked(g, op, node)
 
 
+def _issue(g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext) -> Issued:
+    axis = str(op.kwarg("axis"))
+    xs = [env[x] for x in op.operands]
+    return issue(g, op, xs, rank.size(axis), rank.group(axis), rank.coord(axis), local_shapes(op, rank.mesh))
+
+
 def _unpacked(g: fx.Graph, op: Op, node: fx.Node) -> list[fx.Node]:
     """One node per result of ``op`` (``getitem``s when the call returns several)."""
     if len(op.results) == 1 and not _returns_sequence(op):
@@ -237,116 +241,6 @@ def _returns_sequence(op: Op) -> bool:
     assert not isinstance(target, OpDef)
     rets = target._schema.returns
     return len(rets) != 1 or str(rets[0].type).startswith("List")
-
-
-def _collective(g: fx.Graph, op: Op, x: fx.Node, xv: Value, rank: RankContext) -> fx.Node:
-    axis = str(op.kwarg("axis"))
-    n = rank.size(axis)
-    group = rank.group(axis)
-    if n == 1:
-        return x  # NOTE: every layout change on a one-rank axis is the identity
-    if op.target == ALL_GATHER:
-        return _gather(g, x, int(op.kwarg("dim")), n, group)  # type: ignore[arg-type]
-    if op.target == ALL_REDUCE:
-        reduce = str(op.kwarg("reduce"))
-        red = "sum" if reduce == "avg" else reduce
-        waited = _wait(g, g.call_function(c10d.all_reduce.default, (x, red, group)))
-        return g.call_function(aten.div.Tensor, (waited, n)) if reduce == "avg" else waited
-    if op.target == REDUCE_SCATTER:
-        dim = int(op.kwarg("dim"))  # type: ignore[arg-type]
-        reduce = str(op.kwarg("reduce"))
-        if reduce == "max":
-            full = _wait(g, g.call_function(c10d.all_reduce.default, (x, "max", group)))
-            return _chunk(g, full, dim, n, rank.coord(axis))
-        out = _wait(g, g.call_function(c10d.reduce_scatter_tensor.default, (_to_front(g, x, dim), "sum", n, group)))
-        back = _from_front(g, out, dim)
-        return g.call_function(aten.div.Tensor, (back, n)) if reduce == "avg" else back
-    if op.target == ALL_TO_ALL:
-        # NOTE: realized as gather + local chunk (same result; an all_to_all_single moves less).
-        full = _gather(g, x, int(op.kwarg("concat_dim")), n, group)  # type: ignore[arg-type]
-        return _chunk(g, full, int(op.kwarg("split_dim")), n, rank.coord(axis))  # type: ignore[arg-type]
-    if op.target == SHARD:
-        return _chunk(g, x, int(op.kwarg("dim")), n, rank.coord(axis))  # type: ignore[arg-type]
-    if op.target == PARTIAL:
-        reduce = str(op.kwarg("reduce"))
-        if reduce == "sum" and rank.coord(axis) != 0:
-            return g.call_function(aten.zeros_like.default, (x,))
-        return x
-    raise ValueError(f"{op.describe()}: no eager lowering for {op.name}")
-
-
-def _bucket(g: fx.Graph, op: Op, xs: list[fx.Node], rank: RankContext) -> list[fx.Node]:
-    """A bucketed all-gather or reduce-scatter: every operand, moved so its dim leads, is flattened
-    into one buffer (reduce-scatter: as ``[n, chunk]`` rows, so rank r's rows land on rank r), one
-    collective runs on it, and each result is cut back out and reshaped."""
-    axis = str(op.kwarg("axis"))
-    n = rank.size(axis)
-    if n == 1:
-        return list(xs)
-    group = rank.group(axis)
-    dims = [int(d) for d in op.kwarg("dims")]  # type: ignore[union-attr]
-    fronts = [_to_front(g, x, d) for x, d in zip(xs, dims, strict=True)]
-    shapes = []
-    for v, d in zip(op.operands, dims, strict=True):
-        assert isinstance(v.type, TensorType)
-        shape = list(v.layout.local_shape(v.type.shape, rank.mesh))
-        shapes.append([shape[d], *shape[:d], *shape[d + 1 :]])  # the local shape with dim d in front
-    outs: list[fx.Node] = []
-    if op.target == ALL_GATHER_BUCKET:
-        flat = g.call_function(aten.cat.default, ([g.call_function(aten.reshape.default, (f, [-1])) for f in fronts],))
-        full = _wait(g, g.call_function(c10d.all_gather_into_tensor.default, (flat, n, group)))
-        rows = g.call_function(aten.reshape.default, (full, [n, -1]))
-        off = 0
-        for shape, d in zip(shapes, dims, strict=True):
-            size = math.prod(shape)
-            piece = g.call_function(aten.slice.Tensor, (rows, 1, off, off + size))
-            whole = g.call_function(aten.reshape.default, (piece, [n * shape[0], *shape[1:]]))
-            outs.append(_from_front(g, whole, d) if d else _contiguous(g, whole))
-            off += size
-        return outs
-    reduce = str(op.kwarg("reduce"))
-    rows_in = [g.call_function(aten.reshape.default, (f, [n, -1])) for f in fronts]
-    flat = g.call_function(aten.reshape.default, (g.call_function(aten.cat.default, (rows_in, 1)), [-1]))
-    mine = _wait(g, g.call_function(c10d.reduce_scatter_tensor.default, (flat, "sum", n, group)))
-    if reduce == "avg":
-        mine = g.call_function(aten.div.Tensor, (mine, n))
-    off = 0
-    for shape, d in zip(shapes, dims, strict=True):
-        size = math.prod(shape) // n
-        piece = g.call_function(aten.slice.Tensor, (mine, 0, off, off + size))
-        part = g.call_function(aten.reshape.default, (piece, [shape[0] // n, *shape[1:]]))
-        outs.append(_from_front(g, part, d) if d else _contiguous(g, part))
-        off += size
-    return outs
-
-
-def _contiguous(g: fx.Graph, x: fx.Node) -> fx.Node:
-    return g.call_function(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
-
-
-def _to_front(g: fx.Graph, x: fx.Node, dim: int) -> fx.Node:
-    """``x`` with ``dim`` moved to the front, contiguous (collectives work on dim 0)."""
-    return _contiguous(g, g.call_function(aten.movedim.int, (x, dim, 0)) if dim else x)
-
-
-def _from_front(g: fx.Graph, x: fx.Node, dim: int) -> fx.Node:
-    return _contiguous(g, g.call_function(aten.movedim.int, (x, 0, dim))) if dim else x
-
-
-def _wait(g: fx.Graph, x: fx.Node) -> fx.Node:
-    return g.call_function(c10d.wait_tensor.default, (x,))
-
-
-def _gather(g: fx.Graph, x: fx.Node, dim: int, n: int, group: str) -> fx.Node:
-    out = _wait(g, g.call_function(c10d.all_gather_into_tensor.default, (_to_front(g, x, dim), n, group)))
-    return _from_front(g, out, dim)
-
-
-def _chunk(g: fx.Graph, x: fx.Node, dim: int, n: int, coord: int) -> fx.Node:
-    """This rank's contiguous chunk of ``x`` along ``dim`` (a local slice, no communication)."""
-    parts = g.call_function(aten.chunk.default, (x, n, dim))
-    piece = g.call_function(operator.getitem, (parts, coord))
-    return g.call_function(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})
 
 
 # NOTE: (tokens operand, expert-weight operand) of the ops that exchange tokens themselves.

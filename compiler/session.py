@@ -35,7 +35,7 @@ from meshfold.tracer import capture
 
 # NOTE: grows with every pass that lands. Without a mesh, sharding and boxing leave the
 # single-device graph as it is; without an expert mapping, moe-fold does.
-DEFAULT_PIPELINE = "cleanup,moe-fold,sharding,boxing,bucket,verify"
+DEFAULT_PIPELINE = "cleanup,moe-fold,sharding,boxing,bucket,overlap,verify"
 
 Backend = Literal["eager"]
 PlanSpec = str | Plan | Mapping[str, Any]

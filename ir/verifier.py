@@ -10,6 +10,7 @@ import sympy
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from meshfold.ir.asynchrony import ScheduleError, check_inflight, check_waits
 from meshfold.ir.graph import Arg, Graph, GraphOutput, Op, Value
 from meshfold.ir.ops import OpDef
 from meshfold.ir.parser import ParsedGraph
@@ -32,7 +33,7 @@ class VerifyError(ValueError):
     """The graph breaks an IR invariant; the message names the op, its provenance and the fix."""
 
 
-def verify(graph: Graph, *, check_types: bool = True) -> None:
+def verify(graph: Graph, *, check_types: bool = True, max_inflight: float | None = None) -> None:
     """Raise :class:`VerifyError` unless ``graph`` is well formed.
 
     Checks: SSA (every value defined once, before use), unique input names, layouts that match the
@@ -40,13 +41,20 @@ def verify(graph: Graph, *, check_types: bool = True) -> None:
     ``check_types`` — operand dtypes of ops that do not promote, and that every ATen op's result types
     equal what the op computes on fake tensors of its operand types. Errors name the op (with its
     provenance), the values and the types, and for a graph read from text (``ir.parse``) start with
-    the text line, ``line L: ``; nothing else escapes.
+    the text line, ``line L: ``; nothing else escapes. Started collectives (``ir.asynchrony``): every
+    wait reads one start's handles, nothing else does, and with ``max_inflight`` a rank never holds
+    more bytes in flight than that.
     """
     try:
         _verify(graph, check_types)
+        check_waits(graph)
+        if max_inflight is not None:
+            check_inflight(graph, max_inflight)
     except _Failure as f:
         line = graph.line_of(f.item) if isinstance(graph, ParsedGraph) and f.item is not None else None
         raise VerifyError(f"line {line}: {f.message}" if line is not None else f.message) from None
+    except ScheduleError as e:
+        raise VerifyError(str(e)) from None
 
 
 def verify_op_types(ops: Sequence[Op]) -> None:

@@ -42,11 +42,11 @@ def op_kinds(graph: Graph) -> list[int]:
     return [ids.setdefault(op.key(), len(ids)) for op in graph.ops]
 
 
-def block_ops(graph: Graph) -> dict[str, list[int]]:
-    """Each block's ops in program order. A backward op capture attributes to no module (the sum of
-    a value's gradients from its several uses, such as the residual stream's) belongs to the block
-    of its latest operand."""
-    blocks: dict[str, list[int]] = defaultdict(list)
+def op_blocks(graph: Graph) -> list[str]:
+    """Each op's block (``""``: none). A backward op capture attributes to no module (the sum of a
+    value's gradients from its several uses, such as the residual stream's; a gradient's layout
+    change on its way out) belongs to the block of its latest operand."""
+    out: list[str] = []
     owner: dict[Value, tuple[int, str]] = {}
     for i, op in enumerate(graph.ops):
         b = block_of(op.prov.module)
@@ -55,6 +55,14 @@ def block_ops(graph: Graph) -> dict[str, list[int]]:
         for r in op.results:
             if b:
                 owner[r] = (i, b)
+        out.append(b)
+    return out
+
+
+def block_ops(graph: Graph) -> dict[str, list[int]]:
+    """Each block's ops in program order (``op_blocks``)."""
+    blocks: dict[str, list[int]] = defaultdict(list)
+    for i, b in enumerate(op_blocks(graph)):
         if b:
             blocks[b].append(i)
     return blocks

@@ -6,11 +6,12 @@ from meshfold.passes.base import Pass
 from meshfold.passes.cleanup import Cleanup
 from meshfold.passes.moe.fold import MoeFold
 from meshfold.passes.schedule.bucket import Bucket
+from meshfold.passes.schedule.overlap import Overlap
 from meshfold.passes.sharding.boxing import Boxing
 from meshfold.passes.sharding.propagate import Sharding
 from meshfold.passes.verify import Verify
 
-_PASSES: tuple[type[Pass], ...] = (Cleanup, MoeFold, Sharding, Boxing, Bucket, Verify)
+_PASSES: tuple[type[Pass], ...] = (Cleanup, MoeFold, Sharding, Boxing, Bucket, Overlap, Verify)
 
 
 def default_registry() -> dict[str, type[Pass]]:

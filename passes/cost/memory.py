@@ -12,7 +12,10 @@ type divided over the mesh axes that shard it) and mirrors how the program is ex
   saved: it lives until the backward finishes (the autograd context holds it); gradients live from
   the op that produces them to the end of the step (they become ``.grad``);
 * collectives also hold their staging buffers while they run (the contiguous copy of a non-leading
-  dim, the gathered or flat bucket buffer), as the eager lowering lays them out.
+  dim, the gathered or flat bucket buffer), as the eager lowering lays them out;
+* a started collective (``ir.asynchrony``) allocates its results at its start, and they are its
+  wait's results (the same storage); its operands and its staging copy stay alive until the wait
+  (the collective reads them while on the wire).
 
 Kernel-internal workspaces are not modelled. The peak is over forward and backward; the optimizer
 step's own temporaries come after it. Imports ``ir`` (and hence torch), so ``passes.cost`` does not
@@ -25,6 +28,7 @@ import math
 from dataclasses import dataclass
 
 from meshfold.ir import Graph, Mesh, Op, OpDef, TensorType, Value, is_view
+from meshfold.ir.asynchrony import starts
 from meshfold.ir.ops import (
     ALL_GATHER,
     ALL_GATHER_BUCKET,
@@ -32,6 +36,7 @@ from meshfold.ir.ops import (
     ALL_TO_ALL,
     REDUCE_SCATTER,
     REDUCE_SCATTER_BUCKET,
+    WAIT,
 )
 from meshfold.ir.symbolic import size_hint
 
@@ -80,9 +85,11 @@ def rank_memory(graph: Graph, optimizer_states: int = 2) -> MemoryEstimate:
     optimizer = optimizer_states * sum(size[i.value] for i in graph.inputs if i.kind == "param" and i.name in trainable)
 
     schedule = [op for op in graph.ops if op.prov.phase == "fwd"] + [op for op in graph.ops if op.prov.phase != "fwd"]
+    waits = starts(graph)
     root = _alias_roots(graph, schedule)
     resident = {root[i.value] for i in graph.inputs if i.kind in ("param", "buffer")}
-    end = _last_uses(graph, schedule, root)
+    end = _last_uses(graph, schedule, root, waits)
+    staged = {s: _staging(s, size) for s in waits.values()}
 
     live = sum(size[i.value] for i in graph.inputs if i.kind not in ("param", "buffer") and i.kind != "tangent")
     tangents_at = next((k for k, op in enumerate(schedule) if op.prov.phase != "fwd"), len(schedule))
@@ -101,6 +108,10 @@ def rank_memory(graph: Graph, optimizer_states: int = 2) -> MemoryEstimate:
         if during > peak:
             peak, peak_at = during, op.describe()
         live += made - freed - sum(size[r] for r in new if end.get(r) == k)
+        if op in staged:
+            live += staged[op]
+        if op in waits:
+            live -= staged[waits[op]]
     return MemoryEstimate(params, buffers, optimizer, peak, peak_at, tuple(timeline))
 
 
@@ -112,15 +123,19 @@ def _alias_roots(graph: Graph, schedule: list[Op]) -> dict[Value, Value]:
     """Each value's storage owner: itself, or (through views) the value whose buffer it shares."""
     root = {i.value: i.value for i in graph.inputs}
     for op in schedule:
+        if op.target == WAIT:  # NOTE: a wait's results are its start's buffers
+            root.update((r, root[h]) for r, h in zip(op.results, op.operands, strict=True))
+            continue
         base = root[op.operands[0]] if op.operands and is_view(op.target) else None
         for r in op.results:
             root[r] = base if base is not None else r
     return root
 
 
-def _last_uses(graph: Graph, schedule: list[Op], root: dict[Value, Value]) -> dict[Value, int]:
+def _last_uses(graph: Graph, schedule: list[Op], root: dict[Value, Value], waits: dict[Op, Op]) -> dict[Value, int]:
     """Schedule index after which each storage can be freed (fx frees a value after its last use;
-    saved forward values, gradients and outputs live to the end of the step)."""
+    saved forward values, gradients and outputs live to the end of the step; a started collective's
+    operands, to its wait)."""
     last_index = len(schedule) - 1
     end: dict[Value, int] = {}
     produced_in = {r: op.prov.phase == "fwd" for op in schedule for r in op.results}
@@ -128,12 +143,30 @@ def _last_uses(graph: Graph, schedule: list[Op], root: dict[Value, Value]) -> di
     for k, op in enumerate(schedule):
         for r in op.results:
             end.setdefault(root[r], k)  # NOTE: an unused result is freed right after its op
-        for u in op.operands:
+        for u in (*op.operands, *(_handed(waits[op]) if op in waits else ())):
             saved = op.prov.phase != "fwd" and produced_in[u]
             end[root[u]] = last_index if saved else max(end.get(root[u], k), k)
     for o in graph.outputs:
         end[root[o.value]] = last_index
     return end
+
+
+def _handed(op: Op) -> tuple[Value, ...]:
+    """The operands a started collective's lowering hands to the call as they are (no copy first):
+    a gather, reduce-scatter or all-to-all of a leading dim. An all-reduce works on its own copy."""
+    if op.target in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL) and op.kwarg("reduce") != "max":
+        dim = op.kwarg("concat_dim", op.kwarg("dim", 0))
+        return op.operands if dim == 0 else ()
+    return ()
+
+
+def _staging(op: Op, size: dict[Value, int]) -> int:
+    """Bytes a started collective's lowering copies its operands into (a flat bucket buffer, the
+    contiguous copy of a non-leading dim), alive until its wait."""
+    if op.target in (ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET):
+        return sum(size[u] for u in op.operands)
+    dim = op.kwarg("concat_dim", op.kwarg("dim", 0))
+    return sum(size[u] for u in op.operands) if isinstance(dim, int) and dim else 0
 
 
 def _stages(op: Op, size: dict[Value, int], mesh: Mesh) -> tuple[tuple[int, bool], ...]:

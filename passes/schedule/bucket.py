@@ -26,7 +26,7 @@ from meshfold.ir import Graph, GraphBuilder, Op, TensorType, Value
 from meshfold.ir.graph import Provenance
 from meshfold.ir.ops import ALL_GATHER, ALL_GATHER_BUCKET, REDUCE_SCATTER, REDUCE_SCATTER_BUCKET
 from meshfold.passes.base import Pass, PassContext, PassError
-from meshfold.passes.blocks import block_of
+from meshfold.passes.blocks import op_blocks
 from meshfold.passes.sharding.boxing import BOXED
 from meshfold.passes.sharding.cost import nbytes
 
@@ -40,6 +40,7 @@ class Bucket(Pass):
     name: ClassVar[str] = "bucket"
     requires: ClassVar[frozenset[str]] = frozenset({BOXED})
     ensures: ClassVar[frozenset[str]] = frozenset({BUCKETED})
+    invalidates: ClassVar[frozenset[str]] = frozenset({"scheduled"})  # NOTE: moves collectives only
     mb: float = 64.0
 
     def apply(self, ctx: PassContext, graph: Graph) -> Graph:
@@ -50,16 +51,18 @@ class Bucket(Pass):
         groups = _groups(graph, self.mb * 2**20)
         anchor: dict[int, list[int]] = {}  # op index where a bucket is emitted -> member indices
         skip: set[int] = set()
-        for kind, members in groups:
+        where: dict[int, str] = {}
+        for kind, block, members in groups:
             if len(members) < 2:
                 continue
             at = members[0] if kind == "gather" else members[-1]
             anchor[at] = members
+            where[at] = block
             skip.update(members)
         b = GraphBuilder.like(graph)
         for k, op in enumerate(graph.ops):
             if k in anchor:
-                b.append(_merged([graph.ops[m] for m in anchor[k]]))
+                b.append(_merged([graph.ops[m] for m in anchor[k]], where[k]))
             elif k not in skip:
                 b.append(op)
         for o in graph.outputs:
@@ -67,24 +70,26 @@ class Bucket(Pass):
         return b.build()
 
 
-def _groups(graph: Graph, cap: float) -> list[tuple[str, list[int]]]:
-    """(kind, op indices in program order) of every bucket, before the size split."""
+def _groups(graph: Graph, cap: float) -> list[tuple[str, str, list[int]]]:
+    """(kind, block, op indices in program order) of every bucket. A gradient's reduce-scatter on
+    its way out belongs to the block that computed the gradient (``op_blocks``)."""
     inputs = {i.value for i in graph.inputs}
     users: dict[Value, int] = defaultdict(int)
     for op in graph.ops:
         for v in op.operands:
             users[v] += 1
     keyed: dict[tuple[object, ...], list[int]] = defaultdict(list)
+    blocks = op_blocks(graph)
     for k, op in enumerate(graph.ops):
         (x,) = op.operands if op.target in (ALL_GATHER, REDUCE_SCATTER) else (None,)
         if x is None or not isinstance(x.type, TensorType):
             continue
-        axis, block = op.kwarg("axis"), block_of(op.prov.module)
+        axis, block = op.kwarg("axis"), blocks[k]
         if op.target == ALL_GATHER and x in inputs:
             keyed[("gather", axis, op.prov.phase, x.type.dtype, block)].append(k)
         elif op.target == REDUCE_SCATTER and users[op.result] == 0 and op.kwarg("reduce") in ("sum", "avg"):
             keyed[("scatter", axis, op.prov.phase, x.type.dtype, block, op.kwarg("reduce"))].append(k)
-    out: list[tuple[str, list[int]]] = []
+    out: list[tuple[str, str, list[int]]] = []
     for key, members in keyed.items():
         cur: list[int] = []
         size = 0.0
@@ -92,22 +97,22 @@ def _groups(graph: Graph, cap: float) -> list[tuple[str, list[int]]]:
             t = graph.ops[k].operands[0].type
             assert isinstance(t, TensorType)
             if cur and size + nbytes(t) > cap:
-                out.append((str(key[0]), cur))
+                out.append((str(key[0]), str(key[4]), cur))
                 cur, size = [], 0.0
             cur.append(k)
             size += nbytes(t)
-        out.append((str(key[0]), cur))
+        out.append((str(key[0]), str(key[4]), cur))
     return out
 
 
-def _merged(members: list[Op]) -> Op:
+def _merged(members: list[Op], block: str) -> Op:
     first = members[0]
     target = ALL_GATHER_BUCKET if first.target == ALL_GATHER else REDUCE_SCATTER_BUCKET
     kwargs: list[tuple[str, object]] = [("axis", first.kwarg("axis"))]
     kwargs.append(("dims", tuple(int(m.kwarg("dim")) for m in members)))  # type: ignore[arg-type]
     if target == REDUCE_SCATTER_BUCKET:
         kwargs.append(("reduce", first.kwarg("reduce")))
-    prov = Provenance(block_of(first.prov.module), first.prov.phase, first.prov.source)
+    prov = Provenance(block, first.prov.phase, first.prov.source)
     operands = tuple(m.operands[0] for m in members)
     results = tuple(m.result for m in members)
     return Op(target, operands, tuple(kwargs), results, prov)  # type: ignore[arg-type]

@@ -1,0 +1,169 @@
+"""Lowering of ``comm.*`` ops to ``torch.ops._c10d_functional`` collectives, in two halves.
+
+A functional collective returns at once with the result not yet written; ``wait_tensor`` blocks
+until it is. Each comm op is lowered as :func:`issue` (the layout work before the call, and the
+call) and :class:`Issued.finish` (``wait_tensor``, then the layout work after it: moving a dim back,
+cutting a bucket apart, dividing an average). A collective that runs synchronously is both halves
+back to back; a started one (``ir.asynchrony``) issues where its start is and finishes where its
+``comm.wait`` is, so what lies between runs while the collective is on the wire (gloo runs it on a
+worker thread; NCCL on its stream).
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from meshfold.ir import Mesh, Op, OpDef, TensorType
+from meshfold.ir.ops import (
+    ALL_GATHER,
+    ALL_GATHER_BUCKET,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    PARTIAL,
+    REDUCE_SCATTER,
+    REDUCE_SCATTER_BUCKET,
+    SHARD,
+)
+
+c10d = torch.ops._c10d_functional
+aten = torch.ops.aten
+
+Finish = Callable[[fx.Graph, fx.Node], list[fx.Node]]
+
+
+@dataclass(frozen=True)
+class Issued:
+    """A lowered comm op after its call: ``node`` the collective's (not yet waited) result, None
+    when the op moves nothing between ranks (its ``results`` are ready); ``finish`` what to emit
+    after ``wait_tensor(node)``."""
+
+    node: fx.Node | None
+    finish: Finish | None = None
+    results: tuple[fx.Node, ...] = ()
+
+    def complete(self, g: fx.Graph) -> list[fx.Node]:
+        """The op's results: wait for the collective and finish, or the ready results."""
+        if self.node is None or self.finish is None:
+            return list(self.results)
+        return self.finish(g, g.call_function(c10d.wait_tensor.default, (self.node,)))
+
+
+def issue(g: fx.Graph, op: Op, xs: list[fx.Node], size: int, group: str, coord: int, local: list[list[int]]) -> Issued:
+    """Emit ``op``'s collective call on ``xs`` (this rank's operands) over a group of ``size`` ranks in
+    which this rank is ``coord``; ``local``: each operand's local shape (buckets cut by it)."""
+    if size == 1:
+        return Issued(None, results=tuple(xs))  # NOTE: every layout change on a one-rank axis is the identity
+    target = op.target
+    assert isinstance(target, OpDef)
+    if target in (ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET):
+        return _bucket(g, op, xs, size, group, local)
+    (x,) = xs
+    if target == ALL_GATHER:
+        dim = int(op.kwarg("dim"))
+        call = g.call_function(c10d.all_gather_into_tensor.default, (to_front(g, x, dim), size, group))
+        return Issued(call, lambda g, out: [from_front(g, out, dim)])
+    if target == ALL_REDUCE:
+        reduce = str(op.kwarg("reduce"))
+        call = g.call_function(c10d.all_reduce.default, (x, "sum" if reduce == "avg" else reduce, group))
+        return Issued(call, lambda g, out: [_averaged(g, out, size, reduce)])
+    if target == REDUCE_SCATTER:
+        dim = int(op.kwarg("dim"))
+        reduce = str(op.kwarg("reduce"))
+        if reduce == "max":
+            call = g.call_function(c10d.all_reduce.default, (x, "max", group))
+            return Issued(call, lambda g, out: [chunk(g, out, dim, size, coord)])
+        call = g.call_function(c10d.reduce_scatter_tensor.default, (to_front(g, x, dim), "sum", size, group))
+        return Issued(call, lambda g, out: [_averaged(g, from_front(g, out, dim), size, reduce)])
+    if target == ALL_TO_ALL:
+        # NOTE: realized as gather + local chunk (same result; an all_to_all_single moves less).
+        concat, split = int(op.kwarg("concat_dim")), int(op.kwarg("split_dim"))
+        call = g.call_function(c10d.all_gather_into_tensor.default, (to_front(g, x, concat), size, group))
+        return Issued(call, lambda g, out: [chunk(g, from_front(g, out, concat), split, size, coord)])
+    if target == SHARD:
+        return Issued(None, results=(chunk(g, x, int(op.kwarg("dim")), size, coord),))
+    if target == PARTIAL:
+        if str(op.kwarg("reduce")) == "sum" and coord != 0:
+            return Issued(None, results=(g.call_function(aten.zeros_like.default, (x,)),))
+        return Issued(None, results=(x,))
+    raise ValueError(f"{op.describe()}: no eager lowering for {op.name}")
+
+
+def _averaged(g: fx.Graph, x: fx.Node, n: int, reduce: str) -> fx.Node:
+    return g.call_function(aten.div.Tensor, (x, n)) if reduce == "avg" else x
+
+
+def _bucket(g: fx.Graph, op: Op, xs: list[fx.Node], n: int, group: str, local: list[list[int]]) -> Issued:
+    """A bucketed all-gather or reduce-scatter: every operand, moved so its dim leads, is flattened
+    into one buffer (reduce-scatter: as ``[n, chunk]`` rows, so rank r's rows land on rank r), one
+    collective runs on it, and each result is cut back out and reshaped."""
+    dims = [int(d) for d in op.kwarg("dims")]
+    fronts = [to_front(g, x, d) for x, d in zip(xs, dims, strict=True)]
+    shapes = [[s[d], *s[:d], *s[d + 1 :]] for s, d in zip(local, dims, strict=True)]  # dim d in front
+    if op.target == ALL_GATHER_BUCKET:
+        flat = g.call_function(aten.cat.default, ([g.call_function(aten.reshape.default, (f, [-1])) for f in fronts],))
+        call = g.call_function(c10d.all_gather_into_tensor.default, (flat, n, group))
+
+        def gathered(g: fx.Graph, full: fx.Node) -> list[fx.Node]:
+            rows = g.call_function(aten.reshape.default, (full, [n, -1]))
+            outs, off = [], 0
+            for shape, d in zip(shapes, dims, strict=True):
+                size = math.prod(shape)
+                piece = g.call_function(aten.slice.Tensor, (rows, 1, off, off + size))
+                whole = g.call_function(aten.reshape.default, (piece, [n * shape[0], *shape[1:]]))
+                outs.append(from_front(g, whole, d) if d else contiguous(g, whole))
+                off += size
+            return outs
+
+        return Issued(call, gathered)
+    reduce = str(op.kwarg("reduce"))
+    rows_in = [g.call_function(aten.reshape.default, (f, [n, -1])) for f in fronts]
+    flat = g.call_function(aten.reshape.default, (g.call_function(aten.cat.default, (rows_in, 1)), [-1]))
+    call = g.call_function(c10d.reduce_scatter_tensor.default, (flat, "sum", n, group))
+
+    def scattered(g: fx.Graph, mine: fx.Node) -> list[fx.Node]:
+        mine = _averaged(g, mine, n, reduce)
+        outs, off = [], 0
+        for shape, d in zip(shapes, dims, strict=True):
+            size = math.prod(shape) // n
+            piece = g.call_function(aten.slice.Tensor, (mine, 0, off, off + size))
+            part = g.call_function(aten.reshape.default, (piece, [shape[0] // n, *shape[1:]]))
+            outs.append(from_front(g, part, d) if d else contiguous(g, part))
+            off += size
+        return outs
+
+    return Issued(call, scattered)
+
+
+def local_shapes(op: Op, mesh: Mesh) -> list[list[int]]:
+    """Each operand's local shape (``Layout.local_shape``)."""
+    out = []
+    for v in op.operands:
+        assert isinstance(v.type, TensorType)
+        out.append(list(v.layout.local_shape(v.type.shape, mesh)))
+    return out
+
+
+def contiguous(g: fx.Graph, x: fx.Node) -> fx.Node:
+    return g.call_function(aten.clone.default, (x,), {"memory_format": torch.contiguous_format})
+
+
+def to_front(g: fx.Graph, x: fx.Node, dim: int) -> fx.Node:
+    """``x`` with ``dim`` moved to the front, contiguous (collectives work on dim 0)."""
+    return contiguous(g, g.call_function(aten.movedim.int, (x, dim, 0)) if dim else x)
+
+
+def from_front(g: fx.Graph, x: fx.Node, dim: int) -> fx.Node:
+    return contiguous(g, g.call_function(aten.movedim.int, (x, 0, dim))) if dim else x
+
+
+def chunk(g: fx.Graph, x: fx.Node, dim: int, n: int, coord: int) -> fx.Node:
+    """This rank's contiguous chunk of ``x`` along ``dim`` (a local slice, no communication)."""
+    parts = g.call_function(aten.chunk.default, (x, n, dim))
+    piece = g.call_function(operator.getitem, (parts, coord))
+    return g.call_function(aten.clone.default, (piece,), {"memory_format": torch.contiguous_format})

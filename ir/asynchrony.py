@@ -1,0 +1,137 @@
+"""Asynchronous collectives: a collective issued at one point of a rank's program and waited on later.
+
+A collective whose results a ``comm.wait`` reads is *started*: it yields handles, not values. The
+``comm.wait`` takes all of them (in order) and returns the values, and every use reads the wait's
+results. The op order of the graph is the schedule: what sits between a start and its wait runs
+while the collective is on the wire. Rules (checked by :func:`check_waits`):
+
+* a ``comm.wait`` reads every result of one collective that can run asynchronously
+  (``ASYNC_COLLECTIVES``), in order, and returns values of the same types and layouts;
+* a started collective's handles are read by that wait and nothing else (no op, no graph output),
+  and both are in the same phase (the forward and the backward are separate programs);
+* SSA then puts every wait after its start and every use after its wait.
+
+:func:`inflight` walks the order and gives the most bytes a rank holds in started, not yet waited
+collectives' results; :func:`check_inflight` compares that to a bound.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from meshfold.ir.graph import Graph, Op, Value
+from meshfold.ir.ops import (
+    ALL_GATHER,
+    ALL_GATHER_BUCKET,
+    ALL_REDUCE,
+    ALL_TO_ALL,
+    REDUCE_SCATTER,
+    REDUCE_SCATTER_BUCKET,
+    WAIT,
+)
+from meshfold.ir.symbolic import size_hint
+from meshfold.ir.types import TensorType
+
+ASYNC_COLLECTIVES = frozenset(
+    {ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ALL_TO_ALL, ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET}
+)
+"""The collectives that move data between ranks (``comm.shard``/``comm.partial`` are local)."""
+
+
+class ScheduleError(ValueError):
+    """The graph's starts and waits break a rule; the message names the ops and what to change."""
+
+
+def local_bytes(v: Value, graph: Graph) -> float:
+    """Bytes one rank holds of ``v`` (its layout's local shape; symbolic sizes at their hints)."""
+    t = v.type
+    if not isinstance(t, TensorType):
+        return 0.0
+    shape = v.layout.local_shape(t.shape, graph.mesh) if graph.mesh is not None else t.shape
+    return float(math.prod(size_hint(d) for d in shape) * t.dtype.itemsize)
+
+
+def starts(graph: Graph) -> dict[Op, Op]:
+    """Each ``comm.wait`` → the collective it waits for (checked: :func:`check_waits`)."""
+    producers = graph.producers()
+    return {op: producers[op.operands[0]] for op in graph.ops if op.target == WAIT and op.operands}
+
+
+def check_waits(graph: Graph) -> None:
+    """Raise :class:`ScheduleError` unless every start and wait follows the module's rules."""
+    producers = graph.producers()
+    waited: dict[Op, Op] = {}
+    for op in graph.ops:
+        if op.target != WAIT:
+            continue
+        if not op.operands or op.operands[0] not in producers:
+            raise ScheduleError(f"{op.describe()}: comm.wait must read the results of a collective")
+        start = producers[op.operands[0]]
+        if start.target not in ASYNC_COLLECTIVES:
+            raise ScheduleError(
+                f"{op.describe()}: it waits on {start.describe()}, which is not an asynchronous collective"
+            )
+        if op.operands != start.results:
+            raise ScheduleError(f"{op.describe()}: it must read every result of {start.describe()}, in order")
+        if start in waited:
+            raise ScheduleError(
+                f"{start.describe()}: it is waited on twice ({waited[start].describe()}, {op.describe()})"
+            )
+        if start.prov.phase != op.prov.phase:
+            raise ScheduleError(
+                f"{op.describe()}: it waits in the {op.prov.phase} on {start.describe()}, started in the "
+                f"{start.prov.phase}; a start and its wait belong to one phase"
+            )
+        for h, r in zip(op.operands, op.results, strict=True):
+            if (h.type, h.layout) != (r.type, r.layout):
+                raise ScheduleError(f"{op.describe()}: result %{r.name} must have the type and layout of %{h.name}")
+        waited[start] = op
+    handles = {h: w for s, w in waited.items() for h in s.results}
+    for op in graph.ops:
+        if op.target == WAIT:
+            continue
+        for v in op.operands:
+            if v in handles:
+                raise ScheduleError(
+                    f"{op.describe()}: it reads %{v.name}, a handle of a started collective; read the result of "
+                    f"{handles[v].describe()} instead"
+                )
+    for o in graph.outputs:
+        if o.value in handles:
+            raise ScheduleError(f"output {o.kind}({o.name}) is a started collective's handle; output its wait's result")
+
+
+@dataclass(frozen=True)
+class Inflight:
+    """The most bytes one rank held in started, not yet waited collectives, and the op at that point."""
+
+    peak: float
+    at: Op | None
+
+
+def inflight(graph: Graph) -> Inflight:
+    """Walk the order: a start adds its results' bytes on one rank, its wait takes them away."""
+    waits = starts(graph)
+    started = set(waits.values())
+    now, peak, at = 0.0, 0.0, None
+    held: dict[Op, float] = {}
+    for op in graph.ops:
+        if op in started:
+            held[op] = sum(local_bytes(r, graph) for r in op.results)
+            now += held[op]
+            if now > peak:
+                peak, at = now, op
+        elif op in waits:
+            now -= held.pop(waits[op], 0.0)
+    return Inflight(peak, at)
+
+
+def check_inflight(graph: Graph, bound: float) -> None:
+    """Raise :class:`ScheduleError` when more than ``bound`` bytes are ever in flight on a rank."""
+    got = inflight(graph)
+    if got.peak > bound and got.at is not None:
+        raise ScheduleError(
+            f"{got.at.describe()}: {got.peak / 2**20:.1f} MiB are in flight on a rank once it starts, over the "
+            f"bound of {bound / 2**20:.1f} MiB; wait earlier or raise overlap{{max-inflight=...}}"
+        )

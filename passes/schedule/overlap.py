@@ -1,0 +1,199 @@
+"""``overlap``: schedule each rank's program so its collectives run while it computes.
+
+Every collective that moves data becomes a start and a ``comm.wait`` (``ir.asynchrony``), and a
+list scheduler over the time model (``timeline.Costs``, the one the sharding solve prices with)
+orders each phase:
+
+* a collective is started as soon as its operands exist, except one whose operands are all the
+  phase's inputs (a parameter's FSDP gather: it could start at the very beginning), which starts
+  ``prefetch`` segments before the segment of its first use (a segment: consecutive ops of one
+  block, ``layers.3``, or of the code between blocks); the backward runs its blocks in reverse,
+  so its prefetch looks the other way by itself;
+* no start puts more than ``max-inflight`` bytes in flight on a rank (started, not yet waited
+  results), unless nothing else is in flight;
+* a wait goes right before the first op that reads the collective's results; at each step the
+  scheduler runs the earliest ready op, or, when that op would wait on a collective still on the
+  wire, an op within ``lookahead`` places of it that waits on nothing unfinished;
+* a collective whose results leave the phase unread (a gradient's reduce-scatter) is waited at the
+  phase's end.
+
+Ranks schedule the same graph with the same model, so every rank issues its collectives in the
+same order. ``PassContext.stats["overlap"]`` holds the predicted communication, exposed time and
+peak bytes in flight of the program before and after.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import ClassVar
+
+from meshfold.ir import Graph, GraphBuilder, Op, Value
+from meshfold.ir.asynchrony import inflight, local_bytes
+from meshfold.ir.ops import WAIT
+from meshfold.passes.base import Pass, PassContext, PassError
+from meshfold.passes.blocks import op_blocks
+from meshfold.passes.cost.axis import axis_models
+from meshfold.passes.schedule.timeline import Costs, replay
+from meshfold.passes.sharding.boxing import BOXED
+
+SCHEDULED = "scheduled"
+INFLIGHT_STAT = "overlap.max_inflight"
+
+
+@dataclass(frozen=True)
+class Overlap(Pass):
+    """Start collectives early and wait late (``overlap{prefetch=1,max-inflight=256MiB,lookahead=32}``)."""
+
+    name: ClassVar[str] = "overlap"
+    requires: ClassVar[frozenset[str]] = frozenset({BOXED})
+    ensures: ClassVar[frozenset[str]] = frozenset({SCHEDULED})
+    invalidates: ClassVar[frozenset[str]] = frozenset()
+    prefetch: int = 1
+    max_inflight: int = 256 * 2**20
+    lookahead: int = 32
+
+    def apply(self, ctx: PassContext, graph: Graph) -> Graph:
+        if self.max_inflight <= 0 or self.prefetch < 0 or self.lookahead < 0:
+            raise PassError(f"{self}: max-inflight must be positive, prefetch and lookahead at least 0")
+        if graph.mesh is None or any(op.target == WAIT for op in graph.ops):
+            return graph
+        costs = Costs(graph, axis_models(graph.mesh, ctx.cluster))
+        before = replay(graph, costs)
+        b = GraphBuilder.like(graph)
+        blocks = op_blocks(graph)
+        for phase in ("fwd", "bwd"):
+            idx = [k for k, op in enumerate(graph.ops) if op.prov.phase == phase]
+            _Scheduler(graph, costs, self, [graph.ops[k] for k in idx], [blocks[k] for k in idx], b).run()
+        for o in graph.outputs:
+            b.add_output(o.kind, o.name, o.value)
+        out = b.build()
+        after = replay(out, costs)
+        ctx.stats[INFLIGHT_STAT] = float(self.max_inflight)
+        ctx.stats["overlap"] = {
+            "comm_s": after.comm_total,
+            "exposed_s": after.exposed_total,
+            "exposed_before_s": before.exposed_total,
+            "step_s": after.step,
+            "step_before_s": before.step,
+            "inflight_peak_bytes": inflight(out).peak,
+        }
+        return out
+
+
+class _Scheduler:
+    """List scheduling of one phase's ops into ``b`` (see the module doc)."""
+
+    def __init__(self, graph: Graph, costs: Costs, opts: Overlap, ops: list[Op], blocks: list[str], b: GraphBuilder):
+        self.graph, self.costs, self.opts, self.ops, self.b = graph, costs, opts, ops, b
+        self.comm = {k for k, op in enumerate(ops) if costs.moves_data(op)}
+        made = {r: k for k, op in enumerate(ops) for r in op.results}
+        self.deps = [sorted({made[v] for v in op.operands if v in made}) for op in ops]
+        self.users: dict[int, list[int]] = defaultdict(list)
+        for k, ds in enumerate(self.deps):
+            for d in ds:
+                self.users[d].append(k)
+        # NOTE: segments: maximal runs of one block label; a windowed collective may start once the
+        # compute stream has reached ``prefetch`` segments before the one of its first reader
+        seg, self.segment = -1, []
+        for k, blk in enumerate(blocks):
+            if k == 0 or blk != blocks[k - 1]:
+                seg += 1
+            self.segment.append(seg)
+        self.opens: dict[int, int] = {}
+        for c in self.comm:
+            if not self.deps[c]:
+                first = min(self.users[c], default=c)
+                self.opens[c] = self.segment[first] - opts.prefetch
+        self.now = self.free = self.held = 0.0
+        self.reached = -1  # NOTE: the latest segment the compute stream has entered
+        self.ends: dict[int, float] = {}  # started collective -> when it finishes on the wire
+        self.handles: dict[int, tuple[Value, ...]] = {}
+
+    def run(self) -> None:
+        # NOTE: an op is ready once its compute operands are emitted and its collectives started (the
+        # wait goes in when it is emitted); a collective is issuable on the same terms
+        missing = {k: len(ds) for k, ds in enumerate(self.deps)}
+        ready = [k for k, n in missing.items() if n == 0 and k not in self.comm]
+        issuable = sorted(k for k, n in missing.items() if n == 0 and k in self.comm)
+
+        def available(k: int) -> None:
+            for u in self.users[k]:
+                missing[u] -= 1
+                if missing[u] == 0:
+                    (issuable if u in self.comm else ready).append(u)
+
+        while True:
+            for c in self._issue(issuable):
+                available(c)
+            if ready:
+                k = self._pick(ready)
+                ready.remove(k)
+                self._emit(k)
+                available(k)
+            elif issuable:  # NOTE: nothing runs until a closed window's collective starts: start it
+                c = min(issuable)
+                issuable.remove(c)
+                self._start(c)
+                available(c)
+            else:
+                break
+        for c in sorted(self.ends, key=lambda c: (self.ends[c], c)):  # NOTE: results that leave the phase
+            self._wait(c)
+
+    def _pick(self, ready: list[int]) -> int:
+        first = min(ready)
+        if not self._blocked(first):
+            return first
+        for k in sorted(ready):
+            if k - first > self.opts.lookahead:
+                break
+            if not self._blocked(k):
+                return k
+        return first
+
+    def _blocked(self, k: int) -> bool:
+        """Whether op ``k`` would wait on a collective still on the wire."""
+        return any(self.ends.get(d, 0.0) > self.now for d in self.deps[k])
+
+    def _issue(self, issuable: list[int]) -> list[int]:
+        """Start every issuable collective whose window is open and that fits in flight; the started."""
+        out = []
+        for c in sorted(issuable):
+            if self.opens.get(c, -1) > self.reached:
+                continue
+            size = sum(local_bytes(r, self.graph) for r in self.ops[c].results)
+            if self.ends and self.held + size > self.opts.max_inflight:
+                continue
+            issuable.remove(c)
+            self._start(c)
+            out.append(c)
+        return out
+
+    def _start(self, c: int) -> None:
+        self._waits_for(c)
+        op = self.ops[c]
+        handles = tuple(Value(f"{r.name}_start", r.type, r.layout) for r in op.results)
+        self.b.append(Op(op.target, op.args, op.kwargs, handles, op.prov))
+        self.handles[c] = handles
+        begin = max(self.now, self.free)
+        self.free = self.ends[c] = begin + self.costs.comm(op)
+        self.held += sum(local_bytes(r, self.graph) for r in op.results)
+
+    def _wait(self, c: int) -> None:
+        op = self.ops[c]
+        self.b.append(Op(WAIT, self.handles.pop(c), (), op.results, op.prov))
+        self.now = max(self.now, self.ends.pop(c))
+        self.held -= sum(local_bytes(r, self.graph) for r in op.results)
+
+    def _waits_for(self, k: int) -> None:
+        for d in self.deps[k]:
+            if d in self.handles:
+                self._wait(d)
+
+    def _emit(self, k: int) -> None:
+        self._waits_for(k)
+        op = self.ops[k]
+        self.b.append(op)
+        self.reached = max(self.reached, self.segment[k])
+        self.now += self.costs.compute(op)

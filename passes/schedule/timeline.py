@@ -1,0 +1,164 @@
+"""The predicted timeline of one rank's scheduled program: a compute stream and a communication stream.
+
+Every op costs what the sharding solve prices it at (``passes.cost.axis``: the roofline of the
+op's FLOPs and bytes on one device, divided as its layouts divide it; a collective by the cluster's
+collective model over its mesh axis). Replaying the graph in order: a compute op runs when the
+compute stream is free; a collective starts when it is issued and the communication stream is
+free (collectives run one after another); a ``comm.wait`` holds the compute stream until its
+collective has finished, and that hold is *exposed* communication. A collective without a wait
+(synchronous) is issued and waited on at once. The overlap pass schedules by this model; the
+Chrome trace of it (``to_chrome_trace``) opens in Perfetto beside a measured profiler trace.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshfold.ir import Graph, Mesh, Op, OpDef, TensorType, Value
+from meshfold.ir.asynchrony import ASYNC_COLLECTIVES, local_bytes, starts
+from meshfold.ir.ops import ALL_GATHER, ALL_GATHER_BUCKET, ALL_REDUCE, ALL_TO_ALL, WAIT
+from meshfold.ir.symbolic import size_hint
+from meshfold.passes.cost.axis import AxisModel
+from meshfold.passes.sharding.opwork import op_bytes, op_flops
+
+_KIND = {ALL_GATHER: "all_gather", ALL_GATHER_BUCKET: "all_gather", ALL_REDUCE: "all_reduce", ALL_TO_ALL: "all_to_all"}
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds of each op of a graph on one rank, by the mesh axes' time models."""
+
+    graph: Graph
+    models: Sequence[AxisModel]
+
+    def compute(self, op: Op) -> float:
+        """An op's kernel time on one rank: its work divided as much as its layouts divide it."""
+        if isinstance(op.target, OpDef):
+            return 0.0
+        ways = max((_ways(v, self.graph.mesh) for v in (*op.operands, *op.results)), default=1.0)
+        return self.models[0].compute(op_flops(op) / ways, op_bytes(op) / ways)
+
+    def comm(self, op: Op) -> float:
+        """A collective's wire time over its mesh axis (0 on a one-rank axis or for local ops)."""
+        if op.target not in ASYNC_COLLECTIVES or self.graph.mesh is None:
+            return 0.0
+        model = self.models[self.graph.mesh.index(str(op.kwarg("axis")))]
+        if model.size <= 1:
+            return 0.0
+        kind = _KIND.get(op.target, "reduce_scatter")  # type: ignore[call-overload]
+        # NOTE: the collective model takes the whole buffer: a gather's result, a reduction's input
+        held = op.results if kind == "all_gather" else op.operands
+        return model.collective(kind, sum(local_bytes(v, self.graph) for v in held))
+
+    def moves_data(self, op: Op) -> bool:
+        return self.comm(op) > 0.0
+
+
+def _ways(v: Value, mesh: Mesh | None) -> float:
+    t = v.type
+    if mesh is None or not isinstance(t, TensorType):
+        return 1.0
+    whole = math.prod(size_hint(d) for d in t.shape)
+    local = math.prod(size_hint(d) for d in v.layout.local_shape(t.shape, mesh))
+    return whole / local if local else 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One box on a stream: ``stream`` is ``compute``, ``comm`` or ``wait`` (the compute stream held)."""
+
+    stream: str
+    name: str
+    phase: str
+    start: float
+    seconds: float
+
+
+@dataclass
+class Timeline:
+    """A replayed program: its events and, per phase, the busy, communication and exposed seconds."""
+
+    events: list[Event] = field(default_factory=list)
+    end: dict[str, float] = field(default_factory=dict)
+    comm: dict[str, float] = field(default_factory=dict)
+    exposed: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def step(self) -> float:
+        return sum(self.end.values())
+
+    @property
+    def exposed_total(self) -> float:
+        return sum(self.exposed.values())
+
+    @property
+    def comm_total(self) -> float:
+        return sum(self.comm.values())
+
+
+def replay(graph: Graph, costs: Costs) -> Timeline:
+    """The timeline of ``graph`` run in its op order, forward then backward (see the module doc)."""
+    tl = Timeline()
+    waits = starts(graph)
+    started = set(waits.values())
+    for phase in ("fwd", "bwd"):
+        now = free = exposed = busy = 0.0
+        done: dict[Op, float] = {}
+        for op in graph.ops:
+            if op.prov.phase != phase:
+                continue
+            wire = costs.comm(op)
+            if op.target == WAIT:
+                start = waits[op]
+                now, exposed = _hold(tl, phase, op, done.pop(start), now, exposed)
+                continue
+            if wire > 0.0:
+                begin = max(now, free)
+                free = begin + wire
+                busy += wire
+                tl.events.append(Event("comm", op.name, phase, begin, wire))
+                done[op] = free
+                if op not in started:
+                    now, exposed = _hold(tl, phase, op, free, now, exposed)
+                continue
+            t = costs.compute(op)
+            if t > 0.0:
+                tl.events.append(Event("compute", op.name, phase, now, t))
+            now += t
+        for end in done.values():  # NOTE: a collective never waited on still ends the phase
+            now = max(now, end)
+        tl.end[phase], tl.comm[phase], tl.exposed[phase] = now, busy, exposed
+    return tl
+
+
+def _hold(tl: Timeline, phase: str, op: Op, until: float, now: float, exposed: float) -> tuple[float, float]:
+    if until > now:
+        tl.events.append(Event("wait", f"wait {op.name}", phase, now, until - now))
+        return until, exposed + until - now
+    return now, exposed
+
+
+def to_chrome_trace(tl: Timeline, label: str = "rank 0 (predicted)") -> dict[str, Any]:
+    """Chrome trace-event JSON (opens in Perfetto): one thread per stream, the backward after the
+    forward, times in microseconds."""
+    streams = ("compute", "comm", "wait")
+    out: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": label}}]
+    for tid, s in enumerate(streams):
+        out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": s}})
+    offset = {"fwd": 0.0, "bwd": tl.end.get("fwd", 0.0)}
+    for e in tl.events:
+        out.append(
+            {
+                "name": e.name,
+                "cat": e.phase,
+                "ph": "X",
+                "pid": 0,
+                "tid": streams.index(e.stream),
+                "ts": 1e6 * (offset[e.phase] + e.start),
+                "dur": 1e6 * e.seconds,
+            }
+        )
+    return {"traceEvents": out, "displayTimeUnit": "ms"}
