@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -21,6 +22,7 @@ from meshfold.groups import MeshGroups, as_timeout
 from meshfold.passes import PassError
 from meshfold.passes.base import quiet
 from meshfold.passes.cost.hardware import Cluster
+from meshfold.passes.schedule.timeline import predicted, to_chrome_trace, write_trace
 from meshfold.passes.sharding.problem import solve_report
 from meshfold.programs import DEFAULT_CACHE, Program
 from meshfold.runtime import ParallelModule
@@ -53,6 +55,7 @@ def parallelize(
     backend: str = "eager",
     cache_size: int = DEFAULT_CACHE,
     timeout: float | timedelta | None = None,
+    trace: str | os.PathLike[str] | None = None,
 ) -> Any:
     """Compile ``model`` for ``mesh`` with ``plan`` and return this rank's ``ParallelModule``.
 
@@ -83,6 +86,10 @@ def parallelize(
     ``timeout`` (seconds or a ``timedelta``): how long any collective of the module waits for the
     other ranks (default: the process group's own, 30 minutes for gloo); a rank that stops answering
     then surfaces on the others as ``CollectiveError`` naming the collective, the op and the mesh axis.
+
+    ``trace``: rank 0 writes the predicted timeline of the compiled program (its compute and
+    communication streams, by the time model the passes schedule with) there, as a Chrome/Perfetto
+    trace.
     """
     if mesh is None:
         raise PassError("parallelize needs a mesh: parallelize(model, init_device_mesh(...), example_inputs, plan=...)")
@@ -97,10 +104,10 @@ def parallelize(
         backend=backend,
     )
     if model is None:
-        return _decorator(mesh, options, example_inputs, cache_size, timeout)
+        return _decorator(mesh, options, example_inputs, cache_size, timeout, trace)
     if example_inputs is None:
         raise PassError("parallelize(model, mesh, example_inputs, plan=...) needs the example inputs")
-    return _compile(model, mesh, example_inputs, options, cache_size, timeout)
+    return _compile(model, mesh, example_inputs, options, cache_size, timeout, trace)
 
 
 def _compile(
@@ -110,6 +117,7 @@ def _compile(
     options: CompileOptions,
     cache_size: int = DEFAULT_CACHE,
     timeout: float | timedelta | None = None,
+    trace: str | os.PathLike[str] | None = None,
 ) -> ParallelModule:
     if not dist.is_initialized():
         raise PassError("parallelize needs torch.distributed initialized (run under torchrun or spawn ranks)")
@@ -126,6 +134,8 @@ def _compile(
     # generator as it is now, so every rank draws alike whatever its own seed (backends/random.py)
     rng = torch.Generator()
     compiled, rng_state, _, report = _compile_once(model, example_inputs, options, first=True)
+    if trace is not None and dist.get_rank() == 0:
+        write_trace(to_chrome_trace(predicted(compiled, options.cluster)), trace)
     rng.set_state(rng_state)
     first = _program(compiled, groups, options, Signature.of(example_inputs, model.training, grad=True), rng)
     first.report = report
@@ -228,11 +238,12 @@ def _decorator(
     example_inputs: Sequence[Any] | None,
     cache_size: int,
     timeout: float | timedelta | None,
+    trace: str | os.PathLike[str] | None = None,
 ) -> Callable[[type[M]], type[M]]:
     def deco(cls: type[M]) -> type[M]:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise PassError(f"@parallelize(...) decorates nn.Module subclasses, not {cls!r}")
-        return _parallel_class(cls, mesh, options, example_inputs, cache_size, timeout)
+        return _parallel_class(cls, mesh, options, example_inputs, cache_size, timeout, trace)
 
     return deco
 
@@ -244,6 +255,7 @@ def _parallel_class(
     example_inputs: Sequence[Any] | None,
     cache_size: int,
     timeout: float | timedelta | None,
+    trace: str | os.PathLike[str] | None = None,
 ) -> type[M]:
     """A subclass of ``cls`` whose instances build the model with ``cls``'s constructor, then hold
     its compiled form: the compiled module's parameters (DTensors) under the model's own FQNs."""
@@ -254,11 +266,11 @@ def _parallel_class(
         self._mf_model = [model]  # NOTE: a list, so the single-device model is not a submodule
         self._mf_compiled: list[ParallelModule] = []
         if example_inputs is not None:
-            _adopt(self, _compile(model, mesh, example_inputs, options, cache_size, timeout))
+            _adopt(self, _compile(model, mesh, example_inputs, options, cache_size, timeout, trace))
 
     def forward(self: nn.Module, *inputs: Any) -> Any:
         if not self._mf_compiled:
-            _adopt(self, _compile(self._mf_model[0], mesh, inputs, options, cache_size, timeout))
+            _adopt(self, _compile(self._mf_model[0], mesh, inputs, options, cache_size, timeout, trace))
         pm = self._mf_compiled[0]
         pm.train(self.training)  # NOTE: pm is held aside, not a child: eval() reaches it only here
         return pm(*inputs)

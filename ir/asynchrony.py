@@ -104,17 +104,20 @@ def check_waits(graph: Graph) -> None:
 
 @dataclass(frozen=True)
 class Inflight:
-    """The most bytes one rank held in started, not yet waited collectives, and the op at that point."""
+    """The most bytes one rank held in started, not yet waited collectives, and the op at that point;
+    ``over``: the first start that took a rank above ``bound`` with another collective in flight."""
 
     peak: float
     at: Op | None
+    over: Op | None = None
+    over_bytes: float = 0.0
 
 
-def inflight(graph: Graph) -> Inflight:
+def inflight(graph: Graph, bound: float = float("inf")) -> Inflight:
     """Walk the order: a start adds its results' bytes on one rank, its wait takes them away."""
     waits = starts(graph)
     started = set(waits.values())
-    now, peak, at = 0.0, 0.0, None
+    now, peak, at, over, over_bytes = 0.0, 0.0, None, None, 0.0
     held: dict[Op, float] = {}
     for op in graph.ops:
         if op in started:
@@ -122,16 +125,19 @@ def inflight(graph: Graph) -> Inflight:
             now += held[op]
             if now > peak:
                 peak, at = now, op
+            if over is None and now > bound and len(held) > 1:
+                over, over_bytes = op, now
         elif op in waits:
             now -= held.pop(waits[op], 0.0)
-    return Inflight(peak, at)
+    return Inflight(peak, at, over, over_bytes)
 
 
 def check_inflight(graph: Graph, bound: float) -> None:
-    """Raise :class:`ScheduleError` when more than ``bound`` bytes are ever in flight on a rank."""
-    got = inflight(graph)
-    if got.peak > bound and got.at is not None:
+    """Raise :class:`ScheduleError` when a rank ever holds more than ``bound`` bytes in flight in more
+    than one collective (one collective larger than the bound runs alone)."""
+    got = inflight(graph, bound)
+    if got.over is not None:
         raise ScheduleError(
-            f"{got.at.describe()}: {got.peak / 2**20:.1f} MiB are in flight on a rank once it starts, over the "
-            f"bound of {bound / 2**20:.1f} MiB; wait earlier or raise overlap{{max-inflight=...}}"
+            f"{got.over.describe()}: {got.over_bytes / 2**20:.2f} MiB are in flight on a rank once it starts, over "
+            f"the bound of {bound / 2**20:.2f} MiB; wait earlier or raise overlap{{max-inflight=...}}"
         )

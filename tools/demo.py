@@ -8,9 +8,11 @@ expert count (all ranks where they do), the rest replicating the experts.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import socket
 import sys
+import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -85,6 +87,28 @@ def measured_step(pm: Any, inputs: Sequence[Any], opt: Any) -> tuple[float, list
     return float(loss.item()), recorder.calls
 
 
+def profiled_step(pm: Any, inputs: Sequence[Any], opt: Any, path: Path) -> tuple[float, tuple[float, float]]:
+    """One training step under ``torch.profiler``, its Chrome trace written to ``path``; returns the
+    loss and (forward + backward seconds, seconds the rank spent waiting for collectives)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from meshfold.passes.schedule.timeline import write_trace
+
+    opt.zero_grad()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        loss = pm(*inputs)
+        loss.backward()
+        took = time.perf_counter() - start
+    opt.step()
+    waits = sum(e.time_range.elapsed_us() for e in prof.events() if e.name == "_c10d_functional::wait_tensor")
+    tmp = path.with_name(path.name + ".part")
+    prof.export_chrome_trace(str(tmp))
+    write_trace(json.loads(tmp.read_text()), path)
+    tmp.unlink()
+    return float(loss.item()), (took, waits / 1e6)
+
+
 def collectives_table(rows: Sequence[CollectiveRow]) -> tuple[Any, int, int]:
     """The demo's table of collectives per step (one row per kind, group and phase) and the total
     bytes in and out."""
@@ -116,13 +140,17 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: An
         from torch.distributed.device_mesh import init_device_mesh
 
         from meshfold.api import parallelize
+        from meshfold.passes.schedule.timeline import predicted
         from meshfold.tools.zoo import build
 
         names, sizes = args["names"], args["sizes"]
         mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
         model, inputs = build(args["model"])
         stage(f"compiling {args['model']} with plan {args['plan']}")
-        pm = parallelize(model, mesh, inputs, plan=args["plan"], moe=args["moe"])
+        dump = Path(args["dump_dir"])
+        if rank == 0:
+            dump.mkdir(parents=True, exist_ok=True)
+        pm = parallelize(model, mesh, inputs, plan=args["plan"], moe=args["moe"], trace=dump / "step-predicted.json")
         opt = torch.optim.AdamW(pm.parameters(), lr=args["lr"])
         losses: list[float] = []
         calls: list[CollectiveCall] = []
@@ -130,6 +158,8 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: An
             stage(f"training step {i + 1}/{args['steps']}")
             if i == 0:
                 loss, calls = measured_step(pm, inputs, opt)
+            elif i == 1 and rank == 0:
+                loss, waited = profiled_step(pm, inputs, opt, dump / "step-measured.json")
             else:
                 opt.zero_grad()
                 out = pm(*inputs)
@@ -144,7 +174,10 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: An
             layouts = [(i.name, str(i.value.layout)) for i in graph.inputs if i.kind == "param"]
             labels = group_labels(mesh, {c.group for c in calls})
             comms = summarize(calls, labels)
+            tl = predicted(graph)
+            timeline = {"predicted": (tl.step, tl.exposed_total), "measured": waited if args["steps"] > 1 else None}
             result = {"losses": losses, "layouts": layouts, "comms": comms, "solve": pm.plan_report()}
+            result["timeline"] = timeline
             queue.put(("result", result))
     finally:
         dist.destroy_process_group()
@@ -256,6 +289,11 @@ def run_demo(
         steps_table.add_row(str(i + 1), f"{a:.6f}", f"{b:.6f}", f"{abs(a - b):.1e}")
     console.print(steps_table)
     console.print(f"compiled graph of rank 0: {dump_dir.resolve() / 'parallel.txt'}")
+    (step_s, exposed_s), measured = result["timeline"]["predicted"], result["timeline"]["measured"]
+    line = f"step 2 of rank 0: predicted {1e3 * step_s:.1f} ms with {1e3 * exposed_s:.1f} ms waiting on collectives"
+    if measured is not None:
+        line += f"; measured {1e3 * measured[0]:.1f} ms with {1e3 * measured[1]:.1f} ms waiting"
+    console.print(f"{line} (traces: {dump_dir.resolve() / 'step-predicted.json'}, step-measured.json)")
     ok = worst <= 1e-4 * max(1.0, abs(reference[0]))
     console.print("[green]matches single-device training[/green]" if ok else "[red]differs from single device[/red]")
     return 0 if ok else 1

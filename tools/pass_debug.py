@@ -24,6 +24,7 @@ from rich.table import Table
 
 from meshfold import ir
 from meshfold.passes import Pass, PassError, PassFailure, PassPipeline, PassTiming, pass_spelling
+from meshfold.passes.schedule.timeline import predicted, to_chrome_trace, write_trace
 from meshfold.passes.sharding.problem import step_line
 from meshfold.session import DEFAULT_PIPELINE, CompileOptions, compile_model, progress
 from meshfold.tools.common import CliError, load_source, moe_items, moe_tables, parse_mesh, parse_moe, show_progress
@@ -66,6 +67,13 @@ def _arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-passes", action="store_true", help="print per-pass wall time to stderr")
     p.add_argument("--verify", action="store_true", help="run the IR verifier on the input and after every pass")
     p.add_argument("--dump-dir", type=Path, metavar="DIR", help="write txt/dot/svg/html dumps of every step to DIR")
+    p.add_argument(
+        "--trace",
+        type=Path,
+        metavar="FILE",
+        help="write the predicted timeline of the compiled program (rank 0, compute and comm streams) as a "
+        "Chrome/Perfetto trace to FILE",
+    )
     p.add_argument("--no-color", action="store_true", help="plain output without colour")
     return p
 
@@ -115,6 +123,18 @@ def _solve_table(stats: Mapping[str, object]) -> Table | None:
         row = (a.axis, a.binaries, a.columns, a.rows, a.shared_ops, a.nodes, f"{100 * a.gap:.2f}%", state)
         table.add_row(*map(str, row))
     return table
+
+
+def _overlap_line(stats: Mapping[str, object]) -> str | None:
+    """The overlap pass's predicted communication, and how much of it the schedule leaves exposed."""
+    s = stats.get("overlap")
+    if not isinstance(s, dict):
+        return None
+    return (
+        f"overlap: predicted step {1e3 * s['step_s']:.3f} ms (without overlap {1e3 * s['step_before_s']:.3f}); "
+        f"communication {1e3 * s['comm_s']:.3f} ms, exposed {1e3 * s['exposed_s']:.3f} ms (was "
+        f"{1e3 * s['exposed_before_s']:.3f}); at most {s['inflight_peak_bytes'] / 2**20:.2f} MiB in flight"
+    )
 
 
 def options_from(args: argparse.Namespace, graph_mesh: ir.Mesh | None) -> CompileOptions:
@@ -189,6 +209,15 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
             writer.write_index()
     if args.print_result:
         print(str(result.graph), end="", flush=True)
+    if args.trace is not None:
+        if result.graph.mesh is None:
+            raise CliError("--trace needs a compiled program: give --mesh (and a pipeline with sharding)")
+        tl = predicted(result.graph, result.options.cluster)
+        write_trace(to_chrome_trace(tl), args.trace)
+        err.print(
+            f"trace: {args.trace} (predicted step {1e3 * tl.step:.3f} ms, communication {1e3 * tl.comm_total:.3f} ms, "
+            f"exposed {1e3 * tl.exposed_total:.3f} ms); open it in https://ui.perfetto.dev"
+        )
     if args.time_passes:
         err.print(_timing_table(result.timings, result.pipeline.passes))
     if not printing:
@@ -198,6 +227,9 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
         plan = result.options.effective_plan() if "sharding" in names else None
         for table in moe_tables(result.graph, plan, mesh, result.options.moe):
             out.print(table)
+        overlap = _overlap_line(result.stats)
+        if overlap:
+            out.print(overlap)
         solve = _solve_table(result.stats)
         if solve is not None:
             out.print(solve)

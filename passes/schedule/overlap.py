@@ -131,9 +131,12 @@ class _Scheduler:
                 ready.remove(k)
                 self._emit(k)
                 available(k)
-            elif issuable:  # NOTE: nothing runs until a closed window's collective starts: start it
+            elif issuable:  # NOTE: nothing runs until a held-back collective starts: make room, start it
                 c = min(issuable)
                 issuable.remove(c)
+                size = self._bytes(c)
+                while self.ends and self.held + size > self.opts.max_inflight:
+                    self._wait(min(self.ends, key=lambda d: (self.ends[d], d)))
                 self._start(c)
                 available(c)
             else:
@@ -162,8 +165,7 @@ class _Scheduler:
         for c in sorted(issuable):
             if self.opens.get(c, -1) > self.reached:
                 continue
-            size = sum(local_bytes(r, self.graph) for r in self.ops[c].results)
-            if self.ends and self.held + size > self.opts.max_inflight:
+            if self.ends and self.held + self._bytes(c) > self.opts.max_inflight:
                 continue
             issuable.remove(c)
             self._start(c)
@@ -178,13 +180,16 @@ class _Scheduler:
         self.handles[c] = handles
         begin = max(self.now, self.free)
         self.free = self.ends[c] = begin + self.costs.comm(op)
-        self.held += sum(local_bytes(r, self.graph) for r in op.results)
+        self.held += self._bytes(c)
 
     def _wait(self, c: int) -> None:
         op = self.ops[c]
         self.b.append(Op(WAIT, self.handles.pop(c), (), op.results, op.prov))
         self.now = max(self.now, self.ends.pop(c))
-        self.held -= sum(local_bytes(r, self.graph) for r in op.results)
+        self.held -= self._bytes(c)
+
+    def _bytes(self, c: int) -> float:
+        return sum(local_bytes(r, self.graph) for r in self.ops[c].results)
 
     def _waits_for(self, k: int) -> None:
         for d in self.deps[k]:

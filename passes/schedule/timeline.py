@@ -12,16 +12,21 @@ Chrome trace of it (``to_chrome_trace``) opens in Perfetto beside a measured pro
 
 from __future__ import annotations
 
+import json
 import math
+import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from meshfold.ir import Graph, Mesh, Op, OpDef, TensorType, Value
 from meshfold.ir.asynchrony import ASYNC_COLLECTIVES, local_bytes, starts
 from meshfold.ir.ops import ALL_GATHER, ALL_GATHER_BUCKET, ALL_REDUCE, ALL_TO_ALL, WAIT
 from meshfold.ir.symbolic import size_hint
-from meshfold.passes.cost.axis import AxisModel
+from meshfold.passes.cost.axis import AxisModel, axis_models
+from meshfold.passes.cost.hardware import Cluster
 from meshfold.passes.sharding.opwork import op_bytes, op_flops
 
 _KIND = {ALL_GATHER: "all_gather", ALL_GATHER_BUCKET: "all_gather", ALL_REDUCE: "all_reduce", ALL_TO_ALL: "all_to_all"}
@@ -162,3 +167,24 @@ def to_chrome_trace(tl: Timeline, label: str = "rank 0 (predicted)") -> dict[str
             }
         )
     return {"traceEvents": out, "displayTimeUnit": "ms"}
+
+
+def predicted(graph: Graph, cluster: Cluster | None = None) -> Timeline:
+    """The replayed timeline of a compiled graph on ``cluster`` (None: gloo ranks on this CPU)."""
+    if graph.mesh is None:
+        raise ValueError("a predicted timeline needs a graph with a mesh (after sharding)")
+    return replay(graph, Costs(graph, axis_models(graph.mesh, cluster)))
+
+
+def write_trace(trace: dict[str, Any], path: str | Path) -> Path:
+    """Write a Chrome trace to ``path`` whole or not at all (a temporary file renamed into place)."""
+    out = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=out.parent if str(out.parent) else ".", prefix=f".{out.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(trace, f)
+        os.replace(tmp, out)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return out
