@@ -37,7 +37,7 @@ import statistics
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -280,12 +280,32 @@ def _dtensor_model(model: nn.Module, mesh: Any, lm_head: str) -> nn.Module:
     return model
 
 
-def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts: dict[str, Any], queue: Any) -> None:
+@contextlib.contextmanager
+def gloo_rank(rank: int, world: int, port: int) -> Iterator[None]:
+    """This process as gloo rank ``rank`` of ``world`` on localhost, one thread, warnings off; the
+    process group is destroyed on the way out."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_ranks(rank_main: Callable[..., None], world: int, cfg: Config, opts: dict[str, Any]) -> Any:
+    """Run ``rank_main(rank, world, port, cfg_dict, opts, queue)`` on ``world`` spawned processes and
+    return what rank 0 put on ``queue`` (keep it small: the ranks are joined before it is read)."""
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    rank_args = (world, _free_port(), dataclasses.asdict(cfg), opts, queue)
+    mp.start_processes(rank_main, args=rank_args, nprocs=world, join=True, start_method="spawn")
+    return queue.get()
+
+
+def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts: dict[str, Any], queue: Any) -> None:
+    with gloo_rank(rank, world, port):
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.parallel import loss_parallel
@@ -356,8 +376,6 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
                 "profiles": profiles,
             }
             queue.put(out)
-    finally:
-        dist.destroy_process_group()
 
 
 def _single_device(cfg: Config) -> list[float]:
@@ -460,12 +478,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.warmup < 1:
         ap.error("--warmup must be at least 1 (the first warm-up step counts collectives)")
     cfg = dataclasses.replace(d, warmup=a.warmup, steps=a.steps, **{size: getattr(a, size) for size in SIZES})
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
     opts = {"mesh": mesh, "profile": a.profile, "lm_head": a.dtensor_lm_head}
-    rank_args = (a.world, _free_port(), dataclasses.asdict(cfg), opts, queue)
-    mp.start_processes(_rank_main, args=rank_args, nprocs=a.world, join=True, start_method="spawn")
-    result = queue.get()
+    result = spawn_ranks(_rank_main, a.world, cfg, opts)
     ref = _single_device(cfg)
     return _report(cfg, (mesh[0], mesh[1]), result, ref)
 
