@@ -12,8 +12,10 @@ orders each phase:
 * no start puts more than ``max-inflight`` bytes in flight on a rank (started, not yet waited
   results), unless nothing else is in flight;
 * a wait goes right before the first op that reads the collective's results; at each step the
-  scheduler runs the earliest ready op, or, when that op would wait on a collective still on the
-  wire, an op within ``lookahead`` places of it that waits on nothing unfinished;
+  scheduler runs, among the ready ops within ``lookahead`` places of the earliest one that wait on
+  no collective still on the wire, first one that a collective waits for (so the collective starts
+  early and the independent work, such as a weight gradient's GEMM beside a tensor-parallel
+  all-reduce, runs under it), else the earliest; when all would wait, the earliest;
 * a collective whose results leave the phase unread (a gradient's reduce-scatter) is waited at the
   phase's end.
 
@@ -105,6 +107,16 @@ class _Scheduler:
             if not self.deps[c]:
                 first = min(self.users[c], default=c)
                 self.opens[c] = self.segment[first] - opts.prefetch
+        # NOTE: the ops a computed collective waits for, from the last ``lookahead`` places before it: run
+        # first among the ready, so the collective starts early and independent work goes under it
+        self.feeds: set[int] = set()
+        for c in self.comm:
+            todo = list(self.deps[c])
+            while todo:
+                k = todo.pop()
+                if k not in self.feeds and k not in self.comm and c - k <= opts.lookahead:
+                    self.feeds.add(k)
+                    todo.extend(self.deps[k])
         self.now = self.free = self.held = 0.0
         self.reached = -1  # NOTE: the latest segment the compute stream has entered
         self.ends: dict[int, float] = {}  # started collective -> when it finishes on the wire
@@ -145,15 +157,12 @@ class _Scheduler:
             self._wait(c)
 
     def _pick(self, ready: list[int]) -> int:
+        """The earliest ready op that waits on nothing still on the wire, within ``lookahead`` places of
+        the earliest ready one, one that feeds a collective first; else the earliest."""
         first = min(ready)
-        if not self._blocked(first):
-            return first
-        for k in sorted(ready):
-            if k - first > self.opts.lookahead:
-                break
-            if not self._blocked(k):
-                return k
-        return first
+        free = [k for k in sorted(ready) if k - first <= self.opts.lookahead and not self._blocked(k)]
+        urgent = [k for k in free if k in self.feeds]
+        return urgent[0] if urgent else free[0] if free else first
 
     def _blocked(self, k: int) -> bool:
         """Whether op ``k`` would wait on a collective still on the wire."""
