@@ -36,6 +36,7 @@ from meshfold.ir.ops import WAIT
 from meshfold.passes.base import Pass, PassContext, PassError
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.cost.axis import axis_models
+from meshfold.passes.schedule.chunks import chunk_matmuls
 from meshfold.passes.schedule.timeline import Costs, replay
 from meshfold.passes.sharding.boxing import BOXED
 
@@ -45,7 +46,7 @@ INFLIGHT_STAT = "overlap.max_inflight"
 
 @dataclass(frozen=True)
 class Overlap(Pass):
-    """Start collectives early and wait late (``overlap{prefetch=1,max-inflight=256MiB,lookahead=32}``)."""
+    """Start collectives early and wait late (``overlap{prefetch=1,max-inflight=256MiB,lookahead=32,tp-chunks=1}``)."""
 
     name: ClassVar[str] = "overlap"
     requires: ClassVar[frozenset[str]] = frozenset({BOXED})
@@ -54,14 +55,21 @@ class Overlap(Pass):
     prefetch: int = 1
     max_inflight: int = 256 * 2**20
     lookahead: int = 32
+    tp_chunks: int = 1
+    """Split each GEMM whose partial result is all-reduced into this many column chunks, each chunk's
+    all-reduce under the next chunk's GEMM (``chunks.chunk_matmuls``); 1: off."""
 
     def apply(self, ctx: PassContext, graph: Graph) -> Graph:
-        if self.max_inflight <= 0 or self.prefetch < 0 or self.lookahead < 0:
-            raise PassError(f"{self}: max-inflight must be positive, prefetch and lookahead at least 0")
+        if self.max_inflight <= 0 or self.prefetch < 0 or self.lookahead < 0 or self.tp_chunks < 1:
+            raise PassError(
+                f"{self}: max-inflight must be positive, prefetch and lookahead at least 0, tp-chunks at least 1"
+            )
         if graph.mesh is None or any(op.target == WAIT for op in graph.ops):
             return graph
-        costs = Costs(graph, axis_models(graph.mesh, ctx.cluster))
-        before = replay(graph, costs)
+        models = axis_models(graph.mesh, ctx.cluster)
+        before = replay(graph, Costs(graph, models))
+        graph = chunk_matmuls(graph, self.tp_chunks)
+        costs = Costs(graph, models)
         b = GraphBuilder.like(graph)
         blocks = op_blocks(graph)
         for phase in ("fwd", "bwd"):

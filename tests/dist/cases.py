@@ -38,14 +38,17 @@ def equivalence(
     memory: int | None = None,
     moe: dict[str, Any] | None = None,
     keep_module: bool = False,
+    pipeline: str | None = None,
 ) -> dict[str, Any]:
-    """Train ``steps`` AdamW steps compiled and single-device side by side; raise on any difference.
-    Also returns the parameters' layouts (``plan="auto"`` chooses them)."""
+    """Train ``steps`` AdamW steps compiled (under ``pipeline``, default the default pipeline) and
+    single-device side by side; raise on any difference. Also returns the parameters' layouts
+    (``plan="auto"`` chooses them)."""
     warnings.filterwarnings("ignore")
     mesh = device_mesh(tuple(shape), tuple(names))
     net, inputs = build(model)
     ref, _ = build(model)
-    pm = parallelize(net, mesh, inputs, plan=plan, cluster=cluster, memory=memory, moe=moe)
+    extra = {} if pipeline is None else {"pipeline": pipeline}
+    pm = parallelize(net, mesh, inputs, plan=plan, cluster=cluster, memory=memory, moe=moe, **extra)
     stacks = pm.graph().stacks
     names_pm = [n for n, _ in pm.named_parameters()]
     # NOTE: stacked experts sit in the module tree where their list is, so only the set is compared for them.

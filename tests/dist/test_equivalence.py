@@ -119,7 +119,9 @@ def test_more_hf_architectures_fsdp_tp(rank_pools: RankPools, arch: str) -> None
 
 @pytest.mark.hf
 @pytest.mark.parametrize(("arch", "layers"), [("qwen2", 5), ("gpt2", 4)])
-def test_deep_hf_models_whose_middle_layers_are_stamped_not_traced(rank_pools: RankPools, arch: str, layers: int) -> None:
+def test_deep_hf_models_whose_middle_layers_are_stamped_not_traced(
+    rank_pools: RankPools, arch: str, layers: int
+) -> None:
     # NOTE: capture traces layers 0, 1 and the last, and stamps the rest (tests/models/test_capture_depth.py
     # shows it does for these models); loss and every gradient must still be single device's
     losses = rank_pools.get(4).run(

@@ -36,3 +36,20 @@ def test_overlapped_collectives_run_while_the_rank_computes(rank_pools: RankPool
     for rank, r in enumerate(over):
         assert _under_outstanding(r) > 5, (rank, _under_outstanding(r))
         assert _inside_wire(r) > 0, (rank, r["wire"][:5], r["compute"][:5])
+
+
+def test_chunked_tensor_parallel_matmuls_equal_single_device(rank_pools: RankPools) -> None:
+    """``overlap{tp-chunks=2}`` splits every GEMM whose partial result is all-reduced (row-parallel
+    projections forward, column-parallel ones' input gradients backward) into two column chunks:
+    loss, every gradient and the parameters after AdamW steps still equal single device."""
+    chunked = DEFAULT_PIPELINE.replace("overlap", "overlap{tp-chunks=2}")
+    for model in ("llama-tiny", "gpt2-tiny"):
+        pool = rank_pools.get(4)
+        pool.run(
+            "tests.dist.cases:equivalence",
+            model=model,
+            shape=(2, 2),
+            names=("dp", "tp"),
+            plan="fsdp+tp",
+            pipeline=chunked,
+        )

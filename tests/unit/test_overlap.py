@@ -9,6 +9,7 @@ import pytest
 from meshfold import ir
 from meshfold.ir import VerifyError
 from meshfold.ir.asynchrony import inflight
+from meshfold.ir.asynchrony import starts as starts_of
 from meshfold.ir.ops import WAIT
 from meshfold.passes.cost.axis import axis_models
 from meshfold.passes.cost.hardware import parse_cluster
@@ -181,3 +182,25 @@ def test_chrome_trace_of_the_predicted_timeline() -> None:
     # NOTE: some collective runs while the compute stream is busy
     assert any(c["ts"] < k["ts"] + k["dur"] and k["ts"] < c["ts"] + c["dur"] for c in comm for k in compute)
     assert max(e["ts"] + e["dur"] for e in boxes) == pytest.approx(1e6 * tl.step, rel=1e-6)
+
+
+def test_tp_chunks_split_each_partial_gemm_and_its_all_reduce() -> None:
+    plain, _ = _llama(BASE + ",overlap,verify")
+    graph, _ = _llama(BASE + ",overlap{tp-chunks=2},verify")
+
+    def reduces(g: ir.Graph) -> int:
+        return sum(1 for op in g.ops if op.name == "comm.all_reduce" and op.kwarg("axis") == "tp")
+
+    chunked = sum(1 for op in graph.ops if op.name == "aten.cat" and any("_c1" in v.name for v in op.operands))
+    assert chunked > 0
+    # NOTE: each chunked pair's one all-reduce became two
+    assert reduces(graph) == reduces(plain) + chunked
+    # NOTE: a chunk's all-reduce is on the wire while the next chunk's GEMM runs
+    at = {op: k for k, op in enumerate(graph.ops)}
+    waits = starts_of(graph)
+    assert any(
+        op.name == "aten.mm" and at[s] < at[op] < at[w]
+        for w, s in waits.items()
+        if s.kwarg("axis") == "tp"
+        for op in graph.ops
+    )

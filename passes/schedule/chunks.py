@@ -1,0 +1,98 @@
+"""Collective matmul: a GEMM and the all-reduce of its partial result, split into chunks so that one
+chunk's all-reduce runs under the next chunk's GEMM.
+
+``y = mm(x, w)`` whose result is a Partial sum on a mesh axis and whose only reader is an
+``all_reduce`` over that axis (a row-parallel projection in the forward, a column-parallel one's
+input gradient in the backward) becomes, for ``k`` chunks of ``w``'s output columns:
+
+    w_i = slice(w, 1, i*n/k, (i+1)*n/k);  y_i = mm(x, w_i);  r_i = all_reduce(y_i);  y = cat(r, 1)
+
+The columns are split only where no mesh axis shards them (``w``'s dim 1 and ``y``'s dim 1), so
+every rank slices the same global columns and the result is the same value in the same layout.
+The overlap pass then starts ``r_i`` as soon as ``y_i`` exists and runs ``y_{i+1}`` under it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from meshfold.ir import Graph, GraphBuilder, Op, Shard, TensorType, Value
+from meshfold.ir.ops import ALL_REDUCE
+from meshfold.ir.symbolic import divides
+
+aten = torch.ops.aten
+
+
+def chunk_matmuls(graph: Graph, k: int) -> Graph:
+    """``graph`` with every GEMM + all-reduce pair that splits evenly into ``k`` column chunks split."""
+    if k <= 1 or graph.mesh is None:
+        return graph
+    users: dict[Value, list[Op]] = defaultdict(list)
+    for op in graph.ops:
+        for v in op.operands:
+            users[v].append(op)
+    outputs = {o.value for o in graph.outputs}
+    names = {i.value.name for i in graph.inputs} | {r.name for op in graph.ops for r in op.results}
+    pairs: dict[Op, Op] = {}
+    producers = graph.producers()
+    for op in graph.ops:
+        if op.target == ALL_REDUCE and op.kwarg("reduce") == "sum":
+            (y,) = op.operands
+            mm = producers.get(y)
+            if mm is not None and _splits(mm, y, k) and users[y] == [op] and y not in outputs:
+                pairs[mm] = op
+    if not pairs:
+        return graph
+    skip = set(pairs.values())
+    b = GraphBuilder.like(graph)
+    for op in graph.ops:
+        if op in skip:
+            continue
+        if op not in pairs:
+            b.append(op)
+            continue
+        _emit_chunks(b, op, pairs[op], k, names)
+    for o in graph.outputs:
+        b.add_output(o.kind, o.name, o.value)
+    return b.build()
+
+
+def _splits(mm: Op, y: Value, k: int) -> bool:
+    if mm.target != aten.mm.default or len(mm.operands) != 2:
+        return False
+    w = mm.operands[1]
+    if not isinstance(w.type, TensorType) or not isinstance(y.type, TensorType):
+        return False
+    n = w.type.shape[1]
+    unsharded = Shard(1) not in w.layout.placements and Shard(1) not in y.layout.placements
+    return unsharded and divides(n, k)
+
+
+def _fresh(base: str, names: set[str]) -> str:
+    name, i = base, 0
+    while name in names:
+        i += 1
+        name = f"{base}_{i}"
+    names.add(name)
+    return name
+
+
+def _emit_chunks(b: GraphBuilder, mm: Op, ar: Op, k: int, names: set[str]) -> None:
+    x, w = mm.operands
+    y, out = mm.result, ar.result
+    assert isinstance(w.type, TensorType) and isinstance(y.type, TensorType)
+    step = w.type.shape[1] // k
+    pieces = []
+    for i in range(k):
+        wt = TensorType((w.type.shape[0], step), w.type.dtype)
+        w_i = Value(_fresh(f"{w.name}_c{i}", names), wt, w.layout)
+        b.append(Op(aten.slice.Tensor, (w, 1, i * step, (i + 1) * step), (), (w_i,), mm.prov))
+        yt = TensorType((y.type.shape[0], step), y.type.dtype)
+        y_i = Value(_fresh(f"{y.name}_c{i}", names), yt, y.layout)
+        b.append(Op(mm.target, (x, w_i), mm.kwargs, (y_i,), mm.prov))
+        r_i = Value(_fresh(f"{out.name}_c{i}", names), yt, out.layout)
+        b.append(Op(ar.target, (y_i,), ar.kwargs, (r_i,), ar.prov))
+        pieces.append(r_i)
+    b.append(Op(aten.cat.default, (tuple(pieces), 1), (), (out,), ar.prov))
