@@ -115,11 +115,12 @@ class _Scheduler:
             if not self.deps[c]:
                 first = min(self.users[c], default=c)
                 self.opens[c] = self.segment[first] - opts.prefetch
-        # NOTE: the ops a computed collective waits for, from the last ``lookahead`` places before it: run
-        # first among the ready, so the collective starts early and independent work goes under it
+        # NOTE: the ops a computed collective that the phase reads waits for, from the last ``lookahead``
+        # places before it: run first among the ready, so the collective starts early and independent
+        # work goes under it (a gradient's reduce-scatter, read by no op, does not hurry its GEMM)
         self.feeds: set[int] = set()
         for c in self.comm:
-            todo = list(self.deps[c])
+            todo = list(self.deps[c]) if self.users[c] else []
             while todo:
                 k = todo.pop()
                 if k not in self.feeds and k not in self.comm and c - k <= opts.lookahead:
