@@ -2,8 +2,9 @@
 chunk's all-reduce runs under the next chunk's GEMM.
 
 ``y = mm(x, w)`` whose result is a Partial sum on a mesh axis and whose only reader is an
-``all_reduce`` over that axis (a row-parallel projection in the forward, a column-parallel one's
-input gradient in the backward) becomes, for ``k`` chunks of ``w``'s output columns:
+``all_reduce`` over that axis, directly or through a reshape that keeps its last dim
+(``[b*s, n] -> [b, s, n]``; a row-parallel projection in the forward, a column-parallel one's
+input gradient in the backward), becomes, for ``k`` chunks of ``w``'s output columns:
 
     w_i = slice(w, 1, i*n/k, (i+1)*n/k);  y_i = mm(x, w_i);  r_i = all_reduce(y_i);  y = cat(r, 1)
 
@@ -35,17 +36,25 @@ def chunk_matmuls(graph: Graph, k: int) -> Graph:
             users[v].append(op)
     outputs = {o.value for o in graph.outputs}
     names = {i.value.name for i in graph.inputs} | {r.name for op in graph.ops for r in op.results}
-    pairs: dict[Op, Op] = {}
+    pairs: dict[Op, tuple[Op | None, Op]] = {}
     producers = graph.producers()
     for op in graph.ops:
-        if op.target == ALL_REDUCE and op.kwarg("reduce") == "sum":
-            (y,) = op.operands
-            mm = producers.get(y)
-            if mm is not None and _splits(mm, y, k) and users[y] == [op] and y not in outputs:
-                pairs[mm] = op
+        if op.target != ALL_REDUCE or op.kwarg("reduce") != "sum":
+            continue
+        (y,) = op.operands
+        view = producers.get(y)
+        if view is not None and view.target in _RESHAPES and _keeps_last(view):
+            mm = producers.get(view.operands[0])
+            lone = mm is not None and users[view.operands[0]] == [view]
+            if mm is None or not lone or view.operands[0] in outputs:
+                continue
+        else:
+            mm, view = view, None
+        if mm is not None and _splits(mm, y, k) and users[y] == [op] and y not in outputs:
+            pairs[mm] = (view, op)
     if not pairs:
         return graph
-    skip = set(pairs.values())
+    skip = {o for view, ar in pairs.values() for o in (view, ar) if o is not None}
     b = GraphBuilder.like(graph)
     for op in graph.ops:
         if op in skip:
@@ -53,21 +62,34 @@ def chunk_matmuls(graph: Graph, k: int) -> Graph:
         if op not in pairs:
             b.append(op)
             continue
-        _emit_chunks(b, op, pairs[op], k, names)
+        _emit_chunks(b, op, *pairs[op], k, names)
     for o in graph.outputs:
         b.add_output(o.kind, o.name, o.value)
     return b.build()
 
 
+_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+
+
+def _keeps_last(view: Op) -> bool:
+    """A reshape of a 2-D GEMM result that keeps its last dim (``[b*s, n] -> [b, s, n]``)."""
+    src, out = view.operands[0].type, view.result.type
+    return (
+        isinstance(src, TensorType) and isinstance(out, TensorType) and src.rank == 2 and out.shape[-1] == src.shape[1]
+    )
+
+
 def _splits(mm: Op, y: Value, k: int) -> bool:
+    """``mm`` is a GEMM whose output columns no mesh axis shards (nor those of ``y``, what is reduced)
+    and ``k`` divides them."""
     if mm.target != aten.mm.default or len(mm.operands) != 2:
         return False
     w = mm.operands[1]
     if not isinstance(w.type, TensorType) or not isinstance(y.type, TensorType):
         return False
-    n = w.type.shape[1]
-    unsharded = Shard(1) not in w.layout.placements and Shard(1) not in y.layout.placements
-    return unsharded and divides(n, k)
+    last = Shard(y.type.rank - 1)
+    unsharded = Shard(1) not in w.layout.placements and Shard(1) not in mm.result.layout.placements
+    return unsharded and last not in y.layout.placements and divides(w.type.shape[1], k)
 
 
 def _fresh(base: str, names: set[str]) -> str:
@@ -79,20 +101,23 @@ def _fresh(base: str, names: set[str]) -> str:
     return name
 
 
-def _emit_chunks(b: GraphBuilder, mm: Op, ar: Op, k: int, names: set[str]) -> None:
+def _emit_chunks(b: GraphBuilder, mm: Op, view: Op | None, ar: Op, k: int, names: set[str]) -> None:
     x, w = mm.operands
-    y, out = mm.result, ar.result
-    assert isinstance(w.type, TensorType) and isinstance(y.type, TensorType)
+    m, out = mm.result, ar.result
+    y = view.result if view is not None else m
+    assert isinstance(w.type, TensorType) and isinstance(m.type, TensorType) and isinstance(y.type, TensorType)
     step = w.type.shape[1] // k
     pieces = []
     for i in range(k):
-        wt = TensorType((w.type.shape[0], step), w.type.dtype)
-        w_i = Value(_fresh(f"{w.name}_c{i}", names), wt, w.layout)
+        w_i = Value(_fresh(f"{w.name}_c{i}", names), TensorType((w.type.shape[0], step), w.type.dtype), w.layout)
         b.append(Op(aten.slice.Tensor, (w, 1, i * step, (i + 1) * step), (), (w_i,), mm.prov))
-        yt = TensorType((y.type.shape[0], step), y.type.dtype)
-        y_i = Value(_fresh(f"{y.name}_c{i}", names), yt, y.layout)
-        b.append(Op(mm.target, (x, w_i), mm.kwargs, (y_i,), mm.prov))
+        m_i = Value(_fresh(f"{m.name}_c{i}", names), TensorType((m.type.shape[0], step), m.type.dtype), m.layout)
+        b.append(Op(mm.target, (x, w_i), mm.kwargs, (m_i,), mm.prov))
+        y_i, yt = m_i, TensorType((*y.type.shape[:-1], step), y.type.dtype)
+        if view is not None:
+            y_i = Value(_fresh(f"{y.name}_c{i}", names), yt, y.layout)
+            b.append(Op(view.target, (m_i, (*y.type.shape[:-1], step)), view.kwargs, (y_i,), view.prov))
         r_i = Value(_fresh(f"{out.name}_c{i}", names), yt, out.layout)
         b.append(Op(ar.target, (y_i,), ar.kwargs, (r_i,), ar.prov))
         pieces.append(r_i)
-    b.append(Op(aten.cat.default, (tuple(pieces), 1), (), (out,), ar.prov))
+    b.append(Op(aten.cat.default, (tuple(pieces), y.type.rank - 1), (), (out,), ar.prov))
