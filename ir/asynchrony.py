@@ -17,10 +17,9 @@ collectives' results; :func:`check_inflight` compares that to a bound.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from meshfold.ir.graph import Graph, Op, Value
+from meshfold.ir.graph import Graph, Op, local_nbytes
 from meshfold.ir.ops import (
     ALL_GATHER,
     ALL_GATHER_BUCKET,
@@ -30,8 +29,6 @@ from meshfold.ir.ops import (
     REDUCE_SCATTER_BUCKET,
     WAIT,
 )
-from meshfold.ir.symbolic import size_hint
-from meshfold.ir.types import TensorType
 
 ASYNC_COLLECTIVES = frozenset(
     {ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ALL_TO_ALL, ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET}
@@ -41,15 +38,6 @@ ASYNC_COLLECTIVES = frozenset(
 
 class ScheduleError(ValueError):
     """The graph's starts and waits break a rule; the message names the ops and what to change."""
-
-
-def local_bytes(v: Value, graph: Graph) -> float:
-    """Bytes one rank holds of ``v`` (its layout's local shape; symbolic sizes at their hints)."""
-    t = v.type
-    if not isinstance(t, TensorType):
-        return 0.0
-    shape = v.layout.local_shape(t.shape, graph.mesh) if graph.mesh is not None else t.shape
-    return float(math.prod(size_hint(d) for d in shape) * t.dtype.itemsize)
 
 
 def starts(graph: Graph) -> dict[Op, Op]:
@@ -121,7 +109,7 @@ def inflight(graph: Graph, bound: float = float("inf")) -> Inflight:
     held: dict[Op, float] = {}
     for op in graph.ops:
         if op in started:
-            held[op] = sum(local_bytes(r, graph) for r in op.results)
+            held[op] = sum(local_nbytes(r, graph.mesh) for r in op.results)
             now += held[op]
             if now > peak:
                 peak, at = now, op

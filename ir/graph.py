@@ -15,7 +15,8 @@ import torch
 from meshfold.ir.mesh import Mesh
 from meshfold.ir.ops import Target, target_name
 from meshfold.ir.placement import Layout
-from meshfold.ir.types import Type
+from meshfold.ir.symbolic import size_hint
+from meshfold.ir.types import TensorType, Type
 
 Phase = Literal["fwd", "bwd"]
 InputKind = Literal["param", "buffer", "input", "tangent"]
@@ -40,6 +41,19 @@ Literal_: TypeAlias = (
     int | float | bool | str | sympy.Expr | torch.dtype | torch.device | torch.layout | torch.memory_format | None
 )
 Arg: TypeAlias = Value | Literal_ | tuple["Arg", ...]
+
+
+def local_nbytes(v: Value, mesh: Mesh | None) -> int:
+    """Bytes of ``v``'s shard on one rank (``Layout.local_shape``: even splits only; a symbolic size at
+    its hint, ``size_hint``); without a mesh, all of it. Not a tensor: 0."""
+    t = v.type
+    if not isinstance(t, TensorType):
+        return 0
+    shape = v.layout.local_shape(t.shape, mesh) if mesh is not None else t.shape
+    n = 1
+    for d in shape:
+        n *= size_hint(d)
+    return int(n) * t.dtype.itemsize
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,11 +24,11 @@ re-export it: the planner stays torch-free.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from meshfold.ir import Graph, Mesh, Op, OpDef, TensorType, Value, is_view
+from meshfold.ir import Graph, Mesh, Op, OpDef, Value, is_view
 from meshfold.ir.asynchrony import starts
+from meshfold.ir.graph import local_nbytes
 from meshfold.ir.ops import (
     ALL_GATHER,
     ALL_GATHER_BUCKET,
@@ -38,7 +38,6 @@ from meshfold.ir.ops import (
     REDUCE_SCATTER_BUCKET,
     WAIT,
 )
-from meshfold.ir.symbolic import size_hint
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,15 +61,6 @@ class MemoryEstimate:
     @property
     def peak(self) -> int:
         return self.resident + self.peak_transient
-
-
-def local_nbytes(v: Value, mesh: Mesh) -> int:
-    """Bytes of ``v``'s shard on one rank (``Layout.local_shape``: even splits only; a symbolic size
-    at its hint, ``size_hint``)."""
-    t = v.type
-    if not isinstance(t, TensorType):
-        return 0
-    return size_hint(math.prod(v.layout.local_shape(t.shape, mesh))) * t.dtype.itemsize
 
 
 def rank_memory(graph: Graph, optimizer_states: int = 2) -> MemoryEstimate:

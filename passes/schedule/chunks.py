@@ -15,8 +15,6 @@ The overlap pass then starts ``r_i`` as soon as ``y_i`` exists and runs ``y_{i+1
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import torch
 
 from meshfold.ir import Graph, GraphBuilder, Op, Shard, TensorType, Value
@@ -30,10 +28,7 @@ def chunk_matmuls(graph: Graph, k: int) -> Graph:
     """``graph`` with every GEMM + all-reduce pair that splits evenly into ``k`` column chunks split."""
     if k <= 1 or graph.mesh is None:
         return graph
-    users: dict[Value, list[Op]] = defaultdict(list)
-    for op in graph.ops:
-        for v in op.operands:
-            users[v].append(op)
+    users = graph.users()
     outputs = {o.value for o in graph.outputs}
     names = {i.value.name for i in graph.inputs} | {r.name for op in graph.ops for r in op.results}
     pairs: dict[Op, tuple[Op | None, Op]] = {}
@@ -45,12 +40,12 @@ def chunk_matmuls(graph: Graph, k: int) -> Graph:
         view = producers.get(y)
         if view is not None and view.target in _RESHAPES and _keeps_last(view):
             mm = producers.get(view.operands[0])
-            lone = mm is not None and users[view.operands[0]] == [view]
+            lone = mm is not None and users.get(view.operands[0]) == [view]
             if mm is None or not lone or view.operands[0] in outputs:
                 continue
         else:
             mm, view = view, None
-        if mm is not None and _splits(mm, y, k) and users[y] == [op] and y not in outputs:
+        if mm is not None and _splits(mm, y, k) and users.get(y) == [op] and y not in outputs:
             pairs[mm] = (view, op)
     if not pairs:
         return graph

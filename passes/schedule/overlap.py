@@ -31,7 +31,8 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from meshfold.ir import Graph, GraphBuilder, Op, Value
-from meshfold.ir.asynchrony import inflight, local_bytes
+from meshfold.ir.asynchrony import inflight
+from meshfold.ir.graph import local_nbytes
 from meshfold.ir.ops import WAIT
 from meshfold.passes.base import Pass, PassContext, PassError
 from meshfold.passes.blocks import op_blocks
@@ -207,7 +208,7 @@ class _Scheduler:
         self.held -= self._bytes(c)
 
     def _bytes(self, c: int) -> float:
-        return sum(local_bytes(r, self.graph) for r in self.ops[c].results)
+        return sum(local_nbytes(r, self.graph.mesh) for r in self.ops[c].results)
 
     def _waits_for(self, k: int) -> None:
         for d in self.deps[k]:

@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from meshfold.ir import Graph, Mesh, Op, OpDef, TensorType, Value
-from meshfold.ir.asynchrony import ASYNC_COLLECTIVES, local_bytes, starts
+from meshfold.ir.asynchrony import ASYNC_COLLECTIVES, starts
+from meshfold.ir.graph import local_nbytes
 from meshfold.ir.ops import ALL_GATHER, ALL_GATHER_BUCKET, ALL_REDUCE, ALL_TO_ALL, WAIT
 from meshfold.ir.symbolic import size_hint
 from meshfold.passes.cost.axis import AxisModel, axis_models
@@ -56,7 +57,7 @@ class Costs:
         kind = _KIND.get(op.target, "reduce_scatter")  # type: ignore[call-overload]
         # NOTE: the collective model takes the whole buffer: a gather's result, a reduction's input
         held = op.results if kind == "all_gather" else op.operands
-        return model.collective(kind, sum(local_bytes(v, self.graph) for v in held))
+        return model.collective(kind, sum(local_nbytes(v, self.graph.mesh) for v in held))
 
     def moves_data(self, op: Op) -> bool:
         return self.comm(op) > 0.0

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from tests.dist.cases_memory import peak_new_bytes
+from meshfold.tools.measure import peak_new_bytes
 from tests.dist.conftest import RankPools
 
 # NOTE: hidden 128, batch 8 x seq 64 makes activations about as large as parameters + AdamW state,

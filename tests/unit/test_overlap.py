@@ -10,6 +10,7 @@ from meshfold import ir
 from meshfold.ir import VerifyError
 from meshfold.ir.asynchrony import inflight
 from meshfold.ir.asynchrony import starts as starts_of
+from meshfold.ir.graph import local_nbytes
 from meshfold.ir.ops import WAIT
 from meshfold.passes.cost.axis import axis_models
 from meshfold.passes.cost.hardware import parse_cluster
@@ -159,9 +160,7 @@ def test_prefetch_zero_and_a_small_bound_hold_less_in_flight() -> None:
     assert inflight(narrow).peak < inflight(wide).peak
     # NOTE: the bound gives way only when nothing else is in flight: one collective at a time then
     assert isinstance(stats["overlap"], dict)
-    biggest = max(
-        sum(ir.asynchrony.local_bytes(r, narrow) for r in op.results) for op in narrow.ops if op.target == WAIT
-    )
+    biggest = max(sum(local_nbytes(r, narrow.mesh) for r in op.results) for op in narrow.ops if op.target == WAIT)
     assert inflight(narrow).peak <= max(8 * 1024, biggest)
 
 

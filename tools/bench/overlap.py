@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import json
 import math
@@ -48,7 +47,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +68,7 @@ from meshfold.tools.bench.eager_vs_dtensor import (
     spawn_ranks,
 )
 from meshfold.tools.bench.titan_recipe import titan_model
+from meshfold.tools.measure import allocator_accounting, peak_new_bytes, storage_bytes
 
 NAMES = {"overlap": "meshfold, overlap", "no overlap": "meshfold, no overlap"}
 NAMES |= {"dtensor": "DTensor FSDP2+TP", "titan": "DTensor torchtitan"}
@@ -140,39 +140,6 @@ def comm_profile(steps: dict[str, Callable[[], torch.Tensor]], n: int) -> dict[s
     return out
 
 
-@contextlib.contextmanager
-def allocator_accounting() -> Iterator[None]:
-    """The CPU allocator keeps its live-byte count for allocations and frees on every thread (c10's
-    ``caffe2_report_cpu_memory_usage``), so a block a gloo worker thread frees is seen freed."""
-    flag = ctypes.c_bool.in_dll(
-        ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so")), "FLAGS_caffe2_report_cpu_memory_usage"
-    )
-    before, flag.value = flag.value, True
-    try:
-        yield
-    finally:
-        flag.value = before
-
-
-def peak_new_bytes(fn: Callable[[], object]) -> int:
-    """Peak of the allocator's live bytes while ``fn`` runs, above what was live when it began."""
-    from torch._C._profiler import _EventType
-    from torch.profiler import ProfilerActivity, profile
-
-    with allocator_accounting(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    todo, events = list(prof.profiler.kineto_results.experimental_event_tree()), []
-    while todo:
-        node = todo.pop()
-        todo.extend(node.children)
-        if node.tag == _EventType.Allocation and str(node.extra_fields.device) == "cpu":
-            events.append((node.start_time_ns, node.extra_fields.alloc_size, node.extra_fields.total_allocated))
-    if not events:
-        return 0
-    _, size, total = min(events)
-    return max(0, int(max(t for _, _, t in events)) - int(total - size))
-
-
 def step_memory(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple[torch.Tensor, ...]) -> int:
     """Resident bytes of ``model``'s parameters, buffers and ``opt``'s state on this rank, plus the
     allocator's peak over one forward + backward from no gradients (one training step runs first)."""
@@ -182,11 +149,8 @@ def step_memory(model: nn.Module, opt: torch.optim.Optimizer, inputs: tuple[torc
         opt.step()
         opt.zero_grad(set_to_none=True)
         states = [t for s in opt.state.values() for t in s.values() if isinstance(t, torch.Tensor) and t.dim() > 0]
-        storages = {}
-        for t in [*model.parameters(), *model.buffers(), *states]:
-            s = (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
-            storages[s.data_ptr()] = s.nbytes()
-        return sum(storages.values()) + peak_new_bytes(lambda: model(*inputs).backward())
+        resident = storage_bytes([*model.parameters(), *model.buffers(), *states])
+        return resident + peak_new_bytes(lambda: model(*inputs).backward())
 
 
 def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts: dict[str, Any], queue: Any) -> None:

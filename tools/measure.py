@@ -1,0 +1,71 @@
+"""Measured memory of a rank: the CPU allocator's own count, read through torch.profiler.
+
+The multi-rank memory tests and the overlap bench measure peaks the same way, here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch._C._profiler import _EventType
+from torch.profiler import ProfilerActivity, profile
+
+
+@contextlib.contextmanager
+def allocator_accounting() -> Iterator[None]:
+    """Have the CPU allocator keep its live-byte count for frees on every thread.
+
+    Without this, only threads that carry the profiler's state report to it: a block whose last
+    reference a gloo worker thread drops (its ``Work`` object holds the collective's input and
+    output) is freed unseen, and the profile shows it live to the end of the step; how often that
+    happens depends on thread timing. c10's ``caffe2_report_cpu_memory_usage`` flag makes the
+    allocator count every allocation and free, whichever thread makes it, and each profiler event
+    then carries that global count as ``total_allocated``."""
+    lib = ctypes.CDLL(str(Path(torch.__file__).parent / "lib" / "libc10.so"))
+    flag = ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
+    before = flag.value
+    flag.value = True
+    try:
+        yield
+    finally:
+        flag.value = before
+
+
+def _walk(nodes: list[Any]) -> Iterator[Any]:
+    for n in nodes:
+        yield n
+        yield from _walk(n.children)
+
+
+def peak_new_bytes(fn: Callable[[], object]) -> int:
+    """Peak of the bytes the CPU allocator had handed out while ``fn`` ran, above what was live when it
+    began: the allocator's own live count at each allocation event, so frees on every thread count.
+    (A block allocated before ``fn`` and freed by another thread during it is counted only if it was
+    allocated under ``allocator_accounting`` too.)"""
+    with allocator_accounting(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = sorted(
+        (n.start_time_ns, n.extra_fields.alloc_size, n.extra_fields.total_allocated)
+        for n in _walk(prof.profiler.kineto_results.experimental_event_tree())
+        if n.tag == _EventType.Allocation and str(n.extra_fields.device) == "cpu"
+    )
+    if not events:
+        return 0
+    _, size, total = events[0]
+    start = total - size  # the live count just before the first event
+    return max(0, int(max(total for _, _, total in events)) - int(start))
+
+
+def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
+    """Bytes of the distinct local storages behind ``tensors`` (DTensors count their shard)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t
+        s = local.untyped_storage()
+        seen[s.data_ptr()] = s.nbytes()
+    return sum(seen.values())
