@@ -42,6 +42,7 @@ from meshfold.ir.types import type_of
 from meshfold.layer_runs import Run, find_runs, reduced
 from meshfold.moe import MoeSpec, experts_as_ops, op_options
 from meshfold.moe_lists import fold_expert_lists
+from meshfold.passes.pipeline import long_lived_heap
 from meshfold.unroll import Unfoldable, unroll
 
 __all__ = ["CaptureError", "capture", "module_path", "output_structure", "sharding_decompositions"]
@@ -95,7 +96,11 @@ def capture(
     ``meshfold.unroll``): the same graph as tracing every layer, in time that hardly grows with depth.
     """
     graph_name = name or _snake(type(model).__name__)
-    with fake_copies(model, example_inputs, dynamic) as (fake_mode, fake_inputs), experts_as_ops(model, moe):
+    with (
+        long_lived_heap(),
+        fake_copies(model, example_inputs, dynamic) as (fake_mode, fake_inputs),
+        experts_as_ops(model, moe),
+    ):
 
         def traced(runs: list[Run]) -> ir.Graph:
             with reduced(model, runs):

@@ -39,13 +39,26 @@ class Costs:
 
     graph: Graph
     models: Sequence[AxisModel]
+    _seconds: dict[Op, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Each op's priced kernel time (ops hash by identity; a scheduler asks many times)."""
+    _divided: dict[Value, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def compute(self, op: Op) -> float:
         """An op's kernel time on one rank: its work divided as much as its layouts divide it."""
         if isinstance(op.target, OpDef):
             return 0.0
-        ways = max((_ways(v, self.graph.mesh) for v in (*op.operands, *op.results)), default=1.0)
-        return self.models[0].compute(op_flops(op) / ways, op_bytes(op) / ways)
+        t = self._seconds.get(op)
+        if t is None:
+            ways = max((self._ways(v) for v in (*op.operands, *op.results)), default=1.0)
+            t = self._seconds[op] = self.models[0].compute(op_flops(op) / ways, op_bytes(op) / ways)
+        return t
+
+    def _ways(self, v: Value) -> float:
+        """How many ways ``v``'s layout divides it (a value is read by several ops: asked once)."""
+        w = self._divided.get(v)
+        if w is None:
+            w = self._divided[v] = _ways(v, self.graph.mesh)
+        return w
 
     def comm(self, op: Op) -> float:
         """A collective's wire time over its mesh axis (0 on a one-rank axis or for local ops)."""
