@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from meshfold.ir import Mesh, Op, Partial, TensorType
+from meshfold.ir.ops import draws
 
 aten = torch.ops.aten
 
@@ -124,20 +125,8 @@ RANDOM: dict[Any, str] = {
 
 
 def is_random(op: Op) -> bool:
-    """Whether ``op`` draws from a generator (ATen tags such ops ``nondeterministic_seeded``; attention
-    with ``dropout_p=0`` draws nothing)."""
-    target = op.target
-    if target in RANDOM:
-        return True
-    if torch.Tag.nondeterministic_seeded not in getattr(target, "tags", ()):
-        return False
-    schema = getattr(target, "_schema", None)
-    names = [a.name for a in schema.arguments] if schema is not None else []
-    if "dropout_p" in names:
-        at = names.index("dropout_p")
-        p = op.args[at] if at < len(op.args) else op.kwarg("dropout_p", 0.0)
-        return p not in (0, 0.0, None)
-    return True
+    """Whether ``op`` draws from a generator (``ir.ops.draws``, or one of the random forms above)."""
+    return op.target in RANDOM or draws(op)
 
 
 def random_site(op: Op, generator: torch.Generator, mesh: Mesh, coord: Sequence[int]) -> RandomSite:

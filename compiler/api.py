@@ -72,6 +72,10 @@ def parallelize(
     the hardware ``cluster`` (``"h100:8x1"``; default: gloo ranks on this CPU) under a per-device
     ``memory`` bound (bytes or ``"40GiB"``; default: the cluster's device memory).
 
+    ``memory``: a byte budget per rank (``"6GiB"``) also has the ``memory`` pass recompute, in the
+    backward, the fewest blocks' activations that bring the predicted peak under it (and raise
+    before anything runs when nothing can); ``memory="full"`` recomputes every block from its input.
+
     ``moe={"ep": 4, "etp": 1}``: the routed experts of every MoE layer meshfold recognizes (see
     ``meshfold.moe``) get their own mapping of the same ranks: EP ranks split the experts (innermost
     mesh axes after ETP), the rest of the world (EDP) replicates them, whatever ``plan`` does with

@@ -35,7 +35,9 @@ from meshfold.tracer import capture
 
 # NOTE: grows with every pass that lands. Without a mesh, sharding and boxing leave the
 # single-device graph as it is; without an expert mapping, moe-fold does.
-DEFAULT_PIPELINE = "cleanup,moe-fold,sharding,boxing,bucket,overlap,verify"
+DEFAULT_PIPELINE = "cleanup,moe-fold,sharding,boxing,bucket,memory,overlap,verify"
+MEMORY_POLICIES = ("full", "selective", "kv")
+"""What ``memory=`` takes besides a byte budget."""
 
 Backend = Literal["eager"]
 PlanSpec = str | Plan | Mapping[str, Any]
@@ -55,6 +57,10 @@ class CompileOptions:
     moe: MoeSpec | None = None
     cluster: Cluster | None = None
     memory: int | None = None
+    """Bytes per rank: the sharding solve's bound and the budget the ``memory`` pass recomputes to meet."""
+    memory_policy: str | None = None
+    """``"full"``, ``"selective"``, ``"kv"``: what the ``memory`` pass recomputes in the backward
+    (``passes.memory.policies``); None: as the budget needs."""
     pipeline: str = DEFAULT_PIPELINE
     verify: bool = False
     backend: Backend = "eager"
@@ -92,7 +98,8 @@ class CompileOptions:
             plan=the_plan,
             moe=spec,
             cluster=_cluster_of(cluster),
-            memory=parse_size(memory) if isinstance(memory, str) else memory,
+            memory=_memory_bound(memory),
+            memory_policy=memory if isinstance(memory, str) and memory in MEMORY_POLICIES else None,
             pipeline=str(PassPipeline.parse(pipeline)),
             verify=verify,
             backend=backend,  # type: ignore[arg-type]
@@ -132,7 +139,14 @@ class CompileOptions:
 
     def context(self, status: Callable[[str], AbstractContextManager[object]] | None = None) -> PassContext:
         """A fresh pass context for one compilation with these options."""
-        ctx = PassContext(mesh=self.mesh, plan=self.plan, moe=self.moe, cluster=self.cluster, memory=self.memory)
+        ctx = PassContext(
+            mesh=self.mesh,
+            plan=self.plan,
+            moe=self.moe,
+            cluster=self.cluster,
+            memory=self.memory,
+            memory_policy=self.memory_policy,
+        )
         if status is not None:
             ctx.status = status
         return ctx
@@ -308,3 +322,15 @@ def _logged(message: str) -> Iterator[None]:
     seconds = time.perf_counter() - start
     if seconds >= 1.0:
         log.info("%s: done in %.1f s", message, seconds)
+
+
+def _memory_bound(memory: int | str | None) -> int | None:
+    """The byte bound ``memory=`` gives (None for a policy such as ``"full"``)."""
+    if not isinstance(memory, str) or memory in MEMORY_POLICIES:
+        return None if isinstance(memory, str) else memory
+    try:
+        return parse_size(memory)
+    except PassError:
+        raise PassError(
+            f"memory={memory!r} is neither a size (e.g. 6GiB) nor a policy ({', '.join(MEMORY_POLICIES)})"
+        ) from None

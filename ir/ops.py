@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch._ops import OpOverload
@@ -20,6 +20,9 @@ from meshfold.ir.mesh import Mesh
 from meshfold.ir.placement import Layout, Partial, Placement, ReduceOp, Replicate, Shard
 from meshfold.ir.symbolic import size_hint
 from meshfold.ir.types import TensorType
+
+if TYPE_CHECKING:
+    from meshfold.ir.graph import Op
 
 Attrs = Mapping[str, object]
 """An op's attributes by name (``dict(op.kwargs)``): ``axis``, ``dim``, ``reduce``, ..."""
@@ -328,6 +331,20 @@ def resolve_target(name: str) -> Target:
     if not isinstance(op, OpOverload):
         raise ValueError(f"{name!r} resolves to {type(op).__name__}, not an op overload")
     return op
+
+
+def draws(op: Op) -> bool:
+    """Whether ``op`` draws from a generator: ATen tags such ops ``nondeterministic_seeded``, and
+    attention with ``dropout_p=0`` draws nothing."""
+    target = op.target
+    if isinstance(target, OpDef) or torch.Tag.nondeterministic_seeded not in target.tags:
+        return False
+    names = [a.name for a in target._schema.arguments]
+    if "dropout_p" in names:
+        at = names.index("dropout_p")
+        p = op.args[at] if at < len(op.args) else op.kwarg("dropout_p", 0.0)
+        return p not in (0, 0.0, None)
+    return True
 
 
 def is_pure(target: Target) -> bool:

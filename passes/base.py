@@ -55,7 +55,11 @@ class PassContext:
     cluster: Cluster | None = None
     """The cluster the program is planned for (None: gloo ranks on this CPU)."""
     memory: int | None = None
-    """Per-device memory bound in bytes for the sharding solve (None: the cluster's HBM, or none)."""
+    """Per-device memory bound in bytes for the sharding solve (None: the cluster's HBM, or none) and
+    the budget the ``memory`` pass recomputes activations to meet (None: none)."""
+    memory_policy: str | None = None
+    """What the ``memory`` pass does when its pipeline options do not say (``"full"``; None: keep
+    what a budget allows)."""
     diagnostics: list[str] = field(default_factory=list)
     stats: dict[str, object] = field(default_factory=dict)
     """Figures passes report about their own work (e.g. ``sharding.solve``: per-axis program size)."""

@@ -6,7 +6,9 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from meshfold.ir import Graph, verify
-from meshfold.passes.base import VERIFIED, Pass, PassContext
+from meshfold.ir.ops import REDISTRIBUTE
+from meshfold.passes.base import VERIFIED, Pass, PassContext, PassError
+from meshfold.passes.cost.memory import rank_memory, size_text
 from meshfold.passes.schedule.overlap import INFLIGHT_STAT
 from meshfold.passes.sharding.check import check_layouts
 
@@ -15,8 +17,9 @@ from meshfold.passes.sharding.check import check_layouts
 class Verify(Pass):
     """Check SSA, layouts, started collectives and their waits (under the ``overlap`` pass's bound on
     bytes in flight when it ran) and (with ``types``) every op's result types; with ``layouts``, that
-    every op's placements on each mesh axis are allowed by its sharding rule. Returns the graph
-    unchanged."""
+    every op's placements on each mesh axis are allowed by its sharding rule; under a memory bound
+    (``parallelize(memory=...)``), that one rank's predicted peak (``passes.cost.memory``) of a
+    boxed program stays under it. Returns the graph unchanged."""
 
     name: ClassVar[str] = "verify"
     ensures: ClassVar[frozenset[str]] = frozenset({VERIFIED})
@@ -29,4 +32,13 @@ class Verify(Pass):
         verify(graph, check_types=self.types, max_inflight=float(bound) if isinstance(bound, float) else None)
         if self.layouts:
             check_layouts(graph)
+        if ctx.memory is not None and graph.mesh is not None and all(op.target != REDISTRIBUTE for op in graph.ops):
+            est = rank_memory(graph)
+            peak = est.resident + est.peak_transient
+            if peak > ctx.memory:
+                raise PassError(
+                    f"the predicted peak of one rank, {size_text(peak)} (at {est.peak_at}), exceeds the memory bound "
+                    f"of {size_text(ctx.memory)}; run the memory pass before overlap to recompute activations, "
+                    "shard more or raise the bound"
+                )
         return graph

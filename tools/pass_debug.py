@@ -53,7 +53,11 @@ def _arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--plan", help="preset such as fsdp+tp, or auto; None: the one the mesh's axis names imply")
     p.add_argument("--moe", metavar="SPEC", help="expert mapping for the routed experts, e.g. ep=4 or ep=2,etp=1")
     p.add_argument("--cluster", help="cluster the plan is made for, e.g. h100:8x1; None: gloo ranks on this CPU")
-    p.add_argument("--memory", help="per-device memory bound for the sharding solve, e.g. 40GiB; None: the cluster's")
+    p.add_argument(
+        "--memory",
+        help="bytes per device (e.g. 40GiB): the sharding solve's bound and the budget the memory pass recomputes "
+        "to meet; or full: every block recomputed in the backward; None: the cluster's bound, nothing recomputed",
+    )
     p.add_argument("--backend", default="eager", help="backend the program is lowered for")
     p.add_argument(
         "--assume",

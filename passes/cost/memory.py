@@ -194,3 +194,11 @@ def _stages(op: Op, size: dict[Value, int], mesh: Mesh) -> tuple[tuple[int, bool
         return ((moved + src, True), (src + n * src, False), (n * src + out, False))
     mine = src // n
     return ((moved + src, True), (src + mine, False), (2 * mine * avg, False), (mine + out, False))
+
+
+def size_text(n: float) -> str:
+    """``n`` bytes for a message: ``812 B``, ``48.5 KiB``, ``6.0 GiB``."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n:.0f} B"

@@ -9,8 +9,10 @@ orders each phase:
   ``prefetch`` segments before the segment of its first use (a segment: consecutive ops of one
   block, ``layers.3``, or of the code between blocks); the backward runs its blocks in reverse,
   so its prefetch looks the other way by itself;
-* no start puts more than ``max-inflight`` bytes in flight on a rank (started, not yet waited
-  results), unless nothing else is in flight;
+* no start puts more than ``max-inflight`` bytes in flight on a rank (the operands and results of
+  started, not yet waited collectives: a gradient's reduce-scatter holds the whole unreduced
+  gradient), unless nothing else is in flight; under a memory budget (``parallelize(memory=...)``)
+  the bound is lowered until the predicted peak fits;
 * a wait goes right before the first op that reads the collective's results; at each step the
   scheduler runs, among the ready ops within ``lookahead`` places of the earliest one that wait on
   no collective still on the wire, first one that a collective waits for (so the collective starts
@@ -26,8 +28,9 @@ peak bytes in flight of the program before and after.
 
 from __future__ import annotations
 
+import heapq
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 from meshfold.ir import Graph, GraphBuilder, Op, Value
@@ -37,6 +40,7 @@ from meshfold.ir.ops import WAIT
 from meshfold.passes.base import Pass, PassContext, PassError
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.cost.axis import axis_models
+from meshfold.passes.cost.memory import rank_memory
 from meshfold.passes.schedule.chunks import chunk_matmuls
 from meshfold.passes.schedule.timeline import Costs, replay
 from meshfold.passes.sharding.boxing import BOXED
@@ -67,20 +71,15 @@ class Overlap(Pass):
             )
         if graph.mesh is None or any(op.target == WAIT for op in graph.ops):
             return graph
-        models = axis_models(graph.mesh, ctx.cluster)
-        before = replay(graph, Costs(graph, models))
+        costs = Costs(graph, axis_models(graph.mesh, ctx.cluster))  # NOTE: chunking keeps the mesh
+        before = replay(graph, costs)
         graph = chunk_matmuls(graph, self.tp_chunks)
-        costs = Costs(graph, models)
-        b = GraphBuilder.like(graph)
-        blocks = op_blocks(graph)
-        for phase in ("fwd", "bwd"):
-            idx = [k for k, op in enumerate(graph.ops) if op.prov.phase == phase]
-            _Scheduler(graph, costs, self, [graph.ops[k] for k in idx], [blocks[k] for k in idx], b).run()
-        for o in graph.outputs:
-            b.add_output(o.kind, o.name, o.value)
-        out = b.build()
+        if ctx.memory is None:
+            out, cap = self._scheduled(graph, costs, self.max_inflight), self.max_inflight
+        else:
+            out, cap = self._within(ctx, graph, costs, ctx.memory)
         after = replay(out, costs)
-        ctx.stats[INFLIGHT_STAT] = float(self.max_inflight)
+        ctx.stats[INFLIGHT_STAT] = float(cap)
         ctx.stats["overlap"] = {
             "comm_s": after.comm_total,
             "exposed_s": after.exposed_total,
@@ -90,6 +89,41 @@ class Overlap(Pass):
             "inflight_peak_bytes": inflight(out).peak,
         }
         return out
+
+    def _scheduled(self, graph: Graph, costs: Costs, cap: int) -> Graph:
+        opts = replace(self, max_inflight=cap)
+        b = GraphBuilder.like(graph)
+        blocks = op_blocks(graph)
+        for phase in ("fwd", "bwd"):
+            idx = [k for k, op in enumerate(graph.ops) if op.prov.phase == phase]
+            _Scheduler(graph, costs, opts, [graph.ops[k] for k in idx], [blocks[k] for k in idx], b).run()
+        for o in graph.outputs:
+            b.add_output(o.kind, o.name, o.value)
+        return b.build()
+
+    def _within(self, ctx: PassContext, graph: Graph, costs: Costs, budget: int) -> tuple[Graph, int]:
+        """Under a memory budget (``parallelize(memory=...)``): the schedule whose predicted peak
+        (``passes.cost.memory``) stays under it, with the bytes in flight capped first at the
+        headroom the unscheduled program leaves, then halved; the program unscheduled (its
+        collectives waited where issued) when no cap fits."""
+        peak = _peak(graph)
+        cap = max(min(self.max_inflight, budget - peak), 1)
+        for _ in range(8):
+            out = self._scheduled(graph, costs, cap)
+            if _peak(out) <= budget:
+                return out, cap
+            cap = max(cap // 2, 1)
+        if peak <= budget:
+            ctx.warn(
+                f"overlap: no schedule keeps the predicted peak under the memory budget ({budget} bytes per rank); "
+                "collectives are waited where they are issued"
+            )
+        return graph, cap
+
+
+def _peak(graph: Graph) -> int:
+    est = rank_memory(graph)
+    return est.resident + est.peak_transient
 
 
 class _Scheduler:
@@ -116,6 +150,10 @@ class _Scheduler:
             if not self.deps[c]:
                 first = min(self.users[c], default=c)
                 self.opens[c] = self.segment[first] - opts.prefetch
+        # NOTE: a started collective holds its operands as well as its results until its wait (a
+        # gradient's reduce-scatter keeps the whole unreduced gradient alive)
+        held = {c: (*ops[c].operands, *ops[c].results) for c in self.comm}
+        self.size = {c: sum(local_nbytes(v, graph.mesh) for v in vs) for c, vs in held.items()}
         # NOTE: the ops a computed collective that the phase reads waits for, from the last ``lookahead``
         # places before it: run first among the ready, so the collective starts early and independent
         # work goes under it (a gradient's reduce-scatter, read by no op, does not hurry its GEMM)
@@ -135,17 +173,25 @@ class _Scheduler:
     def run(self) -> None:
         # NOTE: an op is ready once its compute operands are emitted and its collectives started (the
         # wait goes in when it is emitted); a collective is issuable on the same terms
+        # NOTE: issuable collectives whose window has not opened wait in ``closed`` (a heap by the
+        # segment that opens them), so each step looks only at the open ones
         missing = {k: len(ds) for k, ds in enumerate(self.deps)}
         ready = [k for k, n in missing.items() if n == 0 and k not in self.comm]
-        issuable = sorted(k for k, n in missing.items() if n == 0 and k in self.comm)
+        issuable: list[int] = []
+        closed: list[tuple[int, int]] = []
 
         def available(k: int) -> None:
             for u in self.users[k]:
                 missing[u] -= 1
                 if missing[u] == 0:
-                    (issuable if u in self.comm else ready).append(u)
+                    self._enqueue(u, ready, issuable, closed)
 
+        for k, n in missing.items():
+            if n == 0 and k in self.comm:
+                self._enqueue(k, ready, issuable, closed)
         while True:
+            while closed and closed[0][0] <= self.reached:
+                issuable.append(heapq.heappop(closed)[1])
             for c in self._issue(issuable):
                 available(c)
             if ready:
@@ -153,11 +199,14 @@ class _Scheduler:
                 ready.remove(k)
                 self._emit(k)
                 available(k)
-            elif issuable:  # NOTE: nothing runs until a held-back collective starts: make room, start it
-                c = min(issuable)
-                issuable.remove(c)
-                size = self._bytes(c)
-                while self.ends and self.held + size > self.opts.max_inflight:
+            elif issuable or closed:  # NOTE: nothing runs until a held-back collective starts: make room, start it
+                c = min([*issuable, *(c for _, c in closed)])
+                if c in issuable:
+                    issuable.remove(c)
+                else:
+                    closed.remove((self.opens[c], c))
+                    heapq.heapify(closed)
+                while self.ends and self.held + self.size[c] > self.opts.max_inflight:
                     self._wait(min(self.ends, key=lambda d: (self.ends[d], d)))
                 self._start(c)
                 available(c)
@@ -179,17 +228,24 @@ class _Scheduler:
         return any(self.ends.get(d, 0.0) > self.now for d in self.deps[k])
 
     def _issue(self, issuable: list[int]) -> list[int]:
-        """Start every issuable collective whose window is open and that fits in flight; the started."""
+        """Start every open issuable collective that fits in flight; the started."""
         out = []
         for c in sorted(issuable):
-            if self.opens.get(c, -1) > self.reached:
-                continue
-            if self.ends and self.held + self._bytes(c) > self.opts.max_inflight:
+            if self.ends and self.held + self.size[c] > self.opts.max_inflight:
                 continue
             issuable.remove(c)
             self._start(c)
             out.append(c)
         return out
+
+    def _enqueue(self, k: int, ready: list[int], issuable: list[int], closed: list[tuple[int, int]]) -> None:
+        """File op ``k``, whose operands now exist: ready to run, issuable, or issuable once its window opens."""
+        if k not in self.comm:
+            ready.append(k)
+        elif self.opens.get(k, -1) > self.reached:
+            heapq.heappush(closed, (self.opens[k], k))
+        else:
+            issuable.append(k)
 
     def _start(self, c: int) -> None:
         self._waits_for(c)
@@ -199,16 +255,13 @@ class _Scheduler:
         self.handles[c] = handles
         begin = max(self.now, self.free)
         self.free = self.ends[c] = begin + self.costs.comm(op)
-        self.held += self._bytes(c)
+        self.held += self.size[c]
 
     def _wait(self, c: int) -> None:
         op = self.ops[c]
         self.b.append(Op(WAIT, self.handles.pop(c), (), op.results, op.prov))
         self.now = max(self.now, self.ends.pop(c))
-        self.held -= self._bytes(c)
-
-    def _bytes(self, c: int) -> float:
-        return sum(local_nbytes(r, self.graph.mesh) for r in self.ops[c].results)
+        self.held -= self.size[c]
 
     def _waits_for(self, k: int) -> None:
         for d in self.deps[k]:

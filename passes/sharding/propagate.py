@@ -49,7 +49,7 @@ from meshfold.passes.sharding.plans import (
     resolve,
 )
 from meshfold.passes.sharding.rules import RuleTable, rule_table, strategies_for
-from meshfold.passes.sharding.solve import Problem, Solution, solve
+from meshfold.passes.sharding.solve import Problem, Solution, report, solve
 from meshfold.passes.sharding.strategy import Strategy
 
 SHARDED = "sharded"
@@ -151,7 +151,20 @@ def _solved(
     )
     presets = mesh_presets(mesh) if auto else []
     preset = _preset_plan(graph, mesh, problem, prop, presets[0]) if presets else None
-    solution = solve(problem, start=preset[1] if preset is not None else None)
+    try:
+        solution = solve(problem, start=preset[1] if preset is not None else None)
+    except PassError:
+        if problem.memory is None:
+            raise
+        # NOTE: no layouts alone keep every activation under the bound: solve for time and leave the
+        # bound to the memory pass, which recomputes activations to meet it (or says it cannot)
+        ctx.diagnostics.append(
+            f"sharding: no layouts keep every activation under the memory bound of {problem.memory} bytes per "
+            "device; solved for time, the memory pass recomputes activations to meet the bound"
+        )
+        problem = replace(problem, memory=None)
+        preset = _preset_plan(graph, mesh, problem, prop, presets[0]) if presets else None
+        solution = solve(problem, start=preset[1] if preset is not None else None)
     if preset is not None:
         ctx.stats["sharding.preset"] = (preset[0], preset[1].step_time)
     priced: list[tuple[str, Solution]] = [preset] if preset is not None else []
@@ -167,7 +180,7 @@ def _solved(
             f"step against {solution.step_time * 1e3:.3f} ms for the solved ones); using them"
         )
         solution = best[1]
-    _report(ctx, solution)
+    report(ctx, solution)
     prop.decided = solution.strategies
     if not auto:
         return seeds
@@ -179,17 +192,6 @@ def _solved(
         lay = solution.inputs.get(i.value, seeds.storage.get(i.name, Layout.replicated(mesh)))
         out.storage[i.name] = out.compute[i.name] = lay
     return out
-
-
-def _report(ctx: PassContext, solution: Solution) -> None:
-    ctx.stats["sharding.solve"] = solution.stats
-    ctx.stats["sharding.step_time"] = solution.step_time
-    for s in solution.stats:
-        if not s.optimal:
-            ctx.warn(
-                f"sharding solve on mesh axis {s.axis!r} stopped at its node limit ({s.nodes} nodes) with the "
-                f"plan within {100 * s.gap:.1f}% of optimal; raise sharding{{node-limit=...}} to search further"
-            )
 
 
 def _preset_plan(graph: Graph, mesh: Mesh, auto: Problem, prop: _Propagator, name: str) -> tuple[str, Solution] | None:

@@ -26,13 +26,13 @@ import math
 from collections.abc import Hashable
 
 from meshfold.ir import Layout, Placement, Value
-from meshfold.passes.base import PassError
+from meshfold.passes.base import PassContext, PassError
 from meshfold.passes.sharding.problem import AxisStart, AxisStats, Problem, Solution
 from meshfold.passes.sharding.program import AxisProgram
 from meshfold.passes.sharding.strategy import Strategy
 from meshfold.passes.sharding.ties import Ties
 
-__all__ = ["AxisStats", "Problem", "Solution", "solve"]
+__all__ = ["AxisStats", "Problem", "Solution", "report", "solve"]
 
 
 def solve(problem: Problem, start: Solution | None = None) -> Solution:
@@ -73,3 +73,15 @@ def solve(problem: Problem, start: Solution | None = None) -> Solution:
             placed[v].append(p)
     layouts = {v: Layout(mesh.names, tuple(ps)) for v, ps in placed.items()}
     return Solution(chosen, layouts, tuple(stats))
+
+
+def report(ctx: PassContext, solution: Solution) -> None:
+    """The solve's figures into ``ctx.stats``, and a warning for each axis a node limit stopped."""
+    ctx.stats["sharding.solve"] = solution.stats
+    ctx.stats["sharding.step_time"] = solution.step_time
+    for s in solution.stats:
+        if not s.optimal:
+            ctx.warn(
+                f"sharding solve on mesh axis {s.axis!r} stopped at its node limit ({s.nodes} nodes) with the "
+                f"plan within {100 * s.gap:.1f}% of optimal; raise sharding{{node-limit=...}} to search further"
+            )

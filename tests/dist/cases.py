@@ -35,7 +35,7 @@ def equivalence(
     plan: Any,
     steps: int = 2,
     cluster: str | None = None,
-    memory: int | None = None,
+    memory: int | str | None = None,
     moe: dict[str, Any] | None = None,
     keep_module: bool = False,
     pipeline: str | None = None,
@@ -232,7 +232,9 @@ def decorated_usual_order() -> float:
     return float(net(*inputs))
 
 
-def hf_equivalence(arch: str, shape: tuple[int, ...], names: tuple[str, ...], plan: str, layers: int = 2) -> float:
+def hf_equivalence(
+    arch: str, shape: tuple[int, ...], names: tuple[str, ...], plan: str, layers: int = 2, memory: str | None = None
+) -> float:
     """One step of an HF model from ``tests.dist.hf_models``: loss and every gradient as single device."""
     from tests.dist.hf_models import build_hf
 
@@ -240,7 +242,7 @@ def hf_equivalence(arch: str, shape: tuple[int, ...], names: tuple[str, ...], pl
     mesh = device_mesh(tuple(shape), tuple(names))
     net, inputs = build_hf(arch, layers)
     ref, _ = build_hf(arch, layers)
-    pm = parallelize(net, mesh, inputs, plan=plan)
+    pm = parallelize(net, mesh, inputs, plan=plan, memory=memory)
     loss = pm(*inputs)
     loss.backward()
     ref_loss = ref(*inputs)

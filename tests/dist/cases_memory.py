@@ -16,24 +16,36 @@ from tests.dist.pool import device_mesh
 
 
 def step_memory(
-    shape: tuple[int, ...], names: tuple[str, ...], plan: str, hidden: int, batch: int, seq: int
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    plan: str,
+    hidden: int,
+    batch: int,
+    seq: int,
+    memory: int | str | None = None,
 ) -> dict[str, Any]:
     """Compile a Llama-style model, take one AdamW step (so the optimizer state exists), then measure
     the next step's forward + backward: resident bytes (parameters, buffers, optimizer state) plus
     the allocator's peak on top of them. Returns measured and estimated figures on this rank."""
     with allocator_accounting():
-        return _step_memory(shape, names, plan, hidden, batch, seq)
+        return _step_memory(shape, names, plan, hidden, batch, seq, memory)
 
 
 def _step_memory(
-    shape: tuple[int, ...], names: tuple[str, ...], plan: str, hidden: int, batch: int, seq: int
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    plan: str,
+    hidden: int,
+    batch: int,
+    seq: int,
+    memory: int | str | None,
 ) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     mesh = device_mesh(tuple(shape), tuple(names))
     net = LlamaTiny(vocab=256, hidden=hidden, intermediate=2 * hidden)
     ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(1))
-    pm = parallelize(net, mesh, (ids, ids), plan=plan)
+    pm = parallelize(net, mesh, (ids, ids), plan=plan, memory=memory)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
     pm(ids, ids).backward()
     opt.step()

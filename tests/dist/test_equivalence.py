@@ -62,7 +62,7 @@ def test_equivalence(rank_pools: RankPools, case: tuple[str, tuple[int, ...], tu
 # cheapest replicated (no collectives beat their tiny matmuls); a memory bound under their
 # replicated footprint (parameter, gradient and two Adam moments) forces parameter sharding.
 AUTO_CASES: list[tuple[str, tuple[int, ...], tuple[str, ...], str | None, int | None]] = [
-    ("mlp", (4,), ("dp",), None, 48 * 1024),
+    ("mlp", (4,), ("dp",), None, 56 * 1024),
     ("mlp", (2, 2), ("a", "b"), None, 40 * 1024),
     ("mlp", (2, 2), ("dp", "tp"), "h100:8x1", 40 * 1024),
     ("llama-tiny", (2, 2), ("dp", "tp"), "h100:8x1", None),

@@ -44,7 +44,7 @@ def test_options_read_every_user_form_once() -> None:
         ({"mesh": "dp=two"}, "write e.g. dp=2,tp=2"),
         ({"mesh": "dp=2", "plan": "fsdp+tp"}, "mesh axis named 'tp'"),
         ({"mesh": "dp=2", "cluster": "h900:8x1"}, "cluster 'h900:8x1'"),
-        ({"mesh": "dp=2", "memory": "lots"}, "is not a size"),
+        ({"mesh": "dp=2", "memory": "lots"}, "is neither a size"),
         ({"mesh": "dp=2", "moe": {"ep": 2}, "pipeline": "cleanup,sharding"}, "needs the moe-fold pass"),
         ({"mesh": "dp=2", "moe": {"ep": 2}, "plan": "auto"}, "chooses the expert mapping itself"),
         ({"mesh": "dp=2", "pipeline": "cleanup,sharding{mode=fast}"}, "takes one of solve, greedy"),

@@ -1,0 +1,140 @@
+"""``memory``: which activations each rank keeps for the backward and which it recomputes there.
+
+A policy names the values (``policies``): ``memory{policy=full}`` recomputes every block
+(``layers.3``: ``blocks.op_blocks``) from its input; ``selective`` the core of each attention
+(rotary, the K/V repeat, the kernel) from the Q/K/V projections; ``kv`` only the key and value
+path from the projections' input. Of what they choose, the forward hands the backward nothing: the
+ops run again right before the backward reads their results (``recompute``); what cannot run twice
+(a random draw) is always kept. ``memory{budget=6GiB}`` (or ``parallelize(..., memory="6GiB")``)
+recomputes the fewest whole blocks that bring the predicted peak of one rank
+(``passes.cost.memory``: parameters, gradients, optimizer state, live activations) under the
+budget, taking first the blocks that free the most saved bytes per second of recompute (the one
+time model's price of their forward ops); a budget that the parameter state alone, or the program
+with every block recomputed, exceeds fails before anything runs, saying how many bytes are needed
+and the largest parameter. ``policy=keep`` (the default with no budget) keeps everything.
+
+``PassContext.stats["memory"]``: the policy, budget, predicted peak before and after, the blocks
+recomputed and the predicted seconds the recompute adds per step.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import ClassVar, Literal
+
+from meshfold.ir import Graph, Value
+from meshfold.ir.graph import local_nbytes
+from meshfold.ir.ops import WAIT
+from meshfold.passes.base import Pass, PassContext, PassError
+from meshfold.passes.blocks import op_blocks
+from meshfold.passes.cost.axis import axis_models
+from meshfold.passes.cost.memory import rank_memory, size_text
+from meshfold.passes.memory.policies import policy_values
+from meshfold.passes.memory.recompute import recompute
+from meshfold.passes.schedule.overlap import SCHEDULED
+from meshfold.passes.schedule.timeline import Costs
+from meshfold.passes.sharding.boxing import BOXED
+
+Policy = Literal["auto", "keep", "full", "selective", "kv"]
+
+
+@dataclass(frozen=True)
+class Memory(Pass):
+    """Keep or recompute each block's activations (``memory{policy=auto,budget=0}``)."""
+
+    name: ClassVar[str] = "memory"
+    requires: ClassVar[frozenset[str]] = frozenset({BOXED})
+    ensures: ClassVar[frozenset[str]] = frozenset()
+    invalidates: ClassVar[frozenset[str]] = frozenset({SCHEDULED})
+    policy: Policy = "auto"
+    """``auto``: the compilation's (``parallelize(memory="full")``), else recompute only what the
+    budget needs; ``keep``; ``full``, ``selective``, ``kv`` (``policies``)."""
+    budget: int = 0
+    """Bytes per rank (0: the compilation's ``memory`` bound, if any)."""
+
+    def apply(self, ctx: PassContext, graph: Graph) -> Graph:
+        policy = self.policy if self.policy != "auto" else (ctx.memory_policy or "auto")
+        budget = self.budget or ctx.memory or 0
+        if graph.mesh is None or (policy in ("auto", "keep") and not budget):
+            return graph
+        if any(op.target == WAIT for op in graph.ops):
+            raise PassError("the memory pass runs before overlap (it decides what overlap then schedules)")
+        blocks = policy_values(graph, "full" if policy in ("auto", "keep") else policy)
+        before = rank_memory(graph)
+        if policy == "keep":
+            chosen = []
+        elif policy == "auto":
+            chosen = _fewest(graph, blocks, budget, before.resident + before.peak_transient)
+        else:
+            chosen = list(blocks)
+        out = recompute(graph, {v for b in chosen for v in blocks[b]}) if chosen else graph
+        after = rank_memory(out)
+        peak = after.resident + after.peak_transient
+        if budget and peak > budget:
+            how = "with every block recomputed" if blocks else "with nothing (no block, layers.N) to recompute"
+            if policy in ("keep", "selective", "kv"):
+                how = f"under policy {policy}"
+            _over_budget(graph, budget, peak, after.resident, how)
+        costs = Costs(out, axis_models(out.mesh, ctx.cluster))  # type: ignore[arg-type]
+        made = {r for op in graph.ops for r in op.results}
+        added = sum(costs.compute(op) for op in out.ops if op.prov.phase == "bwd" and not set(op.results) <= made)
+        ctx.stats["memory"] = {
+            "policy": policy,
+            "budget": budget,
+            "peak_before": before.resident + before.peak_transient,
+            "peak_after": peak,
+            "recomputed": chosen,
+            "recompute_s": added,
+        }
+        return out
+
+
+def _fewest(graph: Graph, blocks: dict[str, set[Value]], budget: int, peak: int) -> list[str]:
+    """The shortest prefix of the blocks, best saving per recompute second first, whose recompute
+    brings the predicted peak under ``budget`` (all of them when none does: the caller says so).
+    The peak falls as blocks are added, so the prefix is found by bisection."""
+    if peak <= budget:
+        return []
+    assert graph.mesh is not None
+    costs = Costs(graph, axis_models(graph.mesh, None))
+    read = {u for op in graph.ops if op.prov.phase == "bwd" for u in op.operands}
+    labels = op_blocks(graph)
+    seconds: dict[str, float] = defaultdict(float)
+    for op, b in zip(graph.ops, labels, strict=True):
+        if b in blocks and any(r in blocks[b] for r in op.results):
+            seconds[b] += costs.compute(op)
+    freed = {b: sum(local_nbytes(v, graph.mesh) for v in vs if v in read) for b, vs in blocks.items()}
+    order = sorted(blocks, key=lambda b: (-freed[b] / max(seconds[b], 1e-12), b))
+
+    def fits(k: int) -> bool:
+        est = rank_memory(recompute(graph, {v for b in order[:k] for v in blocks[b]}))
+        return est.resident + est.peak_transient <= budget
+
+    lo, hi = 1, len(order)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            hi = mid
+        else:
+            lo = mid + 1
+    return order[:lo]
+
+
+def _over_budget(graph: Graph, budget: int, peak: int, resident: int, how: str) -> None:
+    assert graph.mesh is not None
+    params = [i for i in graph.inputs if i.kind in ("param", "buffer")]
+    big = max(params, key=lambda i: local_nbytes(i.value, graph.mesh), default=None)
+    largest = ""
+    if big is not None:
+        largest = f"; the largest parameter on a rank: {big.name} ({size_text(local_nbytes(big.value, graph.mesh))})"
+    if resident > budget:
+        raise PassError(
+            f"memory budget {size_text(budget)} per rank is below the parameter state alone ({size_text(resident)}: "
+            f"parameters, gradients and optimizer state){largest}; shard the parameters over more ranks "
+            "(plan='fsdp' or 'fsdp+tp') or raise the budget"
+        )
+    raise PassError(
+        f"memory budget {size_text(budget)} per rank cannot be met: {how} the predicted peak is {size_text(peak)}, "
+        f"{size_text(peak - budget)} over{largest}; shard more or raise the budget"
+    )
