@@ -24,12 +24,13 @@ from meshfold.backends.comm import Issued, issue, local_shapes
 from meshfold.backends.interpret import runnable_target
 from meshfold.backends.local import LOCAL, LocalForms
 from meshfold.backends.moe import exchange_backward, exchange_forward
+from meshfold.backends.offload import offload, reload
 from meshfold.backends.random import is_random, random_site
 from meshfold.backends.watch import Watch, watch_waits
 from meshfold.ir import Graph, Op, OpDef, Shard, TensorType, Value
 from meshfold.ir.graph import Arg
 from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
-from meshfold.ir.ops import REDISTRIBUTE, WAIT
+from meshfold.ir.ops import OFFLOAD, REDISTRIBUTE, RELOAD, WAIT
 
 
 @dataclass(frozen=True)
@@ -197,6 +198,8 @@ def _load(a: Arg, env: dict[Value, fx.Node]) -> Any:
 def _emit(
     g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext, table: LocalForms, rng: torch.Generator
 ) -> list[fx.Node]:
+    if op.target in _TIERS:
+        return [g.call_function(_TIERS[op.target], (env[op.operands[0]],))]
     if isinstance(op.target, OpDef):
         return _issue(g, op, env, rank).complete(g)
     if is_random(op):
@@ -245,6 +248,8 @@ def _returns_sequence(op: Op) -> bool:
 
 # NOTE: (tokens operand, expert-weight operand) of the ops that exchange tokens themselves.
 _EXCHANGES = {EXPERTS: (0, 3, exchange_forward), EXPERTS_BACKWARD: (1, 4, exchange_backward)}
+_TIERS = {OFFLOAD: offload, RELOAD: reload}
+"""``mem.*``: an activation to the host tier and back (``backends/offload.py``)."""
 
 
 def _exchange_over(op: Op) -> tuple[str, ...]:

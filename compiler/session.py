@@ -36,7 +36,7 @@ from meshfold.tracer import capture
 # NOTE: grows with every pass that lands. Without a mesh, sharding and boxing leave the
 # single-device graph as it is; without an expert mapping, moe-fold does.
 DEFAULT_PIPELINE = "cleanup,moe-fold,sharding,boxing,bucket,memory,overlap,verify"
-MEMORY_POLICIES = ("full", "selective", "kv")
+MEMORY_POLICIES = ("full", "selective", "kv", "offload")
 """What ``memory=`` takes besides a byte budget."""
 
 Backend = Literal["eager"]
@@ -60,7 +60,8 @@ class CompileOptions:
     """Bytes per rank: the sharding solve's bound and the budget the ``memory`` pass recomputes to meet."""
     memory_policy: str | None = None
     """``"full"``, ``"selective"``, ``"kv"``: what the ``memory`` pass recomputes in the backward
-    (``passes.memory.policies``); None: as the budget needs."""
+    (``passes.memory.policies``); ``"offload"``: every saved activation to the host tier and back;
+    None: as the budget needs."""
     pipeline: str = DEFAULT_PIPELINE
     verify: bool = False
     backend: Backend = "eager"

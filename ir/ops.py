@@ -39,8 +39,8 @@ VolumeFn = Callable[[float, int], float]
 class OpDef:
     """One of meshfold's own ops: ``namespace.name`` with named attributes and a contract.
 
-    ``keeps_value``: the op changes only how ranks hold a value, never the global value (every
-    ``comm.*`` op), so on whole tensors it is the identity. ``move``/``volume``: a collective's
+    ``keeps_value``: the op changes only how or where ranks hold a value, never the global value
+    (every ``comm.*`` and ``mem.*`` op), so on whole tensors it is the identity. ``move``/``volume``: a collective's
     layout transfer and wire volume (None for ops without a fixed one: ``comm.redistribute``,
     ``comm.wait``, ``comm.ppermute``, ``mem.*``).
     """
@@ -108,7 +108,7 @@ def _declare(
     move: MoveFn | None = None,
     volume: VolumeFn | None = None,
 ) -> OpDef:
-    op = OpDef(namespace, name, attrs, doc, pure, namespace == "comm", move, volume)
+    op = OpDef(namespace, name, attrs, doc, pure, namespace in ("comm", "mem"), move, volume)
     _OWN[op.qualname] = op
     return op
 
@@ -233,7 +233,7 @@ PARTIAL = _declare(
     True,
     _partial,
 )
-OFFLOAD = _declare("mem", "offload", (), "copy an activation to host memory", pure=False)
+OFFLOAD = _declare("mem", "offload", (), "copy an activation to host memory (on CPU ranks: a file)", pure=False)
 RELOAD = _declare("mem", "reload", (), "copy an offloaded activation back to device memory", pure=False)
 
 

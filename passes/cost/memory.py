@@ -11,6 +11,8 @@ type divided over the mesh axes that shard it) and mirrors how the program is ex
 * a value is freed after its last use in its own phase; a forward value the backward reads is
   saved: it lives until the backward finishes (the autograd context holds it); gradients live from
   the op that produces them to the end of the step (they become ``.grad``);
+* ``mem.offload``'s result is in the host tier (0 bytes here): the value it copies is freed after its
+  last forward use, and ``mem.reload`` allocates it again in the backward;
 * collectives also hold their staging buffers while they run (the contiguous copy of a non-leading
   dim, the gathered or flat bucket buffer), as the eager lowering lays them out;
 * a started collective (``ir.asynchrony``) allocates its results at its start, and they are its
@@ -34,6 +36,7 @@ from meshfold.ir.ops import (
     ALL_GATHER_BUCKET,
     ALL_REDUCE,
     ALL_TO_ALL,
+    OFFLOAD,
     REDUCE_SCATTER,
     REDUCE_SCATTER_BUCKET,
     WAIT,
@@ -69,6 +72,9 @@ def rank_memory(graph: Graph, optimizer_states: int = 2) -> MemoryEstimate:
         raise ValueError("memory liveness needs a graph with a mesh (run the sharding pass first)")
     mesh = graph.mesh
     size = {v: local_nbytes(v, mesh) for v in _values(graph)}
+    for op in graph.ops:  # NOTE: an offloaded copy lives in the host tier, not in this memory
+        if op.target == OFFLOAD:
+            size.update((r, 0) for r in op.results)
     params = sum(size[i.value] for i in graph.inputs if i.kind == "param")
     buffers = sum(size[i.value] for i in graph.inputs if i.kind == "buffer")
     trainable = {o.name for o in graph.outputs if o.kind == "grad"}

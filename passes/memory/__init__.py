@@ -3,23 +3,25 @@
 A policy names the values (``policies``): ``memory{policy=full}`` recomputes every block
 (``layers.3``: ``blocks.op_blocks``) from its input; ``selective`` the core of each attention
 (rotary, the K/V repeat, the kernel) from the Q/K/V projections; ``kv`` only the key and value
-path from the projections' input. Of what they choose, the forward hands the backward nothing: the
+path from the projections' input; ``offload`` moves every saved activation to the host tier
+after its last forward use and back before its first backward use (``offload``). Of what the
+recompute policies choose, the forward hands the backward nothing: the
 ops run again right before the backward reads their results (``recompute``); what cannot run twice
 (a random draw) is always kept. ``memory{budget=6GiB}`` (or ``parallelize(..., memory="6GiB")``)
-recomputes the fewest whole blocks that bring the predicted peak of one rank
-(``passes.cost.memory``: parameters, gradients, optimizer state, live activations) under the
-budget, taking first the blocks that free the most saved bytes per second of recompute (the one
-time model's price of their forward ops); a budget that the parameter state alone, or the program
+recomputes the fewest units that bring the predicted peak of one rank (``passes.cost.memory``:
+parameters, gradients, optimizer state, live activations) under the budget: first each block's
+pointwise ops (all but GEMMs, attention and collectives), then whole blocks, within each stage
+the units that free the most saved bytes per second of recompute first (the one time model's
+price of their forward ops); a budget that the parameter state alone, or the program
 with every block recomputed, exceeds fails before anything runs, saying how many bytes are needed
 and the largest parameter. ``policy=keep`` (the default with no budget) keeps everything.
 
 ``PassContext.stats["memory"]``: the policy, budget, predicted peak before and after, the blocks
-recomputed and the predicted seconds the recompute adds per step.
+recomputed (or the values offloaded) and the predicted seconds the recompute adds per step.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -27,16 +29,16 @@ from meshfold.ir import Graph, Value
 from meshfold.ir.graph import local_nbytes
 from meshfold.ir.ops import WAIT
 from meshfold.passes.base import Pass, PassContext, PassError
-from meshfold.passes.blocks import op_blocks
 from meshfold.passes.cost.axis import axis_models
 from meshfold.passes.cost.memory import rank_memory, size_text
+from meshfold.passes.memory.offload import offloaded, saved_activations
 from meshfold.passes.memory.policies import policy_values
 from meshfold.passes.memory.recompute import recompute
 from meshfold.passes.schedule.overlap import SCHEDULED
 from meshfold.passes.schedule.timeline import Costs
 from meshfold.passes.sharding.boxing import BOXED
 
-Policy = Literal["auto", "keep", "full", "selective", "kv"]
+Policy = Literal["auto", "keep", "full", "selective", "kv", "offload"]
 
 
 @dataclass(frozen=True)
@@ -49,7 +51,7 @@ class Memory(Pass):
     invalidates: ClassVar[frozenset[str]] = frozenset({SCHEDULED})
     policy: Policy = "auto"
     """``auto``: the compilation's (``parallelize(memory="full")``), else recompute only what the
-    budget needs; ``keep``; ``full``, ``selective``, ``kv`` (``policies``)."""
+    budget needs; ``keep``; ``full``, ``selective``, ``kv`` (``policies``); ``offload``."""
     budget: int = 0
     """Bytes per rank (0: the compilation's ``memory`` bound, if any)."""
 
@@ -60,20 +62,23 @@ class Memory(Pass):
             return graph
         if any(op.target == WAIT for op in graph.ops):
             raise PassError("the memory pass runs before overlap (it decides what overlap then schedules)")
-        blocks = policy_values(graph, "full" if policy in ("auto", "keep") else policy)
+        blocks = policy_values(graph, "full" if policy in ("auto", "keep", "offload") else policy)
         before = rank_memory(graph)
+        chosen, values = list(blocks), set().union(*blocks.values())
         if policy == "keep":
-            chosen = []
+            chosen, values = [], set()
         elif policy == "auto":
-            chosen = _fewest(graph, blocks, budget, before.resident + before.peak_transient)
+            chosen, values = _fewest(graph, budget, before.resident + before.peak_transient)
+        if policy == "offload":
+            moved = saved_activations(graph)
+            chosen, out = [v.name for v in moved], offloaded(graph, moved)
         else:
-            chosen = list(blocks)
-        out = recompute(graph, {v for b in chosen for v in blocks[b]}) if chosen else graph
+            out = recompute(graph, values) if values else graph
         after = rank_memory(out)
         peak = after.resident + after.peak_transient
         if budget and peak > budget:
             how = "with every block recomputed" if blocks else "with nothing (no block, layers.N) to recompute"
-            if policy in ("keep", "selective", "kv"):
+            if policy in ("keep", "selective", "kv", "offload"):
                 how = f"under policy {policy}"
             _over_budget(graph, budget, peak, after.resident, how)
         costs = Costs(out, axis_models(out.mesh, ctx.cluster))  # type: ignore[arg-type]
@@ -84,41 +89,48 @@ class Memory(Pass):
             "budget": budget,
             "peak_before": before.resident + before.peak_transient,
             "peak_after": peak,
-            "recomputed": chosen,
+            "recomputed": [] if policy == "offload" else chosen,
+            "offloaded": chosen if policy == "offload" else [],
             "recompute_s": added,
         }
         return out
 
 
-def _fewest(graph: Graph, blocks: dict[str, set[Value]], budget: int, peak: int) -> list[str]:
-    """The shortest prefix of the blocks, best saving per recompute second first, whose recompute
-    brings the predicted peak under ``budget`` (all of them when none does: the caller says so).
-    The peak falls as blocks are added, so the prefix is found by bisection."""
+def _fewest(graph: Graph, budget: int, peak: int) -> tuple[list[str], set[Value]]:
+    """The shortest prefix of the recompute units whose recompute brings the predicted peak under
+    ``budget`` (all of them when none does: the caller says so), and its values. Units: first each
+    block's pointwise ops (everything but GEMMs, attention and collectives: cheap to run again),
+    then each whole block; within each stage, best saving per recompute second first. Each prefix
+    recomputes more than the one before, so the peak falls along them and bisection finds it."""
     if peak <= budget:
-        return []
+        return [], set()
     assert graph.mesh is not None
     costs = Costs(graph, axis_models(graph.mesh, None))
     read = {u for op in graph.ops if op.prov.phase == "bwd" for u in op.operands}
-    labels = op_blocks(graph)
-    seconds: dict[str, float] = defaultdict(float)
-    for op, b in zip(graph.ops, labels, strict=True):
-        if b in blocks and any(r in blocks[b] for r in op.results):
-            seconds[b] += costs.compute(op)
-    freed = {b: sum(local_nbytes(v, graph.mesh) for v in vs if v in read) for b, vs in blocks.items()}
-    order = sorted(blocks, key=lambda b: (-freed[b] / max(seconds[b], 1e-12), b))
+    made = {r: op for op in graph.ops for r in op.results}
+    units: list[tuple[str, set[Value]]] = []
+    for stage, suffix in (("pointwise", " pointwise"), ("full", "")):
+        parts = policy_values(graph, stage)
+        freed = {b: sum(local_nbytes(v, graph.mesh) for v in vs if v in read) for b, vs in parts.items()}
+        seconds = {b: sum(costs.compute(op) for op in {made[v] for v in vs}) for b, vs in parts.items()}
+        order = sorted(parts, key=lambda b: (-freed[b] / max(seconds[b], 1e-12), b))
+        units += [(b + suffix, parts[b]) for b in order]
+
+    def values(k: int) -> set[Value]:
+        return set().union(*(vs for _, vs in units[:k]))
 
     def fits(k: int) -> bool:
-        est = rank_memory(recompute(graph, {v for b in order[:k] for v in blocks[b]}))
+        est = rank_memory(recompute(graph, values(k)))
         return est.resident + est.peak_transient <= budget
 
-    lo, hi = 1, len(order)
+    lo, hi = 1, len(units)
     while lo < hi:
         mid = (lo + hi) // 2
         if fits(mid):
             hi = mid
         else:
             lo = mid + 1
-    return order[:lo]
+    return [name for name, _ in units[:lo]], values(lo)
 
 
 def _over_budget(graph: Graph, budget: int, peak: int, resident: int, how: str) -> None:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from meshfold.ir import Graph, Op, Value
+from meshfold.ir import Graph, Op, OpDef, Value
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.memory.recompute import recomputable
 
 POLICIES = ("full", "selective", "kv")
 _KV = re.compile(r"(^|_)(k|v|kv)(_|$)")
+_GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution"})
 
 
 def policy_values(graph: Graph, policy: str) -> dict[str, set[Value]]:
@@ -36,6 +37,11 @@ def policy_values(graph: Graph, policy: str) -> dict[str, set[Value]]:
     if policy == "full":
         for op, b in fwd:
             if b and recomputable(op):
+                chosen[b].update(op.results)
+        return _inner(graph, fwd, chosen)
+    if policy == "pointwise":  # NOTE: the budget's first stage, not a user policy
+        for op, b in fwd:
+            if b and recomputable(op) and not _heavy(op):
                 chosen[b].update(op.results)
         return _inner(graph, fwd, chosen)
     if policy == "selective":
@@ -68,6 +74,13 @@ def _inner(graph: Graph, fwd: list[tuple[Op, str]], chosen: dict[str, set[Value]
         if o.value in owner:
             chosen[owner[o.value]].discard(o.value)
     return {b: vs for b, vs in chosen.items() if vs}
+
+
+def _heavy(op: Op) -> bool:
+    """A GEMM, an attention kernel, a collective or another of our ops: what the ``pointwise``
+    stage keeps (everything else in a block is cheap to run again)."""
+    parts = op.name.split(".")
+    return isinstance(op.target, OpDef) or _is_attention(op) or (len(parts) > 1 and parts[1] in _GEMMS)
 
 
 def _is_attention(op: Op) -> bool:

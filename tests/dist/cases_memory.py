@@ -15,6 +15,7 @@ from meshfold.tools.zoo.models import LlamaTiny
 from tests.dist.pool import device_mesh
 
 
+@allocator_accounting()
 def step_memory(
     shape: tuple[int, ...],
     names: tuple[str, ...],
@@ -27,19 +28,6 @@ def step_memory(
     """Compile a Llama-style model, take one AdamW step (so the optimizer state exists), then measure
     the next step's forward + backward: resident bytes (parameters, buffers, optimizer state) plus
     the allocator's peak on top of them. Returns measured and estimated figures on this rank."""
-    with allocator_accounting():
-        return _step_memory(shape, names, plan, hidden, batch, seq, memory)
-
-
-def _step_memory(
-    shape: tuple[int, ...],
-    names: tuple[str, ...],
-    plan: str,
-    hidden: int,
-    batch: int,
-    seq: int,
-    memory: int | str | None,
-) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     mesh = device_mesh(tuple(shape), tuple(names))

@@ -8,20 +8,27 @@ import pytest
 from tests.dist.conftest import RankPools
 
 
-CASES = [("llama-tiny", "full"), ("llama-tiny", "selective"), ("llama-tiny", "kv"), ("mixtral-tiny", "full")]
+CASES = [
+    ("llama-tiny", "full"),
+    ("llama-tiny", "selective"),
+    ("llama-tiny", "kv"),
+    ("llama-tiny", "offload"),
+    ("mixtral-tiny", "full"),
+]
 
 
 @pytest.mark.parametrize(("model", "policy"), CASES, ids=[f"{m}-{p}" for m, p in CASES])
 def test_recompute_equals_single_device(rank_pools: RankPools, model: str, policy: str) -> None:
     """Every block recomputed from its input (``full``), the attention core (``selective``), the K/V
-    path (``kv``): loss, every gradient and the parameters after AdamW steps equal single device
-    (FSDP + TP, so the recompute gathers again and all-reduces again)."""
+    path (``kv``), every saved activation through the file tier (``offload``): loss, every gradient
+    and the parameters after AdamW steps equal single device (FSDP + TP, so the recompute gathers
+    again and all-reduces again)."""
     rank_pools.get(4).run(
         "tests.dist.cases:equivalence", model=model, shape=(2, 2), names=("dp", "tp"), plan="fsdp+tp", memory=policy
     )
 
 
-@pytest.mark.parametrize("policy", ["full", "kv"])
+@pytest.mark.parametrize("policy", ["full", "kv", "offload"])
 def test_recompute_of_an_hf_model_equals_single_device(rank_pools: RankPools, policy: str) -> None:
     rank_pools.get(4).run(
         "tests.dist.cases:hf_equivalence", arch="qwen2", shape=(2, 2), names=("dp", "tp"), plan="fsdp+tp", memory=policy
@@ -31,19 +38,21 @@ def test_recompute_of_an_hf_model_equals_single_device(rank_pools: RankPools, po
 MEMORY = dict(shape=(2, 2), names=("dp", "tp"), plan="fsdp+tp", hidden=128, batch=8, seq=64)
 
 
-def test_recompute_lowers_the_measured_peak_to_the_budget(rank_pools: RankPools) -> None:
-    """Keep everything, recompute every block, and a budget between the two: each measured peak is
-    within 10% of its estimate, full recompute measures lower than keeping, and the budgeted
-    program measures at most its budget."""
+def test_recompute_and_offload_lower_the_measured_peak(rank_pools: RankPools) -> None:
+    """Keep everything, recompute every block, offload every saved activation, and a budget between
+    keep and full: each measured peak is within 10% of its estimate, full recompute and offload
+    measure lower than keeping, and the budgeted program measures at most its budget."""
     pool = rank_pools.get(4)
     keep = pool.run("tests.dist.cases_memory:step_memory", **MEMORY)
     full = pool.run("tests.dist.cases_memory:step_memory", memory="full", **MEMORY)
+    off = pool.run("tests.dist.cases_memory:step_memory", memory="offload", **MEMORY)
     budget = (keep[0]["estimated"] + full[0]["estimated"]) // 2
     mid = pool.run("tests.dist.cases_memory:step_memory", memory=budget, **MEMORY)
-    for rank, (k, f, m) in enumerate(zip(keep, full, mid, strict=True)):
-        for r in (k, f, m):
+    for rank, (k, f, o, m) in enumerate(zip(keep, full, off, mid, strict=True)):
+        for r in (k, f, o, m):
             err = abs(r["estimated"] - r["measured"]) / r["measured"]
             assert err <= 0.10, f"rank {rank}: estimate {r['estimated']} vs measured {r['measured']} ({err:.1%})"
         assert f["measured"] < 0.95 * k["measured"], f"rank {rank}: full {f['measured']} vs keep {k['measured']}"
+        assert o["measured"] < 0.95 * k["measured"], f"rank {rank}: offload {o['measured']} vs keep {k['measured']}"
         assert m["estimated"] <= budget < k["estimated"], (rank, k, f, m, budget)
         assert m["measured"] <= budget, f"rank {rank}: measured {m['measured']} over the budget {budget}"

@@ -11,6 +11,7 @@ from meshfold import ir
 from meshfold.passes.base import PassContext, PassError
 from meshfold.passes.cost.memory import rank_memory
 from meshfold.passes.memory import Memory
+from meshfold.passes.memory.offload import offloaded, saved_activations
 from meshfold.passes.memory.policies import policy_values
 from meshfold.passes.memory.recompute import recompute
 from meshfold.passes.pipeline import PassPipeline
@@ -143,3 +144,26 @@ def test_selective_and_kv_recompute_parts_of_the_attention() -> None:
         stats = ctx.stats["memory"]
         assert isinstance(stats, dict) and stats["peak_after"] < stats["peak_before"], (policy, stats)
         assert len(_saved(out)) != len(_saved(g))
+
+
+def test_offload_moves_saved_activations_to_the_host_tier_and_back() -> None:
+    """``offload``: each saved activation leaves after its last forward reader and comes back before
+    its first backward reader; the forward hands the backward only host copies (0 bytes here)."""
+    g = _blocks()
+    out = offloaded(g, saved_activations(g, min_bytes=0))
+    ir.verify(out)
+    assert _saved(out) == {f"{v}_host" for v in ("h0", "a0", "y0", "h1", "a1")}
+    names = [op.result.name for op in out.ops]
+    for v in ("h0", "a0", "y0", "h1", "a1"):
+        host, back = names.index(f"{v}_host"), names.index(f"{v}_reloaded")
+        assert out.ops[host].target == ir.ops.OFFLOAD and out.ops[back].target == ir.ops.RELOAD
+        readers = [k for k, op in enumerate(out.ops) if v in {u.name for u in op.operands}]
+        assert all(out.ops[k].prov.phase == "fwd" and k < host for k in readers if k != host)
+        assert f"{v}_reloaded" in {u.name for u in out.ops[back + 1].operands}
+    assert rank_memory(out).peak_transient < rank_memory(g).peak_transient
+    net, inputs = build("llama-tiny")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = compile_model(net, inputs, CompileOptions.of(mesh="dp=2,tp=2", plan="fsdp+tp", memory="offload"))
+    stats = result.stats["memory"]
+    assert isinstance(stats, dict) and stats["offloaded"] and stats["peak_after"] < stats["peak_before"]
