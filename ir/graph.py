@@ -140,6 +140,17 @@ def freeze_arg(arg: object) -> Arg:
     return arg  # type: ignore[return-value]
 
 
+def fresh_name(base: str, taken: set[str]) -> str:
+    """``base``, else ``base_1``, ``base_2``, ...: the first not in ``taken``, which it joins (a pass
+    naming the values it adds)."""
+    name, i = base, 0
+    while name in taken:
+        i += 1
+        name = f"{base}_{i}"
+    taken.add(name)
+    return name
+
+
 def map_values(arg: Arg, fn: dict[Value, Value]) -> Arg:
     """Replace every value in a (nested) argument by ``fn[value]`` (values not in ``fn`` stay)."""
     if isinstance(arg, Value):

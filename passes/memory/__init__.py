@@ -1,23 +1,26 @@
-"""``memory``: which activations each rank keeps for the backward and which it recomputes there.
+"""``memory``: which activations each rank keeps for the backward, recomputes, or offloads.
 
-A policy names the values (``policies``): ``memory{policy=full}`` recomputes every block
-(``layers.3``: ``blocks.op_blocks``) from its input; ``selective`` the core of each attention
-(rotary, the K/V repeat, the kernel) from the Q/K/V projections; ``kv`` only the key and value
-path from the projections' input; ``offload`` moves every saved activation to the host tier
-after its last forward use and back before its first backward use (``offload``). Of what the
-recompute policies choose, the forward hands the backward nothing: the
-ops run again right before the backward reads their results (``recompute``); what cannot run twice
-(a random draw) is always kept. ``memory{budget=6GiB}`` (or ``parallelize(..., memory="6GiB")``)
-recomputes the fewest units that bring the predicted peak of one rank (``passes.cost.memory``:
-parameters, gradients, optimizer state, live activations) under the budget: first each block's
-pointwise ops (all but GEMMs, attention and collectives), then whole blocks, within each stage
-the units that free the most saved bytes per second of recompute first (the one time model's
-price of their forward ops); a budget that the parameter state alone, or the program
-with every block recomputed, exceeds fails before anything runs, saying how many bytes are needed
-and the largest parameter. ``policy=keep`` (the default with no budget) keeps everything.
+Policies (``memory{policy=...}`` or ``parallelize(..., memory="...")``):
 
-``PassContext.stats["memory"]``: the policy, budget, predicted peak before and after, the blocks
-recomputed (or the values offloaded) and the predicted seconds the recompute adds per step.
+* ``full``: every block (``layers.3``: ``blocks.op_blocks``) recomputed from its input;
+  ``selective``: the core of each attention (rotary, the K/V repeat, the kernel) from the Q/K/V
+  projections; ``kv``: only the key and value path, from the projections' input
+  (``policies``). The forward hands the backward none of what they choose; those ops run again
+  right before the backward reads their results (``recompute``). What cannot run twice (a random
+  draw) is always kept.
+* ``offload``: every saved activation goes to the host tier after its last forward use and comes
+  back before its first backward use (``offload``; ``backends/offload.py`` lowers the pair).
+* a byte budget (``memory{budget=6GiB}``, ``memory="6GiB"``): the fewest recompute units that bring
+  the predicted peak of one rank (``passes.cost.memory``: parameters, gradients, optimizer state,
+  live activations) under it; first each block's pointwise ops (all but GEMMs, attention and
+  collectives), then whole blocks, within each stage the units that free the most saved bytes per
+  second of recompute first (the one time model's price of their forward ops).
+* ``keep`` (the default without a budget): everything kept.
+
+A budget that the parameter state alone, or the program with every block recomputed, exceeds
+fails before anything runs, saying how many bytes are needed and the largest parameter.
+``PassContext.stats["memory"]``: the policy, budget, predicted peak before and after, the units
+recomputed or the values offloaded, and the predicted seconds the recompute adds per step.
 """
 
 from __future__ import annotations
@@ -62,26 +65,17 @@ class Memory(Pass):
             return graph
         if any(op.target == WAIT for op in graph.ops):
             raise PassError("the memory pass runs before overlap (it decides what overlap then schedules)")
-        blocks = policy_values(graph, "full" if policy in ("auto", "keep", "offload") else policy)
         before = rank_memory(graph)
-        chosen, values = list(blocks), set().union(*blocks.values())
-        if policy == "keep":
-            chosen, values = [], set()
-        elif policy == "auto":
-            chosen, values = _fewest(graph, budget, before.resident + before.peak_transient)
-        if policy == "offload":
-            moved = saved_activations(graph)
-            chosen, out = [v.name for v in moved], offloaded(graph, moved)
-        else:
-            out = recompute(graph, values) if values else graph
+        chosen, out = _decide(graph, policy, budget, before.resident + before.peak_transient)
         after = rank_memory(out)
         peak = after.resident + after.peak_transient
         if budget and peak > budget:
-            how = "with every block recomputed" if blocks else "with nothing (no block, layers.N) to recompute"
-            if policy in ("keep", "selective", "kv", "offload"):
-                how = f"under policy {policy}"
+            how = f"under policy {policy}"
+            if policy == "auto":
+                how = "with every block recomputed" if chosen else "with nothing (no block, layers.N) to recompute"
             _over_budget(graph, budget, peak, after.resident, how)
-        costs = Costs(out, axis_models(out.mesh, ctx.cluster))  # type: ignore[arg-type]
+        assert graph.mesh is not None
+        costs = Costs(out, axis_models(graph.mesh, ctx.cluster))
         made = {r for op in graph.ops for r in op.results}
         added = sum(costs.compute(op) for op in out.ops if op.prov.phase == "bwd" and not set(op.results) <= made)
         ctx.stats["memory"] = {
@@ -94,6 +88,22 @@ class Memory(Pass):
             "recompute_s": added,
         }
         return out
+
+
+def _decide(graph: Graph, policy: str, budget: int, peak: int) -> tuple[list[str], Graph]:
+    """What ``policy`` recomputes (blocks, or the units a budget needs) or offloads (values), and the
+    graph that does it."""
+    if policy == "keep":
+        return [], graph
+    if policy == "offload":
+        moved = saved_activations(graph)
+        return [v.name for v in moved], offloaded(graph, moved)
+    if policy == "auto":
+        names, values = _fewest(graph, budget, peak)
+    else:
+        parts = policy_values(graph, policy)
+        names, values = list(parts), set().union(*parts.values())
+    return names, recompute(graph, values) if values else graph
 
 
 def _fewest(graph: Graph, budget: int, peak: int) -> tuple[list[str], set[Value]]:

@@ -13,7 +13,7 @@ from collections import defaultdict
 from collections.abc import Collection
 
 from meshfold.ir import Graph, GraphBuilder, Op, TensorType, Value
-from meshfold.ir.graph import Provenance, local_nbytes, map_values
+from meshfold.ir.graph import Provenance, fresh_name, local_nbytes, map_values
 from meshfold.ir.ops import OFFLOAD, RELOAD
 
 MIN_BYTES = 4096
@@ -47,19 +47,11 @@ def offloaded(graph: Graph, values: Collection[Value]) -> Graph:
     handle: dict[Value, Value] = {}
     back: dict[Value, Value] = {}
 
-    def fresh(v: Value, suffix: str) -> Value:
-        name, n = f"{v.name}_{suffix}", 0
-        while name in names:
-            n += 1
-            name = f"{v.name}_{suffix}{n}"
-        names.add(name)
-        return Value(name, v.type, v.layout)
-
     for k, op in enumerate(graph.ops):
         if op.prov.phase == "bwd":
             for u in op.operands:
                 if u in handle and u not in back:
-                    back[u] = fresh(u, "reloaded")
+                    back[u] = Value(fresh_name(f"{u.name}_reloaded", names), u.type, u.layout)
                     prov = Provenance(producer[u].prov.module, "bwd", producer[u].prov.source)
                     b.append(Op(RELOAD, (handle[u],), (), (back[u],), prov))
             args = tuple(map_values(a, back) for a in op.args)
@@ -67,7 +59,7 @@ def offloaded(graph: Graph, values: Collection[Value]) -> Graph:
             op = op if args == op.args and kwargs == op.kwargs else Op(op.target, args, kwargs, op.results, op.prov)
         b.append(op)
         for v in after.get(k, ()):
-            handle[v] = fresh(v, "host")
+            handle[v] = Value(fresh_name(f"{v.name}_host", names), v.type, v.layout)
             prov = Provenance(producer[v].prov.module, "fwd", producer[v].prov.source)
             b.append(Op(OFFLOAD, (v,), (), (handle[v],), prov))
     for o in graph.outputs:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 
 from meshfold.ir import Graph, GraphBuilder, Op, OpDef, Value, is_pure
-from meshfold.ir.graph import Arg, Provenance, map_values
+from meshfold.ir.graph import Arg, Provenance, fresh_name, map_values
 from meshfold.ir.ops import draws
 
 
@@ -44,14 +44,6 @@ def recompute(graph: Graph, chosen: Collection[Value]) -> Graph:
     copy: dict[Value, Value] = {}
     b = GraphBuilder.like(graph)
 
-    def fresh(v: Value) -> Value:
-        name, k = f"{v.name}_rc", 0
-        while name in names:
-            k += 1
-            name = f"{v.name}_rc{k}"
-        names.add(name)
-        return Value(name, v.type, v.layout)
-
     def materialise(values: Iterable[Value]) -> None:
         # NOTE: depth-first over the chosen producers, operands before the op (no recursion: a
         # chain through a whole block can be hundreds of ops long)
@@ -65,7 +57,7 @@ def recompute(graph: Graph, chosen: Collection[Value]) -> Graph:
                 todo.append((v, True))
                 todo.extend((u, False) for u in op.operands if u in chosen and u not in copy)
                 continue
-            results = tuple(fresh(r) for r in op.results)
+            results = tuple(Value(fresh_name(f"{r.name}_rc", names), r.type, r.layout) for r in op.results)
             prov = Provenance(op.prov.module, "bwd", op.prov.source)
             args = tuple(map_values(a, copy) for a in op.args)
             kwargs = tuple((k, map_values(a, copy)) for k, a in op.kwargs)

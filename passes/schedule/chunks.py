@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from meshfold.ir import Graph, GraphBuilder, Op, Shard, TensorType, Value
+from meshfold.ir.graph import fresh_name
 from meshfold.ir.ops import ALL_REDUCE
 from meshfold.ir.symbolic import divides
 
@@ -87,15 +88,6 @@ def _splits(mm: Op, y: Value, k: int) -> bool:
     return unsharded and last not in y.layout.placements and divides(w.type.shape[1], k)
 
 
-def _fresh(base: str, names: set[str]) -> str:
-    name, i = base, 0
-    while name in names:
-        i += 1
-        name = f"{base}_{i}"
-    names.add(name)
-    return name
-
-
 def _emit_chunks(b: GraphBuilder, mm: Op, view: Op | None, ar: Op, k: int, names: set[str]) -> None:
     x, w = mm.operands
     m, out = mm.result, ar.result
@@ -104,15 +96,15 @@ def _emit_chunks(b: GraphBuilder, mm: Op, view: Op | None, ar: Op, k: int, names
     step = w.type.shape[1] // k
     pieces = []
     for i in range(k):
-        w_i = Value(_fresh(f"{w.name}_c{i}", names), TensorType((w.type.shape[0], step), w.type.dtype), w.layout)
+        w_i = Value(fresh_name(f"{w.name}_c{i}", names), TensorType((w.type.shape[0], step), w.type.dtype), w.layout)
         b.append(Op(aten.slice.Tensor, (w, 1, i * step, (i + 1) * step), (), (w_i,), mm.prov))
-        m_i = Value(_fresh(f"{m.name}_c{i}", names), TensorType((m.type.shape[0], step), m.type.dtype), m.layout)
+        m_i = Value(fresh_name(f"{m.name}_c{i}", names), TensorType((m.type.shape[0], step), m.type.dtype), m.layout)
         b.append(Op(mm.target, (x, w_i), mm.kwargs, (m_i,), mm.prov))
         y_i, yt = m_i, TensorType((*y.type.shape[:-1], step), y.type.dtype)
         if view is not None:
-            y_i = Value(_fresh(f"{y.name}_c{i}", names), yt, y.layout)
+            y_i = Value(fresh_name(f"{y.name}_c{i}", names), yt, y.layout)
             b.append(Op(view.target, (m_i, (*y.type.shape[:-1], step)), view.kwargs, (y_i,), view.prov))
-        r_i = Value(_fresh(f"{out.name}_c{i}", names), yt, out.layout)
+        r_i = Value(fresh_name(f"{out.name}_c{i}", names), yt, out.layout)
         b.append(Op(ar.target, (y_i,), ar.kwargs, (r_i,), ar.prov))
         pieces.append(r_i)
     b.append(Op(aten.cat.default, (tuple(pieces), y.type.rank - 1), (), (out,), ar.prov))

@@ -3,8 +3,13 @@ single-device model, and the measured peak falls as the liveness estimate says."
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 
+from meshfold.passes.cost.memory import rank_memory
+from meshfold.session import CompileOptions, compile_model
+from meshfold.tools.zoo import build
 from tests.dist.conftest import RankPools
 
 
@@ -14,6 +19,9 @@ CASES = [
     ("llama-tiny", "kv"),
     ("llama-tiny", "offload"),
     ("mixtral-tiny", "full"),
+    ("mixtral-tiny", "selective"),
+    ("mixtral-tiny", "kv"),
+    ("mixtral-tiny", "offload"),
 ]
 
 
@@ -56,3 +64,20 @@ def test_recompute_and_offload_lower_the_measured_peak(rank_pools: RankPools) ->
         assert o["measured"] < 0.95 * k["measured"], f"rank {rank}: offload {o['measured']} vs keep {k['measured']}"
         assert m["estimated"] <= budget < k["estimated"], (rank, k, f, m, budget)
         assert m["measured"] <= budget, f"rank {rank}: measured {m['measured']} over the budget {budget}"
+
+
+def test_a_budgeted_program_equals_single_device(rank_pools: RankPools) -> None:
+    """A budget halfway between the keep and full programs' predicted peaks (llama-tiny): what the
+    budget recomputes still trains as single device does."""
+    net, inputs = build("llama-tiny")
+    peaks = []
+    for memory in (None, "full"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            options = CompileOptions.of(mesh="dp=2,tp=2", plan="fsdp+tp", memory=memory)
+            est = rank_memory(compile_model(net, inputs, options).graph)
+        peaks.append(est.resident + est.peak_transient)
+    budget = sum(peaks) // 2
+    rank_pools.get(4).run(
+        "tests.dist.cases:equivalence", model="llama-tiny", shape=(2, 2), names=("dp", "tp"), plan="fsdp+tp", memory=budget
+    )
