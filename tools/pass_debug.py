@@ -141,6 +141,21 @@ def _overlap_line(stats: Mapping[str, object]) -> str | None:
     )
 
 
+def _memory_line(stats: Mapping[str, object]) -> str | None:
+    """The memory pass's decision: what it recomputes or offloads, and the predicted peak per rank."""
+    s = stats.get("memory")
+    if not isinstance(s, dict):
+        return None
+    what = "nothing recomputed or offloaded"
+    if s["offloaded"]:
+        what = f"{len(s['offloaded'])} values offloaded"
+    elif s["recomputed"]:
+        what = f"recomputed {', '.join(s['recomputed'])} (+{1e3 * s['recompute_s']:.3f} ms)"
+    budget = f" under a budget of {s['budget'] / 2**20:.2f} MiB" if s["budget"] else ""
+    before, after = s["peak_before"] / 2**20, s["peak_after"] / 2**20
+    return f"memory: policy {s['policy']}{budget}; {what}; predicted peak per rank {before:.2f} -> {after:.2f} MiB"
+
+
 def options_from(args: argparse.Namespace, graph_mesh: ir.Mesh | None) -> CompileOptions:
     """The ``CompileOptions`` the flags spell (``--mesh`` defaults to the mesh an IR file declares)."""
     mesh = parse_mesh(args.mesh)
@@ -231,9 +246,9 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
         plan = result.options.effective_plan() if "sharding" in names else None
         for table in moe_tables(result.graph, plan, mesh, result.options.moe):
             out.print(table)
-        overlap = _overlap_line(result.stats)
-        if overlap:
-            out.print(overlap)
+        for line in (_memory_line(result.stats), _overlap_line(result.stats)):
+            if line:
+                out.print(line)
         solve = _solve_table(result.stats)
         if solve is not None:
             out.print(solve)

@@ -431,3 +431,14 @@ def test_zoo_moe_model_maps_its_experts(capsys: pytest.CaptureFixture[str]) -> N
     rows = _table_rows(out, "experts ops (4)")
     assert [row[1] for row in rows] == ["fwd", "fwd", "bwd", "bwd"]
     assert all(row[3] == "{dp: S(0), tp: S(0)}" for row in rows)
+
+
+def test_the_summary_says_what_the_memory_pass_decided(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--memory full`` recomputes both blocks of the golden two-block graph; the summary names them
+    and the predicted peak falls."""
+    path = Path(__file__).parents[1] / "golden" / "memory" / "full-blocks.ir"
+    assert main([str(path), "-p", "memory,verify", "--assume", "boxed", "--memory", "full", "--no-color"]) == 0
+    line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("memory:"))
+    want = r"memory: policy full; recomputed layers\.0, layers\.1 \(\+[\d.]+ ms\); predicted peak per rank "
+    m = re.fullmatch(want + r"([\d.]+) -> ([\d.]+) MiB", line)
+    assert m is not None and float(m[2]) < float(m[1]), line
