@@ -280,6 +280,26 @@ def _dtensor_model(model: nn.Module, mesh: Any, lm_head: str) -> nn.Module:
     return model
 
 
+def trainer(
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], lr: float, ctx: Callable[[], Any] = contextlib.nullcontext
+) -> tuple[Callable[[], torch.Tensor], torch.optim.Optimizer]:
+    """One AdamW training step of ``model`` on ``inputs`` (the loss under ``ctx``; a DTensor loss as
+    this rank's local value), and its optimizer."""
+    from torch.distributed.tensor import DTensor
+
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+
+    def step() -> torch.Tensor:
+        opt.zero_grad()
+        with ctx():
+            loss = model(*inputs)
+            loss.backward()
+        opt.step()
+        return loss.to_local() if isinstance(loss, DTensor) else loss
+
+    return step, opt
+
+
 @contextlib.contextmanager
 def gloo_rank(rank: int, world: int, port: int) -> Iterator[None]:
     """This process as gloo rank ``rank`` of ``world`` on localhost, one thread, warnings off; the
@@ -307,7 +327,6 @@ def spawn_ranks(rank_main: Callable[..., None], world: int, cfg: Config, opts: d
 def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts: dict[str, Any], queue: Any) -> None:
     with gloo_rank(rank, world, port):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.tensor import DTensor
         from torch.distributed.tensor.parallel import loss_parallel
 
         from meshfold.api import parallelize
@@ -325,14 +344,7 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
         t0 = time.perf_counter()
         pm = parallelize(model, mesh, inputs, plan="fsdp+tp")
         out["mf_compile_s"] = time.perf_counter() - t0
-        mf_opt = torch.optim.AdamW(pm.parameters(), lr=cfg.lr)
-
-        def mf_step() -> torch.Tensor:
-            mf_opt.zero_grad()
-            loss = pm(*inputs)
-            loss.backward()
-            mf_opt.step()
-            return loss
+        mf_step, _ = trainer(pm, inputs, cfg.lr)
 
         summary = comm_summary(pm.graph())
         # NOTE: comm.shard / comm.partial are local (a chunk, a zeroing): no message, so not counted here.
@@ -343,17 +355,9 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
         t0 = time.perf_counter()
         dt_model = _dtensor_model(ref_copy, mesh, opts["lm_head"])
         out["dt_setup_s"] = time.perf_counter() - t0
-        dt_opt = torch.optim.AdamW(dt_model.parameters(), lr=cfg.lr)
         dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
         local = tuple(x.chunk(dp, dim=0)[dp_rank].contiguous() for x in inputs)
-
-        def dt_step() -> torch.Tensor:
-            dt_opt.zero_grad()
-            with loss_ctx():
-                loss = dt_model(*local)
-                loss.backward()
-            dt_opt.step()
-            return loss.to_local() if isinstance(loss, DTensor) else loss
+        dt_step, _ = trainer(dt_model, local, cfg.lr, loss_ctx)
 
         mf, dt = Side(mf_step), Side(dt_step)
         _train([mf, dt], total)

@@ -66,6 +66,7 @@ from meshfold.tools.bench.eager_vs_dtensor import (
     build,
     gloo_rank,
     spawn_ranks,
+    trainer,
 )
 from meshfold.tools.bench.titan_recipe import titan_model
 from meshfold.tools.measure import allocator_accounting, peak_new_bytes, storage_bytes
@@ -87,25 +88,6 @@ def without_pass(pipeline: str, name: str) -> str:
 def llama_intermediate(hidden: int) -> int:
     """Llama's SwiGLU width: 2/3 of 4·hidden, rounded up to a multiple of 16 (256 → 688, 512 → 1376)."""
     return 16 * math.ceil(8 * hidden / 3 / 16)
-
-
-def _trainer(
-    model: nn.Module, inputs: tuple[torch.Tensor, ...], lr: float, ctx: Callable[[], Any] = contextlib.nullcontext
-) -> tuple[Callable[[], torch.Tensor], torch.optim.Optimizer]:
-    """One AdamW training step of ``model`` on ``inputs`` (the loss under ``ctx``), and its optimizer."""
-    from torch.distributed.tensor import DTensor
-
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
-
-    def step() -> torch.Tensor:
-        opt.zero_grad()
-        with ctx():
-            loss = model(*inputs)
-            loss.backward()
-        opt.step()
-        return loss.to_local() if isinstance(loss, DTensor) else loss
-
-    return step, opt
 
 
 def comm_profile(steps: dict[str, Callable[[], torch.Tensor]], n: int) -> dict[str, dict[str, float]]:
@@ -174,9 +156,9 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
             out["compile_s"][label] = time.perf_counter() - t0
             tl = predicted(pm.graph())  # NOTE: the time model's step and exposed communication, same program
             out.setdefault("predicted", {})[label] = (1e3 * tl.step, 1e3 * tl.exposed_total)
-            trainers[label] = (pm, *_trainer(pm, inputs, cfg.lr))
-        trainers["dtensor"] = (None, *_trainer(_dtensor_model(build(cfg)[0], mesh, "replicate"), local, cfg.lr))
-        trainers["titan"] = (None, *_trainer(titan_model(build(cfg)[0], mesh), local, cfg.lr, loss_parallel))
+            trainers[label] = (pm, *trainer(pm, inputs, cfg.lr))
+        trainers["dtensor"] = (None, *trainer(_dtensor_model(build(cfg)[0], mesh, "replicate"), local, cfg.lr))
+        trainers["titan"] = (None, *trainer(titan_model(build(cfg)[0], mesh), local, cfg.lr, loss_parallel))
 
         sides = {label: Side(trainers[label][1]) for label in SIDES}
         loads: dict[str, list[float]] = {label: [] for label in SIDES}
