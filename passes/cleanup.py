@@ -10,6 +10,7 @@ import torch
 
 from meshfold.ir import Graph, GraphBuilder, Op, PatternTable, Rewriter, Value, apply_patterns, is_pure, view_trait
 from meshfold.ir.graph import Arg, map_values
+from meshfold.ir.ops import Target
 from meshfold.passes.base import CLEAN, JOINT, Pass, PassContext
 
 aten = torch.ops.aten
@@ -124,6 +125,15 @@ def _key(arg: Arg) -> object:
     return (type(arg).__name__, arg)
 
 
+def computation_key(
+    target: Target, args: tuple[Arg, ...], kwargs: tuple[tuple[str, Arg], ...], out: tuple[Value, ...]
+) -> object:
+    """Equal for two calls of a pure op that compute the same values: the same target, the very same
+    operand values, equal constants (``-0.0`` is not ``0.0``) and equal result types and layouts."""
+    types = tuple((r.type, r.layout) for r in out)
+    return (target, _key(args), _key(tuple(v for _, v in kwargs)), tuple(k for k, _ in kwargs), types)
+
+
 def eliminate_common_subexpressions(graph: Graph) -> Graph:
     """Reuse the first of several pure ops with the same target, arguments and result types."""
     seen: dict[object, Op] = {}
@@ -135,8 +145,7 @@ def eliminate_common_subexpressions(graph: Graph) -> Graph:
         kwargs = tuple((k, map_values(v, vmap)) for k, v in op.kwargs)
         new = op if (args == op.args and kwargs == op.kwargs) else Op(op.target, args, kwargs, op.results, op.prov)
         if is_pure(op.target):
-            types = tuple((r.type, r.layout) for r in op.results)
-            key = (op.target, _key(args), _key(tuple(v for _, v in kwargs)), tuple(k for k, _ in kwargs), types)
+            key = computation_key(op.target, args, kwargs, op.results)
             first = seen.get(key)
             if first is not None:
                 vmap.update(zip(op.results, first.results, strict=True))

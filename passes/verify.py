@@ -34,11 +34,10 @@ class Verify(Pass):
             check_layouts(graph)
         if ctx.memory is not None and graph.mesh is not None and all(op.target != REDISTRIBUTE for op in graph.ops):
             est = rank_memory(graph)
-            peak = est.resident + est.peak_transient
-            if peak > ctx.memory:
+            if est.peak > ctx.memory:
                 raise PassError(
-                    f"the predicted peak of one rank, {size_text(peak)} (at {est.peak_at}), exceeds the memory bound "
-                    f"of {size_text(ctx.memory)}; run the memory pass before overlap to recompute activations, "
+                    f"the predicted peak of one rank, {size_text(est.peak)} (at {est.peak_at}), exceeds the memory "
+                    f"bound of {size_text(ctx.memory)}; run the memory pass before overlap to recompute activations, "
                     "shard more or raise the bound"
                 )
         return graph

@@ -66,14 +66,13 @@ class Memory(Pass):
         if any(op.target == WAIT for op in graph.ops):
             raise PassError("the memory pass runs before overlap (it decides what overlap then schedules)")
         before = rank_memory(graph)
-        chosen, out = _decide(graph, policy, budget, before.resident + before.peak_transient)
+        chosen, out = _decide(graph, policy, budget, before.peak)
         after = rank_memory(out)
-        peak = after.resident + after.peak_transient
-        if budget and peak > budget:
+        if budget and after.peak > budget:
             how = f"under policy {policy}"
             if policy == "auto":
                 how = "with every block recomputed" if chosen else "with nothing (no block, layers.N) to recompute"
-            _over_budget(graph, budget, peak, after.resident, how)
+            _over_budget(graph, budget, after.peak, after.resident, how)
         assert graph.mesh is not None
         costs = Costs(out, axis_models(graph.mesh, ctx.cluster))
         made = {r for op in graph.ops for r in op.results}
@@ -81,8 +80,8 @@ class Memory(Pass):
         ctx.stats["memory"] = {
             "policy": policy,
             "budget": budget,
-            "peak_before": before.resident + before.peak_transient,
-            "peak_after": peak,
+            "peak_before": before.peak,
+            "peak_after": after.peak,
             "recomputed": [] if policy == "offload" else chosen,
             "offloaded": chosen if policy == "offload" else [],
             "recompute_s": added,
@@ -131,7 +130,7 @@ def _fewest(graph: Graph, budget: int, peak: int) -> tuple[list[str], set[Value]
 
     def fits(k: int) -> bool:
         est = rank_memory(recompute(graph, values(k)))
-        return est.resident + est.peak_transient <= budget
+        return est.peak <= budget
 
     lo, hi = 1, len(units)
     while lo < hi:

@@ -17,8 +17,9 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 
 from meshfold.ir import Graph, GraphBuilder, Op, OpDef, Value, is_pure
-from meshfold.ir.graph import Arg, Provenance, fresh_name, map_values
+from meshfold.ir.graph import Provenance, fresh_name, map_values
 from meshfold.ir.ops import draws
+from meshfold.passes.cleanup import computation_key
 
 
 def recomputable(op: Op) -> bool:
@@ -42,6 +43,9 @@ def recompute(graph: Graph, chosen: Collection[Value]) -> Graph:
             raise ValueError(f"%{v.name} cannot be recomputed: only a pure forward op's non-output result can")
     names = {i.value.name for i in graph.inputs} | {r.name for op in graph.ops for r in op.results}
     copy: dict[Value, Value] = {}
+    # NOTE: a backward op the same as a recomputed one (the gather of a parameter the backward makes
+    # anyway) reads the recomputed results instead of running again
+    made_again: dict[object, tuple[Value, ...]] = {}
     b = GraphBuilder.like(graph)
 
     def materialise(values: Iterable[Value]) -> None:
@@ -62,12 +66,9 @@ def recompute(graph: Graph, chosen: Collection[Value]) -> Graph:
             args = tuple(map_values(a, copy) for a in op.args)
             kwargs = tuple((k, map_values(a, copy)) for k, a in op.kwargs)
             b.append(Op(op.target, args, kwargs, results, prov))
-            made_again[_key(op.target, args, kwargs, results)] = results
+            made_again[computation_key(op.target, args, kwargs, results)] = results
             copy.update(zip(op.results, results, strict=True))
 
-    # NOTE: a backward op the same as a recomputed one (the gather of a parameter the backward makes
-    # anyway) reads the recomputed results instead of running again
-    made_again: dict[object, tuple[Value, ...]] = {}
     for op in graph.ops:
         if op.prov.phase == "fwd":
             b.append(op)
@@ -75,7 +76,7 @@ def recompute(graph: Graph, chosen: Collection[Value]) -> Graph:
         materialise(op.operands)
         args = tuple(map_values(a, copy) for a in op.args)
         kwargs = tuple((k, map_values(a, copy)) for k, a in op.kwargs)
-        same = made_again.get(_key(op.target, args, kwargs, op.results)) if is_pure(op.target) else None
+        same = made_again.get(computation_key(op.target, args, kwargs, op.results)) if is_pure(op.target) else None
         if same is not None:
             copy.update(zip(op.results, same, strict=True))
             continue
@@ -83,7 +84,3 @@ def recompute(graph: Graph, chosen: Collection[Value]) -> Graph:
     for o in graph.outputs:
         b.add_output(o.kind, o.name, copy.get(o.value, o.value))
     return b.build()
-
-
-def _key(target: object, args: tuple[Arg, ...], kwargs: tuple[tuple[str, Arg], ...], out: tuple[Value, ...]) -> object:
-    return (target, args, kwargs, tuple((r.type, r.layout) for r in out))

@@ -40,7 +40,7 @@ from meshfold.ir.ops import WAIT
 from meshfold.passes.base import Pass, PassContext, PassError
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.cost.axis import axis_models
-from meshfold.passes.cost.memory import rank_memory
+from meshfold.passes.cost.memory import rank_memory, size_text
 from meshfold.passes.schedule.chunks import chunk_matmuls
 from meshfold.passes.schedule.timeline import Costs, replay
 from meshfold.passes.sharding.boxing import BOXED
@@ -106,24 +106,19 @@ class Overlap(Pass):
         (``passes.cost.memory``) stays under it, with the bytes in flight capped first at the
         headroom the unscheduled program leaves, then halved; the program unscheduled (its
         collectives waited where issued) when no cap fits."""
-        peak = _peak(graph)
+        peak = rank_memory(graph).peak
         cap = max(min(self.max_inflight, budget - peak), 1)
         for _ in range(8):
             out = self._scheduled(graph, costs, cap)
-            if _peak(out) <= budget:
+            if rank_memory(out).peak <= budget:
                 return out, cap
             cap = max(cap // 2, 1)
         if peak <= budget:
             ctx.warn(
-                f"overlap: no schedule keeps the predicted peak under the memory budget ({budget} bytes per rank); "
-                "collectives are waited where they are issued"
+                f"overlap: no schedule keeps the predicted peak under the memory budget ({size_text(budget)} per "
+                "rank); collectives are waited where they are issued"
             )
         return graph, cap
-
-
-def _peak(graph: Graph) -> int:
-    est = rank_memory(graph)
-    return est.resident + est.peak_transient
 
 
 class _Scheduler:
