@@ -164,6 +164,8 @@ class _Scheduler:
         self.reached = -1  # NOTE: the latest segment the compute stream has entered
         self.ends: dict[int, float] = {}  # started collective -> when it finishes on the wire
         self.handles: dict[int, tuple[Value, ...]] = {}
+        self.issuable: set[int] = set()  # NOTE: collectives whose operands exist and whose window is open
+        self.by_size: list[tuple[float, int]] = []  # NOTE: a heap of them by bytes held (entries go stale)
 
     def run(self) -> None:
         # NOTE: an op is ready once its compute operands are emitted and its collectives started (the
@@ -172,22 +174,22 @@ class _Scheduler:
         # segment that opens them), so each step looks only at the open ones
         missing = {k: len(ds) for k, ds in enumerate(self.deps)}
         ready = [k for k, n in missing.items() if n == 0 and k not in self.comm]
-        issuable: list[int] = []
+        issuable = self.issuable
         closed: list[tuple[int, int]] = []
 
         def available(k: int) -> None:
             for u in self.users[k]:
                 missing[u] -= 1
                 if missing[u] == 0:
-                    self._enqueue(u, ready, issuable, closed)
+                    self._enqueue(u, ready, closed)
 
         for k, n in missing.items():
             if n == 0 and k in self.comm:
-                self._enqueue(k, ready, issuable, closed)
+                self._enqueue(k, ready, closed)
         while True:
             while closed and closed[0][0] <= self.reached:
-                issuable.append(heapq.heappop(closed)[1])
-            for c in self._issue(issuable):
+                self._issuable(heapq.heappop(closed)[1])
+            for c in self._issue():
                 available(c)
             if ready:
                 k = self._pick(ready)
@@ -197,7 +199,7 @@ class _Scheduler:
             elif issuable or closed:  # NOTE: nothing runs until a held-back collective starts: make room, start it
                 c = min([*issuable, *(c for _, c in closed)])
                 if c in issuable:
-                    issuable.remove(c)
+                    issuable.discard(c)
                 else:
                     closed.remove((self.opens[c], c))
                     heapq.heapify(closed)
@@ -222,25 +224,34 @@ class _Scheduler:
         """Whether op ``k`` would wait on a collective still on the wire."""
         return any(self.ends.get(d, 0.0) > self.now for d in self.deps[k])
 
-    def _issue(self, issuable: list[int]) -> list[int]:
+    def _issue(self) -> list[int]:
         """Start every open issuable collective that fits in flight; the started."""
+        by_size = self.by_size
+        while by_size and by_size[0][1] not in self.issuable:  # NOTE: started since it was filed
+            heapq.heappop(by_size)
+        if not by_size or (self.ends and self.held + by_size[0][0] > self.opts.max_inflight):
+            return []  # NOTE: not even the smallest fits (at 80 layers hundreds wait while memory is full)
         out = []
-        for c in sorted(issuable):
+        for c in sorted(self.issuable):
             if self.ends and self.held + self.size[c] > self.opts.max_inflight:
                 continue
-            issuable.remove(c)
+            self.issuable.discard(c)
             self._start(c)
             out.append(c)
         return out
 
-    def _enqueue(self, k: int, ready: list[int], issuable: list[int], closed: list[tuple[int, int]]) -> None:
+    def _issuable(self, c: int) -> None:
+        self.issuable.add(c)
+        heapq.heappush(self.by_size, (self.size[c], c))
+
+    def _enqueue(self, k: int, ready: list[int], closed: list[tuple[int, int]]) -> None:
         """File op ``k``, whose operands now exist: ready to run, issuable, or issuable once its window opens."""
         if k not in self.comm:
             ready.append(k)
         elif self.opens.get(k, -1) > self.reached:
             heapq.heappush(closed, (self.opens[k], k))
         else:
-            issuable.append(k)
+            self._issuable(k)
 
     def _start(self, c: int) -> None:
         self._waits_for(c)

@@ -80,10 +80,12 @@ def solve_milp(
     gap: float,
     node_limit: int,
     start: dict[int, float] | None = None,
+    presolve: bool = True,
 ) -> MilpAnswer:
     """Minimise ``cost @ x`` subject to ``row_lower <= matrix @ x <= row_upper``, ``lower <= x <=
     upper`` and ``x[j]`` integral where ``integer[j]``; ``start``: values of some columns (the
-    integral ones of a known plan) from which HiGHS completes a first feasible point.
+    integral ones of a known plan) from which HiGHS completes a first feasible point; ``presolve``:
+    whether HiGHS presolves (see ``AxisProgram``, which decides).
 
     HiGHS sees the program scaled (each row by its largest coefficient, the costs to a largest of
     1000): byte counts of 1e10 beside costs of 1e-9 seconds would otherwise strain its tolerances."""
@@ -106,6 +108,10 @@ def solve_milp(
         # NOTE: presolve's probing (bit 15) tries each binary at 0 and at 1; on these programs it fixes
         # almost nothing and was most of the solve (Llama3-8B fsdp+tp dp axis: 1.04 of 1.18 s)
         ("presolve_rule_off", 1 << 15),
+        ("presolve", "choose" if presolve else "off"),
+        # NOTE: the feasibility-jump heuristic never found the incumbent on these programs and cost
+        # 0.05-0.15 s a solve (Llama3-8B and -70B dims, DeepSeek-V3 shaped, both mesh axes)
+        ("mip_heuristic_run_feasibility_jump", False),
     ):
         h.setOptionValue(name, value)
     lp = highspy.HighsLp()
@@ -211,7 +217,9 @@ class Columns:
             self.rows_seen.add(key)
             self.rows.append((row, lo, hi))
 
-    def solve(self, *, gap: float, node_limit: int, start: dict[int, float] | None = None) -> MilpAnswer:
+    def solve(
+        self, *, gap: float, node_limit: int, start: dict[int, float] | None = None, presolve: bool = True
+    ) -> MilpAnswer:
         self._price_copies()
         n = len(self.cost)
         if n == 0:  # NOTE: nothing to choose (no ops, nothing moves): HiGHS needs a column
@@ -227,5 +235,15 @@ class Columns:
         lo = [lb for _, lb, _ in self.rows]
         hi = [ub for _, _, ub in self.rows]
         return solve_milp(
-            self.cost, self.lo, self.hi, self.integer, a, lo, hi, gap=gap, node_limit=node_limit, start=start
+            self.cost,
+            self.lo,
+            self.hi,
+            self.integer,
+            a,
+            lo,
+            hi,
+            gap=gap,
+            node_limit=node_limit,
+            start=start,
+            presolve=presolve,
         )

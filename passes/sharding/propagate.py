@@ -49,7 +49,7 @@ from meshfold.passes.sharding.plans import (
     resolve,
 )
 from meshfold.passes.sharding.rules import RuleTable, rule_table, strategies_for
-from meshfold.passes.sharding.solve import Problem, Solution, report, solve
+from meshfold.passes.sharding.solve import Problem, Solution, preset_plan, report, seeded
 from meshfold.passes.sharding.strategy import Strategy
 
 SHARDED = "sharded"
@@ -149,10 +149,10 @@ def _solved(
         batch_axes=batch_axes,
         keys=keys,
     )
-    presets = mesh_presets(mesh) if auto else []
-    preset = _preset_plan(graph, mesh, problem, prop, presets[0]) if presets else None
+    presets = mesh_presets(mesh) if auto and not prop.pinned else []  # NOTE: presets lay out no expert weights
+    preset = preset_plan(graph, mesh, problem, presets[0]) if presets else None
     try:
-        solution = solve(problem, start=preset[1] if preset is not None else None)
+        solution = seeded(problem, preset)
     except PassError:
         if problem.memory is None:
             raise
@@ -163,15 +163,15 @@ def _solved(
             "device; solved for time, the memory pass recomputes activations to meet the bound"
         )
         problem = replace(problem, memory=None)
-        preset = _preset_plan(graph, mesh, problem, prop, presets[0]) if presets else None
-        solution = solve(problem, start=preset[1] if preset is not None else None)
+        preset = preset_plan(graph, mesh, problem, presets[0]) if presets else None
+        solution = seeded(problem, preset)
     if preset is not None:
         ctx.stats["sharding.preset"] = (preset[0], preset[1].step_time)
     priced: list[tuple[str, Solution]] = [preset] if preset is not None else []
     if not solution.optimal and len(presets) > 1:
         # NOTE: a search stopped by its node limit is only known to beat the plan it started from; the
         # mesh's other presets are priced too, so ``auto`` is never worse than any of them
-        priced += [p for p in (_preset_plan(graph, mesh, problem, prop, n) for n in presets[1:]) if p is not None]
+        priced += [p for p in (preset_plan(graph, mesh, problem, n) for n in presets[1:]) if p is not None]
         ctx.stats["sharding.presets"] = {name: plan.step_time for name, plan in priced}
     best = min(priced, key=lambda p: p[1].step_time, default=None)
     if best is not None and best[1].step_time < solution.step_time:
@@ -192,34 +192,6 @@ def _solved(
         lay = solution.inputs.get(i.value, seeds.storage.get(i.name, Layout.replicated(mesh)))
         out.storage[i.name] = out.compute[i.name] = lay
     return out
-
-
-def _preset_plan(graph: Graph, mesh: Mesh, auto: Problem, prop: _Propagator, name: str) -> tuple[str, Solution] | None:
-    """Preset ``name`` (one of ``mesh_presets``) as a plan of the ``auto`` program: every free input
-    fixed where the preset stores it (so a parameter the preset gathers for compute pays for the
-    gather, as it would under ``auto``), each op's strategy solved. None when the plan pins expert
-    weights (which presets do not lay out) or the preset has no plan (sizes it cannot split, a
-    memory bound it cannot meet)."""
-    if prop.pinned:
-        return None
-    try:
-        seeds = resolve(Plan.of(name), graph, mesh)
-    except PassError:
-        return None
-    stored = {i.value: seeds.storage.get(i.name, Layout.replicated(mesh)) for i in graph.inputs}
-    wants: dict[int, Layout | Value] = {k: stored[w] if isinstance(w, Value) else w for k, w in auto.wants.items()}
-    problem = replace(
-        auto,
-        start=dict(auto.start) | {v: stored[v] for v in auto.free},
-        free=frozenset(),
-        wants=wants,
-        batch_axes=frozenset(data_parallel_axes(seeds.roles)),
-    )
-    try:
-        plan = solve(problem)
-    except PassError:
-        return None
-    return name, replace(plan, inputs={v: stored[v] for v in auto.free})
 
 
 @dataclass
