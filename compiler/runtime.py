@@ -26,7 +26,7 @@ from meshfold import ir
 from meshfold.backends.eager import Lowered
 from meshfold.moe_lists import as_unstacked, stack_tensors
 from meshfold.programs import DEFAULT_CACHE, Compiler, Program, Programs
-from meshfold.signature import Signature, agree, arg_names
+from meshfold.signature import Signature, agree, arg_names, collective_device
 from meshfold.tracer import output_structure
 from meshfold.verify import Verifier
 
@@ -281,7 +281,7 @@ class ParallelModule(nn.Module):
     def manual_seed(self, seed: int) -> None:
         """Seed the generator every random op of this module's programs draws from (dropout masks).
         Collective: call it on every rank with the same seed (a differing seed raises on every rank)."""
-        flags = torch.tensor([seed, -seed], dtype=torch.int64)
+        flags = torch.tensor([seed, -seed], dtype=torch.int64, device=collective_device(self._mf_world))
         got = funcol.all_reduce(flags, "max", self._mf_world).tolist()
         if int(got[0]) != -int(got[1]):
             raise ValueError(

@@ -115,16 +115,27 @@ def arg_names(model: torch.nn.Module) -> list[str]:
     return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
 
 
+def collective_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where a small tensor of a collective over ``group`` (default: the world) must live: host memory
+    where the group's backend takes it (gloo, or a ``"cpu:gloo,cuda:nccl"`` pair), else the current
+    accelerator (an NCCL-only world on CUDA ranks)."""
+    backend = str(dist.get_backend(group))
+    acc = torch.accelerator.current_accelerator()
+    if "gloo" in backend or acc is None:
+        return torch.device("cpu")
+    return torch.device(acc.type, torch.accelerator.current_device_index())
+
+
 def agree(
     sig: Signature, problem: str | None, names: Sequence[str] = (), group: dist.ProcessGroup | None = None
 ) -> None:
     """Raise ``CallMismatch`` on every rank when any rank's ``problem`` is set or the ranks' signatures
     differ. NOTE: one all-reduce of three integers per call; messages are gathered only on failure."""
     h = sig.digest()
-    flags = torch.tensor([1 if problem else 0, h, -h], dtype=torch.int64)
+    world = group if group is not None else dist.group.WORLD
+    flags = torch.tensor([1 if problem else 0, h, -h], dtype=torch.int64, device=collective_device(world))
     # NOTE: a functional collective, like every other the program runs (profilers and the demo's
     # table see it as one small all-reduce over the world)
-    world = group if group is not None else dist.group.WORLD
     try:
         got = funcol.all_reduce(flags, "max", world).tolist()
     except RuntimeError as e:

@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshfold import ir
 from meshfold.backends.eager import RankContext
 from meshfold.backends.interpret import run_values
+from meshfold.signature import collective_device
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}
 
@@ -37,7 +38,7 @@ class Verifier:
 
     def check(self, values: Sequence[ir.Value], local: Sequence[torch.Tensor], phase: str) -> None:
         """Compare this rank's ``local`` tensors for ``values``; raise naming the first difference."""
-        flags = torch.zeros(len(values) + 1)
+        flags = torch.zeros(len(values) + 1, device=collective_device())
         details: list[str] = []
         for k, (v, t) in enumerate(zip(values, local, strict=True)):
             got = self._reduce_partials(v, t.detach())
@@ -47,7 +48,8 @@ class Verifier:
                 flags[k] = 1
             details.append("" if ok else self._diff(got, want))
         dist.all_reduce(flags, dist.ReduceOp.MAX)
-        bad = [k for k in range(len(values)) if flags[k] > 0]
+        said = flags.tolist()
+        bad = [k for k in range(len(values)) if said[k] > 0]
         if bad:
             k = bad[0]
             v = values[k]
