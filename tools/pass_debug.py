@@ -146,11 +146,12 @@ def _memory_line(stats: Mapping[str, object]) -> str | None:
     s = stats.get("memory")
     if not isinstance(s, dict):
         return None
-    what = "nothing recomputed or offloaded"
+    parts = []
+    if s["recomputed"]:
+        parts.append(f"recomputed {', '.join(s['recomputed'])} (+{1e3 * s['recompute_s']:.3f} ms)")
     if s["offloaded"]:
-        what = f"{len(s['offloaded'])} values offloaded"
-    elif s["recomputed"]:
-        what = f"recomputed {', '.join(s['recomputed'])} (+{1e3 * s['recompute_s']:.3f} ms)"
+        parts.append(f"{len(s['offloaded'])} values offloaded (+{1e3 * s['offload_s']:.3f} ms of copies)")
+    what = "; ".join(parts) or "nothing recomputed or offloaded"
     budget = f" under a budget of {s['budget'] / 2**20:.2f} MiB" if s["budget"] else ""
     before, after = s["peak_before"] / 2**20, s["peak_after"] / 2**20
     return f"memory: policy {s['policy']}{budget}; {what}; predicted peak per rank {before:.2f} -> {after:.2f} MiB"

@@ -54,7 +54,9 @@ class Efficiency:
 
 @dataclass(frozen=True, slots=True)
 class Device:
-    """One accelerator: dense peak FLOP/s per dtype, HBM capacity (bytes) and bandwidth (bytes/s)."""
+    """One accelerator: dense peak FLOP/s per dtype, HBM capacity (bytes) and bandwidth (bytes/s),
+    and ``host_bw``: bytes/s one way between device and pinned host memory, as copies reach it (the
+    tier ``mem.offload`` writes to)."""
 
     name: str
     vendor: str
@@ -62,6 +64,7 @@ class Device:
     hbm_bytes: float
     hbm_bw: float
     eff: Efficiency
+    host_bw: float
 
     def peak_flops(self, dtype: str) -> float:
         """Dense peak FLOP/s for ``dtype``; raises ValueError naming the dtypes this device has."""
@@ -199,6 +202,11 @@ DAVINCI = Efficiency(0.68, 128.0, 0.8e6, 10e-6, 0.45, 0.35, 0.80, 3e-6, 5e-6, 0.
 # rates); ~ 0.9 ms of fixed software cost per gloo collective (measured, 4 local ranks).
 HOST = Efficiency(1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 9e-4)
 
+# Pinned host <-> device copies over PCIe Gen5 x16 (64 GB/s a direction on the datasheets): 54.5 GB/s
+# each way measured on an H100 SXM5 (1 GiB copies, median of 10, CUDA events); H200 has the same
+# link. A100 (Gen4 x16) at half that. Ascend 910B/910C: no published figure; Gen4-class rate assumed.
+PCIE5 = 54.5 * GB
+
 DEVICES: dict[str, Device] = {
     # NVIDIA H100 SXM5 datasheet: FP32 67 TF, TF32 989 TF (sparse) = 494.7 dense, BF16/FP16 1979
     # (sparse) = 989.4 dense, FP8 3958 (sparse) = 1979 dense; 80 GB HBM3 at 3.35 TB/s.
@@ -209,6 +217,7 @@ DEVICES: dict[str, Device] = {
         80 * GB,
         3.35 * TB,
         HOPPER,
+        PCIE5,
     ),
     # NVIDIA H200 SXM datasheet: same Hopper compute as H100 SXM; 141 GB HBM3e at 4.8 TB/s.
     "h200": Device(
@@ -218,6 +227,7 @@ DEVICES: dict[str, Device] = {
         141 * GB,
         4.8 * TB,
         HOPPER,
+        PCIE5,
     ),
     # NVIDIA A100 SXM4 80GB datasheet: FP32 19.5 TF, TF32 156 TF, BF16/FP16 312 TF (dense), no FP8;
     # 80 GB HBM2e at 2,039 GB/s.
@@ -228,16 +238,21 @@ DEVICES: dict[str, Device] = {
         80 * GB,
         2.039 * TB,
         AMPERE,
+        PCIE5 / 2,
     ),
     # Huawei Ascend 910B (910B3, Atlas 800T A2 datasheet): FP16/BF16 313 TFLOPS; 64 GB HBM2e at
     # 1.6 TB/s. FP32 / FP8 peaks are not published for the cube unit, so none are listed.
-    "ascend910b": Device("ascend910b", "huawei", (("bf16", 313 * TB), ("fp16", 313 * TB)), 64 * GB, 1.6 * TB, DAVINCI),
+    "ascend910b": Device(
+        "ascend910b", "huawei", (("bf16", 313 * TB), ("fp16", 313 * TB)), 64 * GB, 1.6 * TB, DAVINCI, PCIE5 / 2
+    ),
     # Huawei Ascend 910C (dual-die package): BF16/FP16 752 TFLOPS, 128 GB HBM at 3.2 TB/s (Zuo et
     # al. 2025, arXiv 2506.12708, sec. 3.2).
-    "ascend910c": Device("ascend910c", "huawei", (("bf16", 752 * TB), ("fp16", 752 * TB)), 128 * GB, 3.2 * TB, DAVINCI),
+    "ascend910c": Device(
+        "ascend910c", "huawei", (("bf16", 752 * TB), ("fp16", 752 * TB)), 128 * GB, 3.2 * TB, DAVINCI, PCIE5 / 2
+    ),
     # One thread of the CI machine's CPU, measured: ~ 10 GFLOP/s of fp32 matmul, streams ~ 4 GB/s;
     # no memory bound of its own (the host's RAM is not planned for).
-    LOCAL: Device(LOCAL, "host", (("fp32", 1.0e10),), math.inf, 4.0e9, HOST),
+    LOCAL: Device(LOCAL, "host", (("fp32", 1.0e10),), math.inf, 4.0e9, HOST, 4.0e9),
 }
 
 # Default node fabric per device: (intra link, inter link, NICs per node at 8 devices per node).

@@ -10,17 +10,16 @@ Policies (``memory{policy=...}`` or ``parallelize(..., memory="...")``):
   draw) is always kept.
 * ``offload``: every saved activation goes to the host tier after its last forward use and comes
   back before its first backward use (``offload``; ``backends/offload.py`` lowers the pair).
-* a byte budget (``memory{budget=6GiB}``, ``memory="6GiB"``): the fewest recompute units that bring
-  the predicted peak of one rank (``passes.cost.memory``: parameters, gradients, optimizer state,
-  live activations) under it; first each block's pointwise ops (all but GEMMs, attention and
-  collectives), then whole blocks, within each stage the units that free the most saved bytes per
-  second of recompute first (the one time model's price of their forward ops).
+* a byte budget (``memory{budget=6GiB}``, ``memory="6GiB"``): per block, keep, recompute its
+  pointwise ops, recompute it whole, or offload it, whichever choices bring the predicted peak of
+  one rank (``passes.cost.memory``: parameters, gradients, optimizer state, live activations)
+  under the budget in least added time (``budget``: an integer program with exact feedback).
 * ``keep`` (the default without a budget): everything kept.
 
 A budget that the parameter state alone, or the program with every block recomputed, exceeds
 fails before anything runs, saying how many bytes are needed and the largest parameter.
-``PassContext.stats["memory"]``: the policy, budget, predicted peak before and after, the units
-recomputed or the values offloaded, and the predicted seconds the recompute adds per step.
+``PassContext.stats["memory"]``: the policy, budget, predicted peak before and after, the blocks
+recomputed and the values offloaded, and the predicted seconds each adds per step.
 """
 
 from __future__ import annotations
@@ -28,12 +27,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from meshfold.ir import Graph, Value
+from meshfold.ir import Graph
 from meshfold.ir.graph import local_nbytes
-from meshfold.ir.ops import WAIT
+from meshfold.ir.ops import OFFLOAD, WAIT
 from meshfold.passes.base import Pass, PassContext, PassError
 from meshfold.passes.cost.axis import axis_models
 from meshfold.passes.cost.memory import rank_memory, size_text
+from meshfold.passes.memory.budget import decide
 from meshfold.passes.memory.offload import offloaded, saved_activations
 from meshfold.passes.memory.policies import policy_values
 from meshfold.passes.memory.recompute import recompute
@@ -66,80 +66,49 @@ class Memory(Pass):
         if any(op.target == WAIT for op in graph.ops):
             raise PassError("the memory pass runs before overlap (it decides what overlap then schedules)")
         before = rank_memory(graph)
-        chosen, out = _decide(graph, policy, budget, before.peak)
+        recomputed, moved, out = _decide(ctx, graph, policy, budget)
         after = rank_memory(out)
         if budget and after.peak > budget:
             how = f"under policy {policy}"
             if policy == "auto":
-                how = "with every block recomputed" if chosen else "with nothing (no block, layers.N) to recompute"
+                how = (
+                    "with every block recomputed or offloaded"
+                    if recomputed or moved
+                    else "with nothing (no block, layers.N) to recompute or offload"
+                )
             _over_budget(graph, budget, after.peak, after.resident, how)
         assert graph.mesh is not None
         costs = Costs(out, axis_models(graph.mesh, ctx.cluster))
         made = {r for op in graph.ops for r in op.results}
         added = sum(costs.compute(op) for op in out.ops if op.prov.phase == "bwd" and not set(op.results) <= made)
+        sent = sum(local_nbytes(op.operands[0], graph.mesh) for op in out.ops if op.target == OFFLOAD)
         ctx.stats["memory"] = {
             "policy": policy,
             "budget": budget,
             "peak_before": before.peak,
             "peak_after": after.peak,
-            "recomputed": [] if policy == "offload" else chosen,
-            "offloaded": chosen if policy == "offload" else [],
+            "recomputed": recomputed,
+            "offloaded": moved,
             "recompute_s": added,
+            "offload_s": 2 * sent / costs.models[0].cluster.device.host_bw,
         }
         return out
 
 
-def _decide(graph: Graph, policy: str, budget: int, peak: int) -> tuple[list[str], Graph]:
-    """What ``policy`` recomputes (blocks, or the units a budget needs) or offloads (values), and the
+def _decide(ctx: PassContext, graph: Graph, policy: str, budget: int) -> tuple[list[str], list[str], Graph]:
+    """What ``policy`` recomputes (blocks, or what a budget needs) and offloads (values), and the
     graph that does it."""
     if policy == "keep":
-        return [], graph
+        return [], [], graph
     if policy == "offload":
         moved = saved_activations(graph)
-        return [v.name for v in moved], offloaded(graph, moved)
+        return [], [v.name for v in moved], offloaded(graph, moved)
     if policy == "auto":
-        names, values = _fewest(graph, budget, peak)
-    else:
-        parts = policy_values(graph, policy)
-        names, values = list(parts), set().union(*parts.values())
-    return names, recompute(graph, values) if values else graph
-
-
-def _fewest(graph: Graph, budget: int, peak: int) -> tuple[list[str], set[Value]]:
-    """The shortest prefix of the recompute units whose recompute brings the predicted peak under
-    ``budget`` (all of them when none does: the caller says so), and its values. Units: first each
-    block's pointwise ops (everything but GEMMs, attention and collectives: cheap to run again),
-    then each whole block; within each stage, best saving per recompute second first. Each prefix
-    recomputes more than the one before, so the peak falls along them and bisection finds it."""
-    if peak <= budget:
-        return [], set()
-    assert graph.mesh is not None
-    costs = Costs(graph, axis_models(graph.mesh, None))
-    read = {u for op in graph.ops if op.prov.phase == "bwd" for u in op.operands}
-    made = {r: op for op in graph.ops for r in op.results}
-    units: list[tuple[str, set[Value]]] = []
-    for stage, suffix in (("pointwise", " pointwise"), ("full", "")):
-        parts = policy_values(graph, stage)
-        freed = {b: sum(local_nbytes(v, graph.mesh) for v in vs if v in read) for b, vs in parts.items()}
-        seconds = {b: sum(costs.compute(op) for op in {made[v] for v in vs}) for b, vs in parts.items()}
-        order = sorted(parts, key=lambda b: (-freed[b] / max(seconds[b], 1e-12), b))
-        units += [(b + suffix, parts[b]) for b in order]
-
-    def values(k: int) -> set[Value]:
-        return set().union(*(vs for _, vs in units[:k]))
-
-    def fits(k: int) -> bool:
-        est = rank_memory(recompute(graph, values(k)))
-        return est.peak <= budget
-
-    lo, hi = 1, len(units)
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            hi = mid
-        else:
-            lo = mid + 1
-    return [name for name, _ in units[:lo]], values(lo)
+        d = decide(graph, budget, ctx.cluster)
+        return d.recomputed, list(d.offloaded), d.graph
+    parts = policy_values(graph, policy)
+    values = set().union(*parts.values())
+    return list(parts), [], recompute(graph, values) if values else graph
 
 
 def _over_budget(graph: Graph, budget: int, peak: int, resident: int, how: str) -> None:

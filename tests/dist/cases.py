@@ -39,14 +39,18 @@ def equivalence(
     moe: dict[str, Any] | None = None,
     keep_module: bool = False,
     pipeline: str | None = None,
+    tokens: tuple[int, int] | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` AdamW steps compiled (under ``pipeline``, default the default pipeline) and
     single-device side by side; raise on any difference. Also returns the parameters' layouts
-    (``plan="auto"`` chooses them)."""
+    (``plan="auto"`` chooses them). ``tokens``: (batch, sequence) of fresh token inputs in place of
+    the zoo's, for the zoo's language models."""
     warnings.filterwarnings("ignore")
     mesh = device_mesh(tuple(shape), tuple(names))
     net, inputs = build(model)
     ref, _ = build(model)
+    if tokens is not None:
+        inputs = token_inputs(tokens)
     extra = {} if pipeline is None else {"pipeline": pipeline}
     pm = parallelize(net, mesh, inputs, plan=plan, cluster=cluster, memory=memory, moe=moe, **extra)
     stacks = pm.graph().stacks
@@ -233,14 +237,21 @@ def decorated_usual_order() -> float:
 
 
 def hf_equivalence(
-    arch: str, shape: tuple[int, ...], names: tuple[str, ...], plan: str, layers: int = 2, memory: str | None = None
+    arch: str,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    plan: str,
+    layers: int = 2,
+    memory: int | str | None = None,
+    tokens: tuple[int, int] = (4, 16),
 ) -> float:
-    """One step of an HF model from ``tests.dist.hf_models``: loss and every gradient as single device."""
+    """One step of an HF model from ``tests.dist.hf_models`` on ``tokens`` (batch, sequence): loss and
+    every gradient as single device."""
     from tests.dist.hf_models import build_hf
 
     warnings.filterwarnings("ignore")
     mesh = device_mesh(tuple(shape), tuple(names))
-    net, inputs = build_hf(arch, layers)
+    net, inputs = build_hf(arch, layers, *tokens)
     ref, _ = build_hf(arch, layers)
     pm = parallelize(net, mesh, inputs, plan=plan, memory=memory)
     loss = pm(*inputs)
@@ -255,3 +266,9 @@ def hf_equivalence(
             p.grad.full_tensor(), ref_params[name].grad, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"grad {n}: {m}"
         )
     return float(loss)
+
+
+def token_inputs(tokens: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(ids, labels)`` of ``tokens`` (batch, sequence) over the zoo's vocabulary of 256, seeded."""
+    ids = torch.randint(0, 256, tokens, generator=torch.Generator().manual_seed(0))
+    return ids, ids.clone()

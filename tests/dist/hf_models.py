@@ -20,9 +20,11 @@ SMALL = dict(
 )
 
 
-def build_hf(arch: str, layers: int = 2) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+def build_hf(
+    arch: str, layers: int = 2, batch: int = 4, seq: int = 16
+) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """``(model, (ids, labels))`` for one of ``gpt2``, ``qwen2``, ``mistral``, ``phi3``, ``gemma``, with
-    ``layers`` decoder layers."""
+    ``layers`` decoder layers, on ``batch`` sequences of ``seq`` tokens."""
     small = SMALL | {"num_hidden_layers": layers}
     import transformers as tf
 
@@ -51,5 +53,5 @@ def build_hf(arch: str, layers: int = 2) -> tuple[nn.Module, tuple[torch.Tensor,
         torch.manual_seed(0)
         model = _hf_loss_cls(cls)(config)
     gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, 256, (4, 16), generator=gen)
+    ids = torch.randint(0, 256, (batch, seq), generator=gen)
     return model, (ids, ids.clone())
