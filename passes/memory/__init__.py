@@ -32,7 +32,7 @@ from meshfold.ir.graph import local_nbytes
 from meshfold.ir.ops import OFFLOAD, WAIT
 from meshfold.passes.base import Pass, PassContext, PassError
 from meshfold.passes.cost.axis import axis_models
-from meshfold.passes.cost.memory import rank_memory, size_text
+from meshfold.passes.cost.memory import on_gloo, rank_memory, size_text
 from meshfold.passes.memory.budget import decide
 from meshfold.passes.memory.offload import offloaded, saved_activations
 from meshfold.passes.memory.policies import policy_values
@@ -65,9 +65,10 @@ class Memory(Pass):
             return graph
         if any(op.target == WAIT for op in graph.ops):
             raise PassError("the memory pass runs before overlap (it decides what overlap then schedules)")
-        before = rank_memory(graph)
+        gloo = on_gloo(ctx.cluster)
+        before = rank_memory(graph, gloo=gloo)
         recomputed, moved, out = _decide(ctx, graph, policy, budget)
-        after = rank_memory(out)
+        after = rank_memory(out, gloo=gloo)
         if budget and after.peak > budget:
             how = f"under policy {policy}"
             if policy == "auto":

@@ -27,7 +27,7 @@ from meshfold.ir.graph import local_nbytes
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.cost.axis import axis_models
 from meshfold.passes.cost.hardware import Cluster
-from meshfold.passes.cost.memory import rank_memory
+from meshfold.passes.cost.memory import on_gloo, rank_memory
 from meshfold.passes.memory.offload import offloaded, saved_activations
 from meshfold.passes.memory.policies import policy_values
 from meshfold.passes.memory.recompute import recompute
@@ -111,7 +111,8 @@ def choices(graph: Graph, cluster: Cluster | None) -> list[Choice]:
 def decide(graph: Graph, budget: int, cluster: Cluster | None) -> Decision:
     """The least-time choices that bring the predicted peak under ``budget``; when none do, those
     that free the most (the caller reports the peak they reach)."""
-    peak = rank_memory(graph).peak
+    gloo = on_gloo(cluster)
+    peak = rank_memory(graph, gloo=gloo).peak
     if peak <= budget:
         return Decision((), graph)
     options = choices(graph, cluster)
@@ -121,11 +122,11 @@ def decide(graph: Graph, budget: int, cluster: Cluster | None) -> Decision:
         if picked is None:
             break
         best = carry_out(graph, picked)
-        over = rank_memory(best.graph).peak - budget
+        over = rank_memory(best.graph, gloo=gloo).peak - budget
         if over <= 0:
             return best
         need += over
-    return _most(graph, options)
+    return _most(graph, options, gloo)
 
 
 def carry_out(graph: Graph, chosen: tuple[Choice, ...]) -> Decision:
@@ -173,7 +174,7 @@ def _cheapest(options: list[Choice], need: int) -> tuple[Choice, ...] | None:
     return tuple(c for c, x in zip(options, answer.x, strict=True) if x > 0.5)
 
 
-def _most(graph: Graph, options: list[Choice]) -> Decision:
+def _most(graph: Graph, options: list[Choice], gloo: bool) -> Decision:
     """The lowest predicted peak of one way for every block (each block offloaded, recomputed, or
     both): what the caller reports when no choice meets the budget."""
     hows = sorted({c.how for c in options})
@@ -181,7 +182,7 @@ def _most(graph: Graph, options: list[Choice]) -> Decision:
     for how in hows:
         picked = tuple(c for c in options if c.how == how or (c.how == "offload" and not c.block))
         tried.append(carry_out(graph, picked))
-    return min(tried, key=lambda d: rank_memory(d.graph).peak)
+    return min(tried, key=lambda d: rank_memory(d.graph, gloo=gloo).peak)
 
 
 def _value_blocks(graph: Graph) -> dict[Value, str]:

@@ -68,6 +68,21 @@ def test_recompute_and_offload_lower_the_measured_peak(rank_pools: RankPools) ->
         assert m["measured"] <= budget, f"rank {rank}: measured {m['measured']} over the budget {budget}"
 
 
+def test_budgets_measure_at_most_their_budget(rank_pools: RankPools) -> None:
+    """Budgets at 70, 50 and 30% of the keep program's predicted peak (hidden 64, 32 x 64 tokens: at
+    the smaller batch above 30% is below what any choice reaches): each budgeted program's predicted
+    and measured peaks are at most its budget, the measured within 10% of the prediction."""
+    pool = rank_pools.get(4)
+    shape = dict(MEMORY, hidden=64, batch=32)
+    keep = max(r["estimated"] for r in pool.run("tests.dist.cases_memory:step_memory", **shape))
+    for fraction in (0.7, 0.5, 0.3):
+        budget = int(fraction * keep)
+        for rank, r in enumerate(pool.run("tests.dist.cases_memory:step_memory", memory=budget, **shape)):
+            err = abs(r["estimated"] - r["measured"]) / r["measured"]
+            assert err <= 0.10, f"{fraction:.0%}, rank {rank}: estimate {r['estimated']} vs measured {r['measured']}"
+            assert r["estimated"] <= budget and r["measured"] <= budget, (fraction, rank, r, budget)
+
+
 def test_a_budgeted_program_equals_single_device(rank_pools: RankPools) -> None:
     """A budget halfway between the keep and full programs' predicted peaks (llama-tiny): what the
     budget recomputes still trains as single device does."""
