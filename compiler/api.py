@@ -22,6 +22,7 @@ from meshfold.groups import MeshGroups, as_timeout
 from meshfold.passes import PassError
 from meshfold.passes.base import quiet
 from meshfold.passes.cost.hardware import Cluster
+from meshfold.passes.memory import memory_line
 from meshfold.passes.schedule.timeline import predicted, to_chrome_trace, write_trace
 from meshfold.passes.sharding.problem import solve_report
 from meshfold.programs import DEFAULT_CACHE, Program
@@ -209,7 +210,8 @@ def _compile_once(
     model: nn.Module, example_inputs: Sequence[Any], options: CompileOptions, *, first: bool
 ) -> tuple[ir.Graph, torch.Tensor, tuple[sympy.Basic, ...], tuple[str, ...]]:
     """Compile on rank 0 only; every rank gets the graph as IR text, rank 0's generator state, the
-    guards of the graph's symbolic sizes and the sharding solve's report (``solve_report``).
+    guards of the graph's symbolic sizes and the plan report (``solve_report``, then the memory
+    pass's ``memory_line``).
 
     NOTE: one plan for all ranks by construction (whatever a rank's library versions or state),
     and the other ranks do not repeat the work. A failure
@@ -219,7 +221,9 @@ def _compile_once(
         try:
             rng_state = torch.get_rng_state()
             result = compile_model(model, example_inputs, options)
-            payload[0] = ("ok", str(result.graph), rng_state, result.guards, solve_report(result.stats))
+            memory = memory_line(result.stats)
+            report = (*solve_report(result.stats), *([memory] if memory else []))
+            payload[0] = ("ok", str(result.graph), rng_state, result.guards, report)
         except Exception as e:
             payload[0] = ("error", f"{type(e).__name__}: {e}", None, (), ())
             dist.broadcast_object_list(payload, src=0)

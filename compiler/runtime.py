@@ -275,7 +275,9 @@ class ParallelModule(nn.Module):
     def plan_report(self) -> list[str]:
         """How the sharding solve went for the example inputs' program: per mesh axis its program
         size, whether HiGHS proved the plan optimal or stopped at the node limit, and the gap; then
-        the modelled step time beside the mesh's preset's. Empty for a plan that solved nothing."""
+        the modelled step time beside the mesh's preset's; then, under a ``memory=`` policy or budget,
+        what the memory pass recomputed or offloaded, the time that adds and the predicted peak per
+        rank. Empty for a plan that solved nothing and kept every activation."""
         return list(self._mf_programs.first.report)
 
     def manual_seed(self, seed: int) -> None:

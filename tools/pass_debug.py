@@ -24,6 +24,7 @@ from rich.table import Table
 
 from meshfold import ir
 from meshfold.passes import Pass, PassError, PassFailure, PassPipeline, PassTiming, pass_spelling
+from meshfold.passes.memory import memory_line
 from meshfold.passes.schedule.timeline import predicted, to_chrome_trace, write_trace
 from meshfold.passes.sharding.problem import step_line
 from meshfold.session import DEFAULT_PIPELINE, CompileOptions, compile_model, progress
@@ -141,22 +142,6 @@ def _overlap_line(stats: Mapping[str, object]) -> str | None:
     )
 
 
-def _memory_line(stats: Mapping[str, object]) -> str | None:
-    """The memory pass's decision: what it recomputes or offloads, and the predicted peak per rank."""
-    s = stats.get("memory")
-    if not isinstance(s, dict):
-        return None
-    parts = []
-    if s["recomputed"]:
-        parts.append(f"recomputed {', '.join(s['recomputed'])} (+{1e3 * s['recompute_s']:.3f} ms)")
-    if s["offloaded"]:
-        parts.append(f"{len(s['offloaded'])} values offloaded (+{1e3 * s['offload_s']:.3f} ms of copies)")
-    what = "; ".join(parts) or "nothing recomputed or offloaded"
-    budget = f" under a budget of {s['budget'] / 2**20:.2f} MiB" if s["budget"] else ""
-    before, after = s["peak_before"] / 2**20, s["peak_after"] / 2**20
-    return f"memory: policy {s['policy']}{budget}; {what}; predicted peak per rank {before:.2f} -> {after:.2f} MiB"
-
-
 def options_from(args: argparse.Namespace, graph_mesh: ir.Mesh | None) -> CompileOptions:
     """The ``CompileOptions`` the flags spell (``--mesh`` defaults to the mesh an IR file declares)."""
     mesh = parse_mesh(args.mesh)
@@ -247,7 +232,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
         plan = result.options.effective_plan() if "sharding" in names else None
         for table in moe_tables(result.graph, plan, mesh, result.options.moe):
             out.print(table)
-        for line in (_memory_line(result.stats), _overlap_line(result.stats)):
+        for line in (memory_line(result.stats), _overlap_line(result.stats)):
             if line:
                 out.print(line)
         solve = _solve_table(result.stats)

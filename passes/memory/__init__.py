@@ -24,6 +24,7 @@ recomputed and the values offloaded, and the predicted seconds each adds per ste
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
@@ -129,3 +130,20 @@ def _over_budget(graph: Graph, budget: int, peak: int, resident: int, how: str) 
         f"memory budget {size_text(budget)} per rank cannot be met: {how} the predicted peak is {size_text(peak)}, "
         f"{size_text(peak - budget)} over{largest}; shard more or raise the budget"
     )
+
+
+def memory_line(stats: Mapping[str, object]) -> str | None:
+    """The memory pass's decision from a compile's ``PassContext.stats``: what it recomputes or offloads,
+    the time that adds, and the predicted peak per rank before and after; None if it decided nothing."""
+    s = stats.get("memory")
+    if not isinstance(s, dict):
+        return None
+    parts = []
+    if s["recomputed"]:
+        parts.append(f"recomputed {', '.join(s['recomputed'])} (+{1e3 * s['recompute_s']:.3f} ms)")
+    if s["offloaded"]:
+        parts.append(f"{len(s['offloaded'])} values offloaded (+{1e3 * s['offload_s']:.3f} ms of copies)")
+    what = "; ".join(parts) or "nothing recomputed or offloaded"
+    budget = f" under a budget of {s['budget'] / 2**20:.2f} MiB" if s["budget"] else ""
+    before, after = s["peak_before"] / 2**20, s["peak_after"] / 2**20
+    return f"memory: policy {s['policy']}{budget}; {what}; predicted peak per rank {before:.2f} -> {after:.2f} MiB"

@@ -38,7 +38,7 @@ def test_recompute_equals_single_device(rank_pools: RankPools, model: str, polic
     )
 
 
-@pytest.mark.parametrize("policy", ["full", "kv", "offload"])
+@pytest.mark.parametrize("policy", ["full", "selective", "kv", "offload"])
 def test_recompute_of_an_hf_model_equals_single_device(rank_pools: RankPools, policy: str) -> None:
     rank_pools.get(4).run(
         "tests.dist.cases:hf_equivalence", arch="qwen2", shape=(2, 2), names=("dp", "tp"), plan="fsdp+tp", memory=policy
