@@ -4,10 +4,12 @@ On CUDA the tier is pinned host memory and both copies run on one side stream pe
 overlap the kernels the compute stream has queued. ``offload`` orders its copy after the work that
 produced the value and marks the value used by the copy stream (``record_stream``): the caching
 allocator reuses its block only once the copy is done, which is when the forward may drop it.
-``reload`` allocates the device copy, waits (on the copy stream) for the compute stream's work
-queued so far, since that block may have been freed by it, copies, and makes the compute stream
-wait for the copy before anything reads the result. A reload queues on the same stream as the
-offload of its value, so the host bytes it reads are always written first.
+``reload`` allocates the device copy on the copy stream (so it needs no wait for the compute
+stream's queued work: the allocator orders the block's reuse by stream), copies, marks the copy
+used by the compute stream and makes that stream wait for the copy before anything reads it; the
+copy engine runs it while the compute stream is still on the kernels queued before. A reload
+queues on the same stream as the offload of its value, so the host bytes it reads are always
+written first.
 
 On CPU ranks the host *is* the device's memory, so the tier is a file: the tensor's bytes are
 copied into a temporary file mapped into memory (``torch.from_file``, shared) and the file's name
@@ -74,9 +76,9 @@ def _to_pinned(x: torch.Tensor) -> torch.Tensor:
 def _from_pinned(h: torch.Tensor, device: torch.device) -> torch.Tensor:
     stream = _copy_stream(device)
     compute = torch.cuda.current_stream(device)
-    out = torch.empty(h.shape, dtype=h.dtype, device=device)
-    stream.wait_stream(compute)
     with torch.cuda.stream(stream):
+        out = torch.empty(h.shape, dtype=h.dtype, device=device)
         out.copy_(h, non_blocking=True)
+    out.record_stream(compute)
     compute.wait_stream(stream)
     return out
