@@ -27,7 +27,7 @@ from meshfold.passes.schedule.timeline import predicted, to_chrome_trace, write_
 from meshfold.passes.sharding.problem import solve_report
 from meshfold.programs import DEFAULT_CACHE, Program
 from meshfold.runtime import ParallelModule
-from meshfold.session import DEFAULT_PIPELINE, CompileOptions, PlanSpec, compile_model, progress
+from meshfold.session import DEFAULT_PIPELINE, CompileOptions, MemoryPolicy, PlanSpec, compile_model, progress
 from meshfold.signature import Signature
 
 
@@ -51,7 +51,7 @@ def parallelize(
     verify: bool = False,
     pipeline: str = DEFAULT_PIPELINE,
     cluster: str | Cluster | None = None,
-    memory: int | str | None = None,
+    memory: int | str | MemoryPolicy | None = None,
     moe: Mapping[str, Any] | None = None,
     backend: str = "eager",
     cache_size: int = DEFAULT_CACHE,
@@ -73,9 +73,12 @@ def parallelize(
     the hardware ``cluster`` (``"h100:8x1"``; default: gloo ranks on this CPU) under a per-device
     ``memory`` bound (bytes or ``"40GiB"``; default: the cluster's device memory).
 
-    ``memory``: a byte budget per rank (``"6GiB"``) also has the ``memory`` pass recompute, in the
-    backward, the fewest blocks' activations that bring the predicted peak under it (and raise
-    before anything runs when nothing can); ``memory="full"`` recomputes every block from its input.
+    ``memory``: a byte budget per rank (``"6GiB"``) also has the ``memory`` pass keep, recompute or
+    offload each block's activations, whichever adds least time while the predicted peak fits (and
+    raise before anything runs when nothing can); ``memory="full"`` recomputes every block from its
+    input, ``"selective"``, ``"kv"`` parts of each attention, ``"offload"`` sends every saved
+    activation to host memory; a function of ``meshfold.passes.memory.policies.Saved`` answering
+    ``"save"``, ``"recompute"`` or ``"offload"`` decides value by value.
 
     ``moe={"ep": 4, "etp": 1}``: the routed experts of every MoE layer meshfold recognizes (see
     ``meshfold.moe``) get their own mapping of the same ranks: EP ranks split the experts (innermost

@@ -28,6 +28,7 @@ from meshfold import ir
 from meshfold.ir.symbolic import size_hints
 from meshfold.passes import JOINT, PassContext, PassError, PassPipeline, PassTiming, parse_size
 from meshfold.passes.cost.hardware import Cluster, parse_cluster
+from meshfold.passes.memory.policies import Saved
 from meshfold.passes.moe.spec import MoeSpec, check_spec
 from meshfold.passes.pipeline import Callback
 from meshfold.passes.sharding.plans import Plan, axis_roles, default_preset
@@ -37,7 +38,10 @@ from meshfold.tracer import capture
 # single-device graph as it is; without an expert mapping, moe-fold does.
 DEFAULT_PIPELINE = "cleanup,moe-fold,sharding,boxing,bucket,memory,overlap,verify"
 MEMORY_POLICIES = ("full", "selective", "kv", "offload")
-"""What ``memory=`` takes besides a byte budget."""
+"""What ``memory=`` takes besides a byte budget (and a per-value function, ``MemoryPolicy``)."""
+MemoryPolicy = Callable[[Saved], str]
+"""``parallelize(memory=fn)``: ``fn`` answers ``"save"``, ``"recompute"`` or ``"offload"`` for each
+activation the forward hands to the backward (JAX's checkpoint policies are the model)."""
 
 Backend = Literal["eager"]
 PlanSpec = str | Plan | Mapping[str, Any]
@@ -58,10 +62,11 @@ class CompileOptions:
     cluster: Cluster | None = None
     memory: int | None = None
     """Bytes per rank: the sharding solve's bound and the budget the ``memory`` pass recomputes to meet."""
-    memory_policy: str | None = None
+    memory_policy: str | MemoryPolicy | None = None
     """``"full"``, ``"selective"``, ``"kv"``: what the ``memory`` pass recomputes in the backward
     (``passes.memory.policies``); ``"offload"``: every saved activation to the host tier and back;
-    None: as the budget needs."""
+    a function of ``policies.Saved`` answering ``"save"``, ``"recompute"`` or ``"offload"`` per
+    value; None: as the budget needs."""
     pipeline: str = DEFAULT_PIPELINE
     verify: bool = False
     backend: Backend = "eager"
@@ -79,7 +84,7 @@ class CompileOptions:
         plan: PlanSpec | None = None,
         moe: MoeSpec | Mapping[str, Any] | None = None,
         cluster: Cluster | str | None = None,
-        memory: int | str | None = None,
+        memory: int | str | MemoryPolicy | None = None,
         pipeline: str = DEFAULT_PIPELINE,
         verify: bool = False,
         backend: str = "eager",
@@ -100,7 +105,7 @@ class CompileOptions:
             moe=spec,
             cluster=_cluster_of(cluster),
             memory=_memory_bound(memory),
-            memory_policy=memory if isinstance(memory, str) and memory in MEMORY_POLICIES else None,
+            memory_policy=memory if callable(memory) or memory in MEMORY_POLICIES else None,
             pipeline=str(PassPipeline.parse(pipeline)),
             verify=verify,
             backend=backend,  # type: ignore[arg-type]
@@ -325,8 +330,10 @@ def _logged(message: str) -> Iterator[None]:
         log.info("%s: done in %.1f s", message, seconds)
 
 
-def _memory_bound(memory: int | str | None) -> int | None:
-    """The byte bound ``memory=`` gives (None for a policy such as ``"full"``)."""
+def _memory_bound(memory: int | str | MemoryPolicy | None) -> int | None:
+    """The byte bound ``memory=`` gives (None for a policy such as ``"full"``, or a function)."""
+    if callable(memory):
+        return None
     if not isinstance(memory, str) or memory in MEMORY_POLICIES:
         return None if isinstance(memory, str) else memory
     try:

@@ -12,6 +12,7 @@ from meshfold.ir import Graph, Mesh
 
 if TYPE_CHECKING:
     from meshfold.passes.cost.hardware import Cluster
+    from meshfold.passes.memory.policies import Saved
     from meshfold.passes.moe.spec import MoeSpec
     from meshfold.passes.sharding.plans import Plan
 
@@ -57,8 +58,9 @@ class PassContext:
     memory: int | None = None
     """Per-device memory bound in bytes for the sharding solve (None: the cluster's HBM, or none) and
     the budget the ``memory`` pass recomputes activations to meet (None: none)."""
-    memory_policy: str | None = None
-    """What the ``memory`` pass does when its pipeline options do not say (``"full"``; None: keep
+    memory_policy: str | Callable[[Saved], str] | None = None
+    """What the ``memory`` pass does when its pipeline options do not say (``"full"``, or a function
+    answering ``"save"``, ``"recompute"`` or ``"offload"`` for each saved activation; None: keep
     what a budget allows)."""
     diagnostics: list[str] = field(default_factory=list)
     stats: dict[str, object] = field(default_factory=dict)

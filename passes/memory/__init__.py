@@ -24,11 +24,11 @@ recomputed and the values offloaded, and the predicted seconds each adds per ste
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from meshfold.ir import Graph
+from meshfold.ir import Graph, Value
 from meshfold.ir.graph import local_nbytes
 from meshfold.ir.ops import OFFLOAD, WAIT
 from meshfold.passes.base import Pass, PassContext, PassError
@@ -36,8 +36,8 @@ from meshfold.passes.cost.axis import axis_models
 from meshfold.passes.cost.memory import on_gloo, rank_memory, size_text
 from meshfold.passes.memory.budget import decide
 from meshfold.passes.memory.offload import offloaded, saved_activations
-from meshfold.passes.memory.policies import policy_values
-from meshfold.passes.memory.recompute import recompute
+from meshfold.passes.memory.policies import ANSWERS, Saved, policy_values
+from meshfold.passes.memory.recompute import recomputable, recompute
 from meshfold.passes.schedule.overlap import SCHEDULED
 from meshfold.passes.schedule.timeline import Costs
 from meshfold.passes.sharding.boxing import BOXED
@@ -60,7 +60,10 @@ class Memory(Pass):
     """Bytes per rank (0: the compilation's ``memory`` bound, if any)."""
 
     def apply(self, ctx: PassContext, graph: Graph) -> Graph:
-        policy = self.policy if self.policy != "auto" else (ctx.memory_policy or "auto")
+        asked = ctx.memory_policy if self.policy == "auto" else None
+        if callable(asked):
+            return self._per_value(ctx, graph, asked)
+        policy = self.policy if self.policy != "auto" else (asked or "auto")
         budget = self.budget or ctx.memory or 0
         if graph.mesh is None or (policy in ("auto", "keep") and not budget):
             return graph
@@ -79,6 +82,20 @@ class Memory(Pass):
                     else "with nothing (no block, layers.N) to recompute or offload"
                 )
             _over_budget(graph, budget, after.peak, after.resident, how)
+        self._report(ctx, graph, out, policy, budget, (before.peak, after.peak), (recomputed, moved))
+        return out
+
+    def _report(
+        self,
+        ctx: PassContext,
+        graph: Graph,
+        out: Graph,
+        policy: str,
+        budget: int,
+        peaks: tuple[int, int],
+        what: tuple[list[str], list[str]],
+    ) -> None:
+        """``PassContext.stats["memory"]``: the decision, the peaks and the time it adds."""
         assert graph.mesh is not None
         costs = Costs(out, axis_models(graph.mesh, ctx.cluster))
         made = {r for op in graph.ops for r in op.results}
@@ -87,13 +104,46 @@ class Memory(Pass):
         ctx.stats["memory"] = {
             "policy": policy,
             "budget": budget,
-            "peak_before": before.peak,
-            "peak_after": after.peak,
-            "recomputed": recomputed,
-            "offloaded": moved,
+            "peak_before": peaks[0],
+            "peak_after": peaks[1],
+            "recomputed": what[0],
+            "offloaded": what[1],
             "recompute_s": added,
             "offload_s": 2 * sent / costs.models[0].cluster.device.host_bw,
         }
+
+    def _per_value(self, ctx: PassContext, graph: Graph, ask: Callable[[Saved], str]) -> Graph:
+        """``parallelize(memory=fn)``: each saved activation saved, recomputed or offloaded as ``fn``
+        answers for it (``policies.Saved``)."""
+        if graph.mesh is None:
+            return graph
+        if any(op.target == WAIT for op in graph.ops):
+            raise PassError("the memory pass runs before overlap (it decides what overlap then schedules)")
+        made = {r: op for op in graph.ops for r in op.results}
+        again: set[Value] = set()
+        away: set[Value] = set()
+        for v in saved_activations(graph, min_bytes=0):
+            op = made[v]
+            seen = Saved(v.name, op.prov.module, op.name, local_nbytes(v, graph.mesh), recomputable(op))
+            answer = ask(seen)
+            if answer not in ANSWERS:
+                raise PassError(
+                    f"memory policy {_name(ask)} answered {answer!r} for %{v.name}, made by {op.describe()}; "
+                    f"answer one of {', '.join(ANSWERS)}"
+                )
+            if answer == "recompute" and not seen.recomputable:
+                raise PassError(
+                    f"memory policy {_name(ask)} asks to recompute %{v.name}, made by {op.describe()}, which "
+                    "mutates or draws random numbers and cannot run twice; answer save or offload for it"
+                )
+            (again if answer == "recompute" else away if answer == "offload" else set()).add(v)
+        out = recompute(graph, again) if again else graph
+        moved = [v for v in saved_activations(out, min_bytes=0) if v in away]
+        out = offloaded(out, moved) if moved else out
+        gloo = on_gloo(ctx.cluster)
+        peaks = (rank_memory(graph, gloo=gloo).peak, rank_memory(out, gloo=gloo).peak)
+        what = (sorted(v.name for v in again), sorted(v.name for v in moved))
+        self._report(ctx, graph, out, f"per value ({_name(ask)})", 0, peaks, what)
         return out
 
 
@@ -147,3 +197,7 @@ def memory_line(stats: Mapping[str, object]) -> str | None:
     budget = f" under a budget of {s['budget'] / 2**20:.2f} MiB" if s["budget"] else ""
     before, after = s["peak_before"] / 2**20, s["peak_after"] / 2**20
     return f"memory: policy {s['policy']}{budget}; {what}; predicted peak per rank {before:.2f} -> {after:.2f} MiB"
+
+
+def _name(fn: Callable[[Saved], str]) -> str:
+    return getattr(fn, "__qualname__", None) or type(fn).__name__

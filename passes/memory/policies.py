@@ -18,12 +18,30 @@ from __future__ import annotations
 
 import re
 from collections import defaultdict
+from dataclasses import dataclass
 
 from meshfold.ir import Graph, Op, OpDef, Value
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.memory.recompute import recomputable
 
 POLICIES = ("full", "selective", "kv")
+ANSWERS = ("save", "recompute", "offload")
+"""What a per-value policy (``parallelize(memory=fn)``) answers for each ``Saved``."""
+
+
+@dataclass(frozen=True)
+class Saved:
+    """One activation the forward hands to the backward, as a per-value policy sees it: the value's
+    name, the module path and ATen op that make it, its bytes on one rank, and whether running that
+    op again gives the same numbers (no mutation, no random draw)."""
+
+    name: str
+    module: str
+    op: str
+    nbytes: int
+    recomputable: bool
+
+
 _KV = re.compile(r"(^|_)(k|v|kv)(_|$)")
 _GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "convolution"})
 

@@ -12,6 +12,7 @@ import torch
 from meshfold.api import parallelize
 from meshfold.moe import MoeSpec, experts_as_ops
 from meshfold.moe_lists import as_stacked
+from meshfold.passes.memory.policies import Saved
 from meshfold.tools.zoo import build
 from meshfold.ir import ParamStack
 from tests.dist.pool import device_mesh
@@ -272,3 +273,11 @@ def token_inputs(tokens: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(ids, labels)`` of ``tokens`` (batch, sequence) over the zoo's vocabulary of 256, seeded."""
     ids = torch.randint(0, 256, tokens, generator=torch.Generator().manual_seed(0))
     return ids, ids.clone()
+
+
+def mlp_recomputed_attention_offloaded(saved: Saved) -> str:
+    """A per-value memory policy (``parallelize(memory=fn)``): the MLPs' activations recomputed, the
+    attentions' offloaded, the rest saved."""
+    if ".mlp" in saved.module and saved.recomputable:
+        return "recompute"
+    return "offload" if ".self_attn" in saved.module else "save"

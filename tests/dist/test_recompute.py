@@ -10,7 +10,7 @@ import pytest
 from meshfold.passes.cost.memory import rank_memory
 from meshfold.session import CompileOptions, compile_model
 from meshfold.tools.zoo import build
-from tests.dist.cases import token_inputs
+from tests.dist.cases import mlp_recomputed_attention_offloaded, token_inputs
 from tests.dist.conftest import RankPools
 from tests.dist.hf_models import build_hf
 
@@ -35,6 +35,19 @@ def test_recompute_equals_single_device(rank_pools: RankPools, model: str, polic
     again and all-reduces again)."""
     rank_pools.get(4).run(
         "tests.dist.cases:equivalence", model=model, shape=(2, 2), names=("dp", "tp"), plan="fsdp+tp", memory=policy
+    )
+
+
+def test_a_per_value_policy_equals_single_device(rank_pools: RankPools) -> None:
+    """``memory=fn`` deciding value by value (MLPs recomputed, attentions offloaded): llama-tiny still
+    trains as single device."""
+    rank_pools.get(4).run(
+        "tests.dist.cases:equivalence",
+        model="llama-tiny",
+        shape=(2, 2),
+        names=("dp", "tp"),
+        plan="fsdp+tp",
+        memory=mlp_recomputed_attention_offloaded,
     )
 
 

@@ -14,8 +14,10 @@ from meshfold import ir
 from meshfold.passes.cost.hardware import local_cluster
 from meshfold.passes.cost.memory import rank_memory
 from meshfold.passes.memory.budget import Choice, _cheapest, choices, decide
+from meshfold.passes.memory.policies import Saved
 from meshfold.session import CompileOptions, compile_model
 from meshfold.tools.zoo import build
+from tests.dist.cases import mlp_recomputed_attention_offloaded
 
 
 @pytest.fixture(scope="module")
@@ -71,3 +73,29 @@ def test_prices_decide_between_recompute_and_offload(boxed: ir.Graph) -> None:
         ir.verify(d.graph)
         assert rank_memory(d.graph).peak <= budget
     assert decide(boxed, keep, cpu).graph is boxed
+
+
+def test_a_per_value_policy_decides_each_saved_activation() -> None:
+    """``parallelize(memory=fn)``: what ``fn`` answers for each saved activation is done, and
+    answers that cannot be done fail naming the value, its op and what to answer instead."""
+    net, inputs = build("llama-tiny")
+    seen: list[Saved] = []
+
+    def every(saved: Saved) -> str:
+        seen.append(saved)
+        return mlp_recomputed_attention_offloaded(saved)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = compile_model(net, inputs, CompileOptions.of(mesh="dp=2,tp=2", plan="fsdp+tp", memory=every))
+    stats = result.stats["memory"]
+    assert isinstance(stats, dict) and stats["policy"].startswith("per value (")
+    mlp = {s.name for s in seen if ".mlp" in s.module and s.recomputable}
+    attention = {s.name for s in seen if ".self_attn" in s.module and s.name not in mlp}
+    assert mlp and attention and all(s.nbytes >= 0 and s.op for s in seen)
+    assert set(stats["recomputed"]) == mlp and set(stats["offloaded"]) <= attention and stats["offloaded"]
+    names = {r.name for op in result.graph.ops for r in op.results}
+    assert all(f"{v}_rc" in names for v in mlp) and all(f"{v}_host" in names for v in stats["offloaded"])
+    assert stats["peak_after"] < stats["peak_before"]
+    with pytest.raises(Exception, match=r"answered 'later' for %.* answer one of save, recompute, offload"):
+        compile_model(net, inputs, CompileOptions.of(mesh="dp=2,tp=2", plan="fsdp+tp", memory=lambda s: "later"))
