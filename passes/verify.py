@@ -8,7 +8,7 @@ from typing import ClassVar
 from meshfold.ir import Graph, verify
 from meshfold.ir.ops import REDISTRIBUTE
 from meshfold.passes.base import VERIFIED, Pass, PassContext, PassError
-from meshfold.passes.cost.memory import on_gloo, rank_memory, size_text
+from meshfold.passes.cost.memory import rank_memory, size_text
 from meshfold.passes.schedule.overlap import INFLIGHT_STAT
 from meshfold.passes.sharding.check import check_layouts
 
@@ -33,7 +33,7 @@ class Verify(Pass):
         if self.layouts:
             check_layouts(graph)
         if ctx.memory is not None and graph.mesh is not None and all(op.target != REDISTRIBUTE for op in graph.ops):
-            est = rank_memory(graph, gloo=on_gloo(ctx.cluster))
+            est = rank_memory(graph, cluster=ctx.cluster)
             if est.peak > ctx.memory:
                 raise PassError(
                     f"the predicted peak of one rank, {size_text(est.peak)} (at {est.peak_at}), exceeds the memory "

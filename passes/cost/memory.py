@@ -18,9 +18,10 @@ type divided over the mesh axes that shard it) and mirrors how the program is ex
 * a started collective (``ir.asynchrony``) allocates its results at its start, and they are its
   wait's results (the same storage); its operands and its staging copy stay alive until the wait
   (the collective reads them while on the wire);
-* on gloo (CPU ranks: ``gloo=True``, the default) an all-gather gathers into a flat buffer the
-  size of its output and copies out of it, so it holds twice its output at its end (NCCL writes
-  the output directly). Without this, offloaded programs on 4 CPU ranks measured up to 38% over.
+* on gloo (CPU ranks: ``cluster`` None, the default, or the catalog's host device) an all-gather
+  gathers into a flat buffer the size of its output and copies out of it, so it holds twice its
+  output at its end (NCCL writes the output directly). Without this, offloaded programs on 4 CPU
+  ranks measured up to 38% over.
 
 Kernel-internal workspaces are not modelled. The peak is over forward and backward; the optimizer
 step's own temporaries come after it. Imports ``ir`` (and hence torch), so ``passes.cost`` does not
@@ -70,15 +71,10 @@ class MemoryEstimate:
         return self.resident + self.peak_transient
 
 
-def on_gloo(cluster: Cluster | None) -> bool:
-    """Whether a compile for ``cluster`` runs its collectives on gloo (CPU ranks: no cluster, or the
-    catalog's host device)."""
-    return cluster is None or cluster.device.name == LOCAL
-
-
-def rank_memory(graph: Graph, optimizer_states: int = 2, *, gloo: bool = True) -> MemoryEstimate:
-    """Liveness of ``graph`` (an SPMD graph after boxing) on one rank; see the module docstring.
-    ``gloo``: price collectives as gloo lays them out (``on_gloo``)."""
+def rank_memory(graph: Graph, optimizer_states: int = 2, *, cluster: Cluster | None = None) -> MemoryEstimate:
+    """Liveness of ``graph`` (an SPMD graph after boxing) on one rank of ``cluster`` (None: gloo ranks
+    on this CPU, as everywhere); see the module docstring."""
+    gloo = cluster is None or cluster.device.name == LOCAL
     if graph.mesh is None:
         raise ValueError("memory liveness needs a graph with a mesh (run the sharding pass first)")
     mesh = graph.mesh

@@ -33,7 +33,7 @@ from meshfold.ir.graph import local_nbytes
 from meshfold.ir.ops import OFFLOAD, WAIT
 from meshfold.passes.base import Pass, PassContext, PassError
 from meshfold.passes.cost.axis import axis_models
-from meshfold.passes.cost.memory import on_gloo, rank_memory, size_text
+from meshfold.passes.cost.memory import rank_memory, size_text
 from meshfold.passes.memory.budget import decide
 from meshfold.passes.memory.offload import offloaded, saved_activations
 from meshfold.passes.memory.policies import ANSWERS, Saved, policy_values
@@ -61,18 +61,17 @@ class Memory(Pass):
 
     def apply(self, ctx: PassContext, graph: Graph) -> Graph:
         asked = ctx.memory_policy if self.policy == "auto" else None
-        if callable(asked):
-            return self._per_value(ctx, graph, asked)
-        policy = self.policy if self.policy != "auto" else (asked or "auto")
+        policy = asked if callable(asked) else self.policy if self.policy != "auto" else (asked or "auto")
         budget = self.budget or ctx.memory or 0
         if graph.mesh is None or (policy in ("auto", "keep") and not budget):
             return graph
         if any(op.target == WAIT for op in graph.ops):
             raise PassError("the memory pass runs before overlap (it decides what overlap then schedules)")
-        gloo = on_gloo(ctx.cluster)
-        before = rank_memory(graph, gloo=gloo)
+        if callable(policy):
+            return self._per_value(ctx, graph, policy)
+        before = rank_memory(graph, cluster=ctx.cluster)
         recomputed, moved, out = _decide(ctx, graph, policy, budget)
-        after = rank_memory(out, gloo=gloo)
+        after = rank_memory(out, cluster=ctx.cluster)
         if budget and after.peak > budget:
             how = f"under policy {policy}"
             if policy == "auto":
@@ -115,10 +114,7 @@ class Memory(Pass):
     def _per_value(self, ctx: PassContext, graph: Graph, ask: Callable[[Saved], str]) -> Graph:
         """``parallelize(memory=fn)``: each saved activation saved, recomputed or offloaded as ``fn``
         answers for it (``policies.Saved``)."""
-        if graph.mesh is None:
-            return graph
-        if any(op.target == WAIT for op in graph.ops):
-            raise PassError("the memory pass runs before overlap (it decides what overlap then schedules)")
+        assert graph.mesh is not None
         made = {r: op for op in graph.ops for r in op.results}
         again: set[Value] = set()
         away: set[Value] = set()
@@ -140,8 +136,7 @@ class Memory(Pass):
         out = recompute(graph, again) if again else graph
         moved = [v for v in saved_activations(out, min_bytes=0) if v in away]
         out = offloaded(out, moved) if moved else out
-        gloo = on_gloo(ctx.cluster)
-        peaks = (rank_memory(graph, gloo=gloo).peak, rank_memory(out, gloo=gloo).peak)
+        peaks = (rank_memory(graph, cluster=ctx.cluster).peak, rank_memory(out, cluster=ctx.cluster).peak)
         what = (sorted(v.name for v in again), sorted(v.name for v in moved))
         self._report(ctx, graph, out, f"per value ({_name(ask)})", 0, peaks, what)
         return out

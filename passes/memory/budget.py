@@ -27,7 +27,7 @@ from meshfold.ir.graph import local_nbytes
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.cost.axis import axis_models
 from meshfold.passes.cost.hardware import Cluster
-from meshfold.passes.cost.memory import on_gloo, rank_memory
+from meshfold.passes.cost.memory import rank_memory
 from meshfold.passes.memory.offload import offloaded, saved_activations
 from meshfold.passes.memory.policies import policy_values
 from meshfold.passes.memory.recompute import recompute
@@ -111,8 +111,7 @@ def choices(graph: Graph, cluster: Cluster | None) -> list[Choice]:
 def decide(graph: Graph, budget: int, cluster: Cluster | None) -> Decision:
     """The least-time choices that bring the predicted peak under ``budget``; when none do, those
     that free the most (the caller reports the peak they reach)."""
-    gloo = on_gloo(cluster)
-    peak = rank_memory(graph, gloo=gloo).peak
+    peak = rank_memory(graph, cluster=cluster).peak
     if peak <= budget:
         return Decision((), graph)
     options = choices(graph, cluster)
@@ -122,11 +121,11 @@ def decide(graph: Graph, budget: int, cluster: Cluster | None) -> Decision:
         if picked is None:
             break
         best = carry_out(graph, picked)
-        over = rank_memory(best.graph, gloo=gloo).peak - budget
+        over = rank_memory(best.graph, cluster=cluster).peak - budget
         if over <= 0:
             return best
         need += over
-    return _most(graph, options, gloo)
+    return _most(graph, options, cluster)
 
 
 def carry_out(graph: Graph, chosen: tuple[Choice, ...]) -> Decision:
@@ -174,7 +173,7 @@ def _cheapest(options: list[Choice], need: int) -> tuple[Choice, ...] | None:
     return tuple(c for c, x in zip(options, answer.x, strict=True) if x > 0.5)
 
 
-def _most(graph: Graph, options: list[Choice], gloo: bool) -> Decision:
+def _most(graph: Graph, options: list[Choice], cluster: Cluster | None) -> Decision:
     """The lowest predicted peak of one way for every block (each block offloaded, recomputed, or
     both): what the caller reports when no choice meets the budget."""
     hows = sorted({c.how for c in options})
@@ -182,7 +181,7 @@ def _most(graph: Graph, options: list[Choice], gloo: bool) -> Decision:
     for how in hows:
         picked = tuple(c for c in options if c.how == how or (c.how == "offload" and not c.block))
         tried.append(carry_out(graph, picked))
-    return min(tried, key=lambda d: rank_memory(d.graph, gloo=gloo).peak)
+    return min(tried, key=lambda d: rank_memory(d.graph, cluster=cluster).peak)
 
 
 def _value_blocks(graph: Graph) -> dict[Value, str]:

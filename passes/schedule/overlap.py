@@ -40,7 +40,7 @@ from meshfold.ir.ops import WAIT
 from meshfold.passes.base import Pass, PassContext, PassError
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.cost.axis import axis_models
-from meshfold.passes.cost.memory import on_gloo, rank_memory, size_text
+from meshfold.passes.cost.memory import rank_memory, size_text
 from meshfold.passes.schedule.chunks import chunk_matmuls
 from meshfold.passes.schedule.timeline import Costs, replay
 from meshfold.passes.sharding.boxing import BOXED
@@ -106,12 +106,11 @@ class Overlap(Pass):
         (``passes.cost.memory``) stays under it, with the bytes in flight capped first at the
         headroom the unscheduled program leaves, then halved; the program unscheduled (its
         collectives waited where issued) when no cap fits."""
-        gloo = on_gloo(ctx.cluster)
-        peak = rank_memory(graph, gloo=gloo).peak
+        peak = rank_memory(graph, cluster=ctx.cluster).peak
         cap = max(min(self.max_inflight, budget - peak), 1)
         for _ in range(8):
             out = self._scheduled(graph, costs, cap)
-            if rank_memory(out, gloo=gloo).peak <= budget:
+            if rank_memory(out, cluster=ctx.cluster).peak <= budget:
                 return out, cap
             cap = max(cap // 2, 1)
         if peak <= budget:
