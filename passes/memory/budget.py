@@ -18,11 +18,11 @@ again: an outer loop with exact feedback, as between the sharding solve and this
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from scipy.sparse import csc_array
 
-from meshfold.ir import Graph, Value
+from meshfold.ir import Graph, Mesh, Value
 from meshfold.ir.graph import local_nbytes
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.cost.axis import axis_models
@@ -106,6 +106,44 @@ def choices(graph: Graph, cluster: Cluster | None) -> list[Choice]:
             sent = rest.get(b, 0)
             out.append(Choice(b, "full+offload", c.again, c.freed + sent, c.seconds + 2 * sent / host_bw))
     return [c for c in out if c.freed > 0]
+
+
+def spill_prices(graph: Graph, mesh: Mesh, cluster: Cluster | None) -> tuple[tuple[float, float], ...]:
+    """What freeing saved activations costs, as the sharding solve sees it before any layout is
+    chosen: ``(seconds per byte, share)`` stretches, cheapest first, where ``share`` is the fraction
+    of all the bytes the forward hands to the backward that this pass can free at that price.
+
+    Priced on the whole (unsplit) graph: splitting an op over ranks divides its FLOPs and its
+    results alike, so seconds per byte freed do not depend on the layouts. Per block, the choices
+    (``choices``) on the lower convex hull of bytes freed against time added: one with fewer bytes
+    and more time is never worth taking. Those hull edges from every block, merged by price."""
+    g = replace(graph, mesh=mesh)
+    fwd = {r for op in g.ops if op.prov.phase == "fwd" for r in op.results}
+    read = {u for op in g.ops if op.prov.phase == "bwd" for u in op.operands}
+    total = sum(local_nbytes(v, mesh) for v in fwd & read)
+    if not total:
+        return ()
+    per_block: dict[str, list[tuple[int, float]]] = {}
+    for c in choices(g, cluster):
+        per_block.setdefault(c.block, []).append((c.freed, c.seconds))
+    edges: dict[float, int] = {}
+    for points in per_block.values():
+        at = (0, 0.0)
+        while True:
+            ahead = [(b - at[0], t - at[1]) for b, t in points if b > at[0]]
+            if not ahead:
+                break
+            step = min(ahead, key=lambda e: (e[1] / e[0], -e[0]))  # NOTE: the hull's next edge
+            rate = float(f"{max(step[1], 0.0) / step[0]:.9g}")  # NOTE: equal blocks' edges merge
+            edges[rate] = edges.get(rate, 0) + step[0]
+            at = (at[0] + step[0], at[1] + step[1])
+    out, share = [], 0.0
+    for rate in sorted(edges):
+        part = min(edges[rate] / total, 1.0 - share)
+        if part > 0:
+            out.append((rate, part))
+            share += part
+    return tuple(out)
 
 
 def decide(graph: Graph, budget: int, cluster: Cluster | None) -> Decision:

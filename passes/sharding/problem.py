@@ -31,6 +31,10 @@ class Problem:
     models: tuple[AxisModel, ...]
     valid: Callable[[Op, Strategy, list[Strategy]], bool]
     memory: float | None = None
+    spill: tuple[tuple[float, float], ...] = ()
+    """What the memory pass charges to free saved activations under ``memory``
+    (``passes.memory.budget.spill_prices``: seconds per byte, share of the saved bytes, cheapest
+    first); empty: the bound holds for the layouts alone."""
     gap: float = 1e-3
     """Relative gap at which a plan counts as optimal: its modelled time is within this fraction of
     the proven lower bound."""
@@ -74,13 +78,16 @@ class AxisStats:
     shared_ops: int
     objective: float
     compute: float = 0.0
-    """The part of ``objective`` that is the ops' own compute (the rest is this axis's traffic)."""
+    """The part of ``objective`` that is the ops' own compute."""
     columns: int = 0
     rows: int = 0
     gap: float = 0.0
     optimal: bool = True
     nodes: int = 0
     folded: int = 0
+    spill: float = 0.0
+    """The part of ``objective`` that the memory pass is expected to add, recomputing or offloading
+    what the layouts leave over the memory bound (``Problem.spill``); the rest is this axis's traffic."""
 
     def describe(self) -> str:
         state = "optimal" if self.optimal else "stopped at the node limit"
@@ -101,12 +108,12 @@ class Solution:
 
     @property
     def step_time(self) -> float:
-        """Modelled seconds per step: the ops' compute as the last axis prices it (split by every
-        axis) plus every axis's traffic."""
+        """Modelled seconds per step: the ops' compute and the memory pass's share as the last axis
+        prices them (split by every axis) plus every axis's traffic."""
         if not self.stats:
             return 0.0
         *earlier, last = self.stats
-        return last.objective + sum(s.objective - s.compute for s in earlier)
+        return last.objective + sum(s.objective - s.compute - s.spill for s in earlier)
 
     @property
     def optimal(self) -> bool:
@@ -119,6 +126,10 @@ def step_line(stats: Mapping[str, object]) -> str | None:
     if not isinstance(step, float):
         return None
     line = f"modelled step time {1e3 * step:.3f} ms"
+    axes = stats.get("sharding.solve")
+    spill = axes[-1].spill if isinstance(axes, tuple) and axes and isinstance(axes[-1], AxisStats) else 0.0
+    if spill:
+        line += f" (of which {1e3 * spill:.3f} ms the memory pass's, freeing what the layouts leave over the bound)"
     preset = stats.get("sharding.preset")
     if isinstance(preset, tuple):
         line += f"; the {preset[0]} preset's layouts: {1e3 * preset[1]:.3f} ms"

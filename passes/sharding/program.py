@@ -138,8 +138,7 @@ class AxisProgram(MoveColumns):
             built[v] = self._moves(v, us, x)
             if w is not None:  # NOTE: a value read only in the backward meets later layers' copies first
                 built.setdefault(w, built[v])
-        if self.budget is not None:
-            self._memory(x)
+        spills = self._memory(x) if self.budget is not None else []
         res = self._run(self._start_values(start, x) if start is not None else None)
         picks = [ss[max(range(len(xs)), key=lambda i: (res[xs[i]], -i))] for ss, xs in zip(self.per_op, x, strict=True)]
         inputs = {v: max(opts, key=lambda p: (res[opts[p]], -list(opts).index(p))) for v, opts in self.choice.items()}
@@ -157,6 +156,7 @@ class AxisProgram(MoveColumns):
             a.optimal,
             a.nodes,
             self.m.folded,
+            float(sum(res[var] * self.m.cost[var] for var in spills)),
         )
         return picks, inputs
 
@@ -178,10 +178,13 @@ class AxisProgram(MoveColumns):
                 put(list(opts.values()), list(opts).index(p))
         return vals
 
-    def _memory(self, x: list[list[int]]) -> None:
-        """Parameter state (param, grad, Adam moments) plus activations the backward keeps, per device."""
+    def _memory(self, x: list[list[int]]) -> list[int]:
+        """Parameter state (param, grad, Adam moments) plus activations the backward keeps, per device,
+        at most the bound; with ``Problem.spill``, less what the memory pass frees at its price: one
+        column per price stretch, at most its share of the activations. Returns those columns."""
         assert self.budget is not None
         row: dict[int, float] = defaultdict(float)
+        acts: dict[int, float] = defaultdict(float)
         const = 0.0
         fwd = {r for op in self.graph.ops if op.prov.phase == "fwd" for r in op.results}
         saved = [v for op in self.graph.ops if op.prov.phase == "bwd" for v in op.operands if v in fwd]
@@ -197,14 +200,26 @@ class AxisProgram(MoveColumns):
                 continue  # NOTE: inputs and tangents are the caller's; a param's bytes are counted above
             for p, t in self._placement_terms(v, x).items():
                 for var, coef in t.items():
-                    row[var] += coef * size / (self.n if isinstance(p, Shard) else 1)
+                    acts[var] += coef * size / (self.n if isinstance(p, Shard) else 1)
         for v, opts in self.choice.items():
             if v in params:
                 assert isinstance(v.type, TensorType)
                 size = nbytes(v.type) / self.shrink.get(v, 1) * STATE_COPIES
                 for p, var in opts.items():
                     row[var] += size / (self.n if isinstance(p, Shard) else 1)
+        for var, coef in acts.items():
+            row[var] += coef
+        # NOTE: the row counts bytes per device times the later axes' ranks (``solve``); a step pays
+        # for the bytes of one device
+        later = math.prod(self.mesh.sizes[self.k + 1 :])
+        spills = []
+        for rate, share in self.problem.spill:
+            s = self.m.var(rate / later, 0.0, math.inf)
+            spills.append(s)
+            row[s] = -1.0
+            self.m.rows.append(({s: 1.0} | {var: -share * coef for var, coef in acts.items()}, -math.inf, 0.0))
         self.m.rows.append((dict(row), -math.inf, self.budget - const))
+        return spills
 
     def _exchange_time(self, s: Strategy) -> float:
         """Time of the traffic an op makes itself under ``s`` (the all-to-all dispatcher): each rank

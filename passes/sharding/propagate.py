@@ -39,6 +39,7 @@ from meshfold.passes.cost.axis import AxisModel, axis_models
 from meshfold.passes.moe.spec import plan_with_experts
 from meshfold.passes.sharding.batch import batch_splits
 from meshfold.passes.sharding.cost import nbytes
+from meshfold.passes.sharding.fit import fitted, spill_prices
 from meshfold.passes.sharding.plans import (
     AUTO,
     Plan,
@@ -77,6 +78,11 @@ class Sharding(Pass):
     the greedy choice (with a warning). A unit of work, not time: the plan never depends on load."""
     share_blocks: bool = True
     """Repeated blocks (``layers.1``... mirroring ``layers.0``) share the solve's variables."""
+    spill: bool = True
+    """Under a memory bound (``parallelize(memory=...)``), the solve may leave activations over it
+    for the memory pass to recompute or offload, at that pass's price per byte
+    (``memory.budget.spill_prices``), where that costs less time than layouts that fit; off: only
+    layouts that fit the bound alone (the memory pass then runs only if none do)."""
 
     def apply(self, ctx: PassContext, graph: Graph) -> Graph:
         mesh = ctx.mesh
@@ -91,11 +97,19 @@ class Sharding(Pass):
         seeds = Seeds() if auto else resolve(plan, graph, mesh)
         for line in seeds.unsplit:
             ctx.warn(line)
+        bound = ctx.memory if self.mode == "solve" else None
+        return fitted(ctx, bound, lambda c, memory: self._laid_out(c, graph, plan, seeds, memory))
+
+    def _laid_out(self, ctx: PassContext, graph: Graph, plan: Plan, seeds: Seeds, memory: int | None) -> Graph:
+        """``graph`` per rank under ``plan``, the solve's memory row bounded by ``memory``."""
+        mesh = ctx.mesh
+        assert mesh is not None
+        auto = plan.preset == AUTO
         prop = _Propagator(graph, mesh, seeds, rule_table(), ctx)
         prop.pinned = {i.value: seeds.compute[i.name] for i in graph.inputs if i.name in plan.pinned}
         if self.mode == "solve":
             try:
-                prop.seeds = _solved(graph, mesh, seeds, prop, ctx, auto, self)
+                prop.seeds = _solved(graph, mesh, seeds, prop, ctx, auto, self, memory)
             except PassError as e:
                 if auto:
                     raise
@@ -105,7 +119,14 @@ class Sharding(Pass):
 
 
 def _solved(
-    graph: Graph, mesh: Mesh, seeds: Seeds, prop: _Propagator, ctx: PassContext, auto: bool, opts: Sharding
+    graph: Graph,
+    mesh: Mesh,
+    seeds: Seeds,
+    prop: _Propagator,
+    ctx: PassContext,
+    auto: bool,
+    opts: Sharding,
+    bound: int | None,
 ) -> Seeds:
     """Every op's strategy per axis from the integer program (and, with ``auto``, every parameter's
     and input's layout); returns the seeds to build with."""
@@ -137,9 +158,10 @@ def _solved(
         return _valid(s, list(op.operands), op.results, mesh, earlier) and _keeps(s, op.operands, prop.pinned, earlier)
 
     cluster = ctx.cluster
-    memory = ctx.memory if ctx.memory is not None else (cluster.device.hbm_bytes if cluster is not None else None)
+    memory = bound if bound is not None else (cluster.device.hbm_bytes if cluster is not None else None)
     models = axis_models(mesh, cluster)
-    problem = Problem(graph, mesh, candidates, start, free, wants, models, valid, memory)
+    spill = spill_prices(graph, mesh, cluster) if ctx.memory is not None and opts.spill else ()
+    problem = Problem(graph, mesh, candidates, start, free, wants, models, valid, memory, spill)
     batch_axes = frozenset(data_parallel_axes(seeds.roles))
     problem = replace(
         problem,

@@ -141,3 +141,31 @@ def test_budgets_equal_single_device(rank_pools: RankPools, model: str, fraction
     else:
         rank_pools.get(4).run("tests.dist.cases:equivalence", model=model, steps=1, **where)
 
+
+
+def test_an_auto_plan_under_a_budget_equals_single_device(rank_pools: RankPools) -> None:
+    """``plan="auto"`` under a byte budget (30% of the unbounded plan's predicted peak): the solve
+    weighs layouts against what the memory pass would recompute or offload (``Problem.spill``), the
+    memory pass meets the budget, and the program equals single device on 4 ranks."""
+    tokens = BUDGETED["llama-tiny"]
+    auto = dict(mesh="dp=2,tp=2", plan="auto", cluster="h100:8x1")
+    net, inputs = build("llama-tiny")[0], token_inputs(tokens)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        keep = compile_model(net, inputs, CompileOptions.of(**auto)).graph
+        budget = int(0.3 * rank_memory(keep, cluster=CompileOptions.of(**auto).cluster).peak)
+    results = rank_pools.get(4).run(
+        "tests.dist.cases:equivalence",
+        model="llama-tiny",
+        steps=1,
+        shape=(2, 2),
+        names=("dp", "tp"),
+        plan="auto",
+        cluster=auto["cluster"],
+        memory=budget,
+        tokens=tokens,
+    )
+    report = results[0]["report"]
+    assert all(r["report"] == report for r in results)
+    assert report[-1].startswith("memory: policy auto under a budget of "), report
+    assert "recomputed" in report[-1] or "offloaded" in report[-1], report
