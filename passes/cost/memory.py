@@ -122,8 +122,14 @@ def _values(graph: Graph) -> list[Value]:
     return [i.value for i in graph.inputs] + [r for op in graph.ops for r in op.results]
 
 
-def _alias_roots(graph: Graph, schedule: list[Op]) -> dict[Value, Value]:
+def alias_roots(graph: Graph) -> dict[Value, Value]:
     """Each value's storage owner: itself, or (through views) the value whose buffer it shares."""
+    return _alias_roots(
+        graph, [op for op in graph.ops if op.prov.phase == "fwd"] + [op for op in graph.ops if op.prov.phase != "fwd"]
+    )
+
+
+def _alias_roots(graph: Graph, schedule: list[Op]) -> dict[Value, Value]:
     root = {i.value: i.value for i in graph.inputs}
     for op in schedule:
         if op.target == WAIT:  # NOTE: a wait's results are its start's buffers

@@ -1,28 +1,29 @@
-"""A byte budget per rank: for each block, keep, recompute or offload, whichever adds least time.
+"""A byte budget per rank: which saved activations to keep, recompute or offload, in least time.
 
-Each block (``layers.3``) has four choices: keep everything; recompute its pointwise ops (all but
-GEMMs, attention and collectives: cheap to run again); recompute the whole block from its input;
-offload every saved activation it makes to the host tier. A choice frees the bytes the forward no
-longer hands to the backward and adds time: the recomputed ops' price under the one time model
-(``passes.cost.axis``), or an offload's copies there and back at the device's host bandwidth
-(``Device.host_bw``), counted whole (a reload is not yet issued ahead of its reader, so nothing
-hides it).
+The ways to free memory (``choices``): per block (``layers.3``), recompute its pointwise ops (all
+but GEMMs, attention and collectives: cheap to run again, from the values kept for those) or the
+whole block from its input; per saved activation, offload it to the host tier. A way adds time:
+the recomputed ops' price under the one time model (``passes.cost.axis``), or an offload's copies
+there and back at the device's host bandwidth (``Device.host_bw``), counted whole (a reload is not
+issued ahead of its reader, so nothing hides it).
 
-An integer program (HiGHS) picks one choice per block with least added time such that the bytes
-freed cover the predicted peak's excess over the budget. Bytes freed do not lower the peak one for
-one (a recomputed block's values live again for a while in the backward; the peak may move), so
-the choice is applied, the peak predicted again by the liveness estimate (``passes.cost.memory``),
-and while it is still over, the excess is added to what must be freed and the program solved
-again: an outer loop with exact feedback, as between the sharding solve and this pass.
+An integer program (HiGHS, ``rows``) takes at most one way per value with least added time such
+that at every point of the schedule the predicted peak exceeds the budget, what the ways free there
+covers the excess. The program's picture of where each value lives is exact for one way at a time;
+a recomputed chain is made in one go before the first backward reader of any of it, so some values
+come back earlier than it assumes. So the choice is carried out, the peak predicted again by the
+liveness estimate (``passes.cost.memory``), and while it is still over, the excess is added to
+every row and the program solved again: an outer loop with exact feedback, as between the sharding
+solve and this pass.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
-from scipy.sparse import csc_array
-
-from meshfold.ir import Graph, Mesh, Value
+from meshfold.ir import Graph, Mesh, Op, Value
 from meshfold.ir.graph import local_nbytes
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.cost.axis import axis_models
@@ -31,32 +32,39 @@ from meshfold.passes.cost.memory import rank_memory
 from meshfold.passes.memory.offload import offloaded, saved_activations
 from meshfold.passes.memory.policies import policy_values
 from meshfold.passes.memory.recompute import recompute
+from meshfold.passes.memory.rows import cheapest, freed_at
 from meshfold.passes.schedule.timeline import Costs
-from meshfold.passes.sharding.milp import solve_milp
 
 ROUNDS = 8
 """Solves at most: each adds the excess the estimate still shows (two sufficed on the test models)."""
 
+MARGIN = 0.02
+"""Share of the budget left free: the liveness estimate measured within 1% of the allocator's peak
+on the rank tests, either side; a program filling its budget to the byte measured 0.5% over."""
+
 
 @dataclass(frozen=True)
 class Choice:
-    """One way to lighten one block: ``how`` is ``pointwise`` or ``full`` (recompute),
-    ``offload``, or ``full+offload`` (recompute the block and offload what it still hands over: its
-    output, the next block's input)."""
+    """One way to free memory: ``how`` is ``pointwise`` or ``full`` (recompute a block's ops), or
+    ``offload`` (one saved activation)."""
 
     block: str
-    """``layers.3``; ``""``: the ops outside every block (offload only)."""
+    """``layers.3``; ``""``: outside every block (the logits, the loss's inputs)."""
     how: str
     again: frozenset[Value]
     """Values recomputed."""
+    values: frozenset[Value]
+    """The saved activations it frees (the forward no longer hands them to the backward)."""
+    adds: frozenset[Value]
+    """What its recompute makes the backward read that the keep program does not save."""
     freed: int
-    """Bytes per rank the forward no longer hands to the backward."""
+    """Their bytes per rank."""
     seconds: float
     """Time the choice adds to a step on one rank."""
 
     @property
     def offloads(self) -> bool:
-        return self.how.endswith("offload")
+        return self.how == "offload"
 
     @property
     def label(self) -> str:
@@ -75,36 +83,28 @@ class Decision:
 
     @property
     def recomputed(self) -> list[str]:
-        return [c.label for c in self.chosen if c.how != "offload"]
+        return [c.label for c in self.chosen if not c.offloads]
 
 
 def choices(graph: Graph, cluster: Cluster | None) -> list[Choice]:
-    """Every block's ways to free memory, with their bytes freed and time added."""
+    """Every way to free memory, with the bytes it frees and the time it adds."""
     mesh = graph.mesh
     assert mesh is not None
     costs = Costs(graph, axis_models(mesh, cluster))
     host_bw = costs.models[0].cluster.device.host_bw
-    read = {u for op in graph.ops if op.prov.phase == "bwd" for u in op.operands}
+    saved = frozenset(saved_activations(graph, min_bytes=0))
     made = {r: op for op in graph.ops for r in op.results}
     out: list[Choice] = []
-    full: dict[str, Choice] = {}
     for how in ("pointwise", "full"):
         for b, vs in sorted(policy_values(graph, how).items()):
-            freed = sum(local_nbytes(v, mesh) for v in vs if v in read)
+            frees = frozenset(vs).intersection(saved)
             seconds = sum(costs.compute(op) for op in {made[v] for v in vs})
-            out.append(Choice(b, how, frozenset(vs), freed, seconds))
-            if how == "full":
-                full[b] = out[-1]
-    # NOTE: offload also takes what no block makes (the logits and the loss's inputs, the embedding's
-    # output), which no recompute policy covers
-    kept = _saved_bytes(graph)
-    for b, nbytes in sorted(kept.items()):
-        out.append(Choice(b, "offload", frozenset(), nbytes, 2 * nbytes / host_bw))
-    if full:
-        rest = _saved_bytes(recompute(graph, set().union(*(c.again for c in full.values()))))
-        for b, c in sorted(full.items()):
-            sent = rest.get(b, 0)
-            out.append(Choice(b, "full+offload", c.again, c.freed + sent, c.seconds + 2 * sent / host_bw))
+            adds = _adds(frozenset(vs), saved, made)
+            out.append(Choice(b, how, frozenset(vs), frees, adds, _nbytes(frees, mesh), seconds))
+    block = _value_blocks(graph)
+    for v in saved_activations(graph):
+        n = local_nbytes(v, mesh)
+        out.append(Choice(block.get(v, ""), "offload", frozenset(), frozenset({v}), frozenset(), n, 2 * n / host_bw))
     return [c for c in out if c.freed > 0]
 
 
@@ -114,20 +114,17 @@ def spill_prices(graph: Graph, mesh: Mesh, cluster: Cluster | None) -> tuple[tup
     of all the bytes the forward hands to the backward that this pass can free at that price.
 
     Priced on the whole (unsplit) graph: splitting an op over ranks divides its FLOPs and its
-    results alike, so seconds per byte freed do not depend on the layouts. Per block, the choices
-    (``choices``) on the lower convex hull of bytes freed against time added: one with fewer bytes
-    and more time is never worth taking. Those hull edges from every block, merged by price."""
+    results alike, so seconds per byte freed do not depend on the layouts. Per block, its ways
+    combined (each recompute alone or with the offload of what it leaves saved, or everything
+    offloaded), on the lower convex hull of bytes freed against time added: a combination with
+    fewer bytes and more time is never worth taking. Those hull edges from every block, merged by
+    price."""
     g = replace(graph, mesh=mesh)
-    fwd = {r for op in g.ops if op.prov.phase == "fwd" for r in op.results}
-    read = {u for op in g.ops if op.prov.phase == "bwd" for u in op.operands}
-    total = sum(local_nbytes(v, mesh) for v in fwd & read)
+    total = _nbytes(saved_activations(g, min_bytes=0), mesh)
     if not total:
         return ()
-    per_block: dict[str, list[tuple[int, float]]] = {}
-    for c in choices(g, cluster):
-        per_block.setdefault(c.block, []).append((c.freed, c.seconds))
     edges: dict[float, int] = {}
-    for points in per_block.values():
+    for points in _block_points(choices(g, cluster)).values():
         at = (0, 0.0)
         while True:
             ahead = [(b - at[0], t - at[1]) for b, t in points if b > at[0]]
@@ -146,80 +143,93 @@ def spill_prices(graph: Graph, mesh: Mesh, cluster: Cluster | None) -> tuple[tup
     return tuple(out)
 
 
+def _block_points(options: list[Choice]) -> dict[str, list[tuple[int, float]]]:
+    """Per block, (bytes freed, seconds added) of: each recompute; each recompute with the offload
+    of the block's values it leaves saved; every value offloaded."""
+    out: dict[str, list[tuple[int, float]]] = {}
+    for b in sorted({c.block for c in options}):
+        here = [c for c in options if c.block == b]
+        moved = [c for c in here if c.offloads]
+        points = [(sum(c.freed for c in moved), sum(c.seconds for c in moved))]
+        for r in (c for c in here if not c.offloads):
+            rest = [c for c in moved if not c.values <= r.values]
+            points.append((r.freed, r.seconds))
+            points.append((r.freed + sum(c.freed for c in rest), r.seconds + sum(c.seconds for c in rest)))
+        out[b] = [p for p in points if p[0] > 0]
+    return out
+
+
 def decide(graph: Graph, budget: int, cluster: Cluster | None) -> Decision:
     """The least-time choices that bring the predicted peak under ``budget``; when none do, those
     that free the most (the caller reports the peak they reach)."""
-    peak = rank_memory(graph, cluster=cluster).peak
-    if peak <= budget:
+    est = rank_memory(graph, cluster=cluster)
+    if est.peak <= budget:
         return Decision((), graph)
+    budget -= int(MARGIN * budget)
     options = choices(graph, cluster)
-    need = peak - budget
+    freed, excess = freed_at(graph, est, budget, options)
+    # NOTE: ``more`` is added to every row's excess: raised by what a pick still left over; where that
+    # makes the program infeasible, halved back towards the last feasible one
+    more, low, high = 0.0, 0.0, math.inf
     for _ in range(ROUNDS):
-        picked = _cheapest(options, need)
+        picked = cheapest(options, freed, excess + more)
         if picked is None:
+            high = more
+            more = (low + high) / 2
+        else:
+            best = carry_out(graph, tuple(options[j] for j in picked))
+            over = rank_memory(best.graph, cluster=cluster).peak - budget
+            if over <= 0:
+                return best
+            low = more
+            more = low + over if low + over < high else (low + high) / 2
+        if high - low < 1:
             break
-        best = carry_out(graph, picked)
-        over = rank_memory(best.graph, cluster=cluster).peak - budget
-        if over <= 0:
-            return best
-        need += over
     return _most(graph, options, cluster)
 
 
 def carry_out(graph: Graph, chosen: tuple[Choice, ...]) -> Decision:
-    """``graph`` with the chosen recomputes, then the chosen blocks' saved activations offloaded."""
+    """``graph`` with the chosen recomputes, then the chosen values offloaded."""
     again = set().union(*(c.again for c in chosen))
     out = recompute(graph, again) if again else graph
-    away = {c.block for c in chosen if c.offloads}
+    away = set().union(*(c.values for c in chosen if c.offloads))
     if not away:
         return Decision(chosen, out)
-    block = _value_blocks(out)
-    moved = [v for v in saved_activations(out) if block.get(v, "") in away]
+    moved = [v for v in saved_activations(out) if v in away]
     return Decision(chosen, offloaded(out, moved), tuple(sorted(v.name for v in moved)))
 
 
-def _cheapest(options: list[Choice], need: int) -> tuple[Choice, ...] | None:
-    """At most one choice per block, freeing at least ``need`` bytes in least time (HiGHS); None if
-    even all blocks' largest choices free less."""
-    blocks = sorted({c.block for c in options})
-    if sum(max(c.freed for c in options if c.block == b) for b in blocks) < need:
-        return None
-    row = {b: k + 1 for k, b in enumerate(blocks)}
-    rows, cols, vals = [], [], []
-    for j, c in enumerate(options):
-        rows += [0, row[c.block]]
-        cols += [j, j]
-        vals += [c.freed / need, 1.0]
-    n = len(options)
-    matrix = csc_array((vals, (rows, cols)), shape=(len(blocks) + 1, n))
-    # NOTE: a floor on the time of each choice keeps free-looking choices (a block with no FLOPs the
-    # model prices) from being taken for nothing: the least bytes moved wins among them
-    cost = [max(c.seconds, 1e-12) for c in options]
-    answer = solve_milp(
-        cost,
-        [0.0] * n,
-        [1.0] * n,
-        [1] * n,
-        matrix,
-        [1.0] + [0.0] * len(blocks),
-        [float("inf")] + [1.0] * len(blocks),
-        gap=1e-6,
-        node_limit=10_000,
-    )
-    if answer.x is None:
-        return None
-    return tuple(c for c, x in zip(options, answer.x, strict=True) if x > 0.5)
-
-
 def _most(graph: Graph, options: list[Choice], cluster: Cluster | None) -> Decision:
-    """The lowest predicted peak of one way for every block (each block offloaded, recomputed, or
-    both): what the caller reports when no choice meets the budget."""
-    hows = sorted({c.how for c in options})
-    tried = []
-    for how in hows:
-        picked = tuple(c for c in options if c.how == how or (c.how == "offload" and not c.block))
-        tried.append(carry_out(graph, picked))
+    """The lowest predicted peak of one way for every block (every value offloaded; every block
+    recomputed pointwise or whole, alone or with every value still saved then offloaded): what the
+    caller reports when no choice meets the budget."""
+    tried = [carry_out(graph, tuple(c for c in options if c.offloads))]
+    for how in ("pointwise", "full"):
+        again = tuple(c for c in options if c.how == how)
+        d = carry_out(graph, again)
+        rest = saved_activations(d.graph)
+        tried += [d, Decision(again, offloaded(d.graph, rest), tuple(sorted(v.name for v in rest)))]
     return min(tried, key=lambda d: rank_memory(d.graph, cluster=cluster).peak)
+
+
+def _adds(again: frozenset[Value], saved: frozenset[Value], made: dict[Value, Op]) -> frozenset[Value]:
+    """What recomputing ``again`` makes the backward read that the keep program does not save: the
+    operands of the ops it runs again (those the backward reads, and the chosen values they read),
+    neither chosen nor saved."""
+    todo = [v for v in again if v in saved]
+    seen: set[Value] = set()
+    out: set[Value] = set()
+    while todo:
+        v = todo.pop()
+        if v in seen:
+            continue
+        seen.add(v)
+        for u in made[v].operands:
+            if u in again:
+                todo.append(u)
+            elif u not in saved and u in made:
+                out.add(u)
+    return frozenset(out)
 
 
 def _value_blocks(graph: Graph) -> dict[Value, str]:
@@ -227,12 +237,5 @@ def _value_blocks(graph: Graph) -> dict[Value, str]:
     return {r: b for op, b in zip(graph.ops, op_blocks(graph), strict=True) for r in op.results}
 
 
-def _saved_bytes(graph: Graph) -> dict[str, int]:
-    """Per block, the bytes of the saved activations it makes (``offload.saved_activations``)."""
-    assert graph.mesh is not None
-    block = _value_blocks(graph)
-    out: dict[str, int] = {}
-    for v in saved_activations(graph):
-        b = block.get(v, "")
-        out[b] = out.get(b, 0) + local_nbytes(v, graph.mesh)
-    return out
+def _nbytes(values: Iterable[Value], mesh: Mesh) -> int:
+    return sum(local_nbytes(v, mesh) for v in values)

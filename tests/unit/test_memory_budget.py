@@ -7,15 +7,19 @@ import itertools
 import warnings
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
 from meshfold import ir
 from meshfold.passes.cost.hardware import local_cluster
 from meshfold.passes.cost.memory import rank_memory
-from meshfold.passes.memory.budget import Choice, _cheapest, choices, decide
+from meshfold.passes.memory.budget import Choice, carry_out, choices, decide
 from meshfold.passes.memory.policies import Saved
+from meshfold.passes.memory.rows import cheapest, freed_at
 from meshfold.session import CompileOptions, compile_model
+from meshfold.tools.bench.eager_vs_dtensor import Config
+from meshfold.tools.bench.eager_vs_dtensor import build as build_bench
 from meshfold.tools.zoo import build
 from tests.dist.cases import mlp_recomputed_attention_offloaded
 
@@ -31,32 +35,68 @@ def boxed() -> ir.Graph:
         return compile_model(net, (ids, ids), opts).graph
 
 
-def _brute(options: list[Choice], need: int) -> float:
-    """The least added time of at most one choice per block freeing ``need`` bytes, by enumeration."""
-    per_block: dict[str, list[Choice | None]] = {}
-    for c in options:
-        per_block.setdefault(c.block, [None]).append(c)
+def _brute(ways: list[Choice], freed: np.ndarray, excess: np.ndarray) -> float:
+    """The least added time of ways, no value freed twice, covering the excess at every group of
+    points, by enumeration."""
     best = float("inf")
-    for pick in itertools.product(*per_block.values()):
-        taken = [c for c in pick if c is not None]
-        if sum(c.freed for c in taken) >= need:
-            best = min(best, sum(max(c.seconds, 1e-12) for c in taken))
+    for pick in itertools.product((False, True), repeat=len(ways)):
+        taken = [j for j, t in enumerate(pick) if t]
+        values = [v for j in taken for v in ways[j].values]
+        if len(values) == len(set(values)) and np.all(freed[:, taken].sum(axis=1) >= excess):
+            best = min(best, sum(max(ways[j].seconds, 1e-12) for j in taken))
     return best
 
 
-def test_the_program_takes_the_least_time_that_frees_enough(boxed: ir.Graph) -> None:
+def test_the_program_takes_the_least_time_that_covers_every_point(boxed: ir.Graph) -> None:
+    """At each budget, the program's pick frees the excess at every over-budget point of the schedule
+    in least time: what enumerating every subset of a dozen ways (each block's recomputes, the
+    largest offloads) finds."""
     options = choices(boxed, None)
-    assert {c.how for c in options} == {"pointwise", "full", "offload", "full+offload"}
+    assert {c.how for c in options} == {"pointwise", "full", "offload"}
     assert {c.block for c in options} == {"", "layers.0", "layers.1"}  # NOTE: "": the logits, the loss
-    most = sum(max(c.freed for c in options if c.block == b) for b in {c.block for c in options})
-    for share in (0.05, 0.3, 0.6, 0.95):
-        need = int(share * most)
-        picked = _cheapest(options, need)
+    ways = [c for c in options if not c.offloads]
+    ways += sorted((c for c in options if c.offloads), key=lambda c: -c.freed)[:8]
+    est = rank_memory(boxed)
+    found, rows = 0, 0
+    for share in (0.95, 0.8, 0.6, 0.4):
+        freed, excess = freed_at(boxed, est, int(share * est.peak), ways)
+        rows = max(rows, len(excess))
+        picked = cheapest(ways, freed, excess)
+        best = _brute(ways, freed, excess)
+        if best == float("inf"):
+            assert picked is None
+            continue
         assert picked is not None
-        assert len({c.block for c in picked}) == len(picked)
-        assert sum(c.freed for c in picked) >= need
-        assert sum(max(c.seconds, 1e-12) for c in picked) == pytest.approx(_brute(options, need), rel=1e-6)
-    assert _cheapest(options, most + 1) is None
+        found += 1
+        assert sum(max(ways[j].seconds, 1e-12) for j in picked) == pytest.approx(best, rel=1e-6)
+    assert found >= 2 and rows > 1  # NOTE: the excess differs along the schedule: more than one row
+
+
+def test_a_recompute_counts_what_it_makes_the_backward_hold() -> None:
+    """Recomputing a block's pointwise ops frees their results but makes the backward hold the GEMM
+    outputs they are recomputed from (here it raises the peak): with both counted, the program's
+    rows predict the peak the liveness estimate shows once it is carried out, within 6% and closer
+    than counting only what it frees."""
+    torch.manual_seed(0)
+    net, (ids, _) = build_bench(Config(layers=2, hidden=64, batch=4, seq=64, intermediate=176, vocab=256))
+    opts = CompileOptions.of(mesh="dp=1", plan="ddp", pipeline="cleanup,moe-fold,sharding,boxing,bucket")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = compile_model(net, (ids, ids), opts).graph
+    est = rank_memory(graph)
+    pointwise = [c for c in choices(graph, None) if c.how == "pointwise"]
+    assert pointwise and all(c.adds for c in pointwise)
+    for c in pointwise:
+        real = rank_memory(carry_out(graph, (c,)).graph).peak
+        assert real > est.peak
+        predicted = []
+        for way in (c, replace(c, adds=frozenset())):
+            freed, excess = freed_at(graph, est, 0, [way])  # NOTE: every point is over a zero budget
+            predicted.append(float(np.max(excess - freed[:, 0])))
+        # NOTE: what it adds: 3-5% under; without: 9-13% under (the recompute's own temporaries are
+        # not counted)
+        assert abs(predicted[0] - real) <= 0.06 * real, (c.label, predicted, real)
+        assert abs(predicted[0] - real) < 0.6 * abs(predicted[1] - real), (c.label, predicted, real)
 
 
 def test_prices_decide_between_recompute_and_offload(boxed: ir.Graph) -> None:
