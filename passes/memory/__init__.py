@@ -10,10 +10,11 @@ Policies (``memory{policy=...}`` or ``parallelize(..., memory="...")``):
   draw) is always kept.
 * ``offload``: every saved activation goes to the host tier after its last forward use and comes
   back before its first backward use (``offload``; ``backends/offload.py`` lowers the pair).
-* a byte budget (``memory{budget=6GiB}``, ``memory="6GiB"``): per block, keep, recompute its
-  pointwise ops, recompute it whole, or offload it, whichever choices bring the predicted peak of
-  one rank (``passes.cost.memory``: parameters, gradients, optimizer state, live activations)
-  under the budget in least added time (``budget``: an integer program with exact feedback).
+* a byte budget (``memory{budget=6GiB}``, ``memory="6GiB"``): per block, recompute its pointwise
+  ops or all of it, and per saved activation, offload it, whichever ways bring the predicted
+  memory of one rank (``passes.cost.memory``: parameters, gradients, optimizer state, live
+  activations) under the budget at every point of the schedule in least added time (``budget``,
+  ``rows``: an integer program with exact feedback).
 * ``keep`` (the default without a budget): everything kept.
 
 A budget that the parameter state alone, or the program with every block recomputed, exceeds
