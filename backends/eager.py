@@ -27,9 +27,10 @@ from meshfold.backends.moe import exchange_backward, exchange_forward
 from meshfold.backends.offload import offload, reload
 from meshfold.backends.random import is_random, random_site
 from meshfold.backends.watch import Watch, watch_waits
-from meshfold.ir import Graph, Op, OpDef, Shard, TensorType, Value
+from meshfold.ir import Graph, Op, OpDef, TensorType, Value
 from meshfold.ir.graph import Arg
 from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
+from meshfold.ir.moe import exchange_axes as exchange_axes_of
 from meshfold.ir.ops import OFFLOAD, REDISTRIBUTE, RELOAD, WAIT
 
 
@@ -170,7 +171,7 @@ def _build(
 
 def _watched(g: fx.Graph, last: fx.Node, op: Op, rank: RankContext) -> None:
     """Name ``op`` (and its mesh axes) in the error its collectives raise when a peer is stuck or gone."""
-    axes = [str(op.kwarg("axis"))] if isinstance(op.target, OpDef) else list(_exchange_over(op))
+    axes = [str(op.kwarg("axis"))] if isinstance(op.target, OpDef) else list(exchange_axes_of(op))
     over = " and ".join(f"{a!r} ({rank.size(a)} ranks)" for a in axes if a in rank.mesh.names) or "(none)"
     what = f"{op.describe()} over mesh axis {over}, waited on by rank {rank.coordinate} of {rank.mesh}"
     watch_waits(g, last, what)
@@ -252,21 +253,11 @@ _TIERS = {OFFLOAD: offload, RELOAD: reload}
 """``mem.*``: an activation to the host tier and back (``backends/offload.py``)."""
 
 
-def _exchange_over(op: Op) -> tuple[str, ...]:
-    """Mesh axes over which ``op`` (a routed-experts op) splits tokens and experts alike."""
-    if op.target not in _EXCHANGES:
-        return ()
-    tokens, weights, _ = _EXCHANGES[op.target]
-    t, w = op.operands[tokens].layout, op.operands[weights].layout
-    s0 = Shard(0)
-    return tuple(a for a in t.axes if t.placement(a) == s0 and w.placement(a) == s0)
-
-
 def exchange_axes(graph: Graph) -> list[tuple[str, ...]]:
     """The multi-axis groups lowering ``graph`` needs (see ``RankContext.flat_groups``)."""
     out: list[tuple[str, ...]] = []
     for op in graph.ops:
-        axes = _exchange_over(op)
+        axes = exchange_axes_of(op)
         if len(axes) > 1 and axes not in out and op.args[-1] != "hierarchical":
             out.append(axes)
     return out
@@ -274,7 +265,7 @@ def exchange_axes(graph: Graph) -> list[tuple[str, ...]]:
 
 def _exchange_call(op: Op, rank: RankContext) -> tuple[Any, tuple[Any, ...]] | None:
     """The all-to-all dispatcher's function and its peer description, when ``op`` needs one."""
-    axes = tuple(a for a in rank.mesh.names if a in _exchange_over(op))
+    axes = tuple(a for a in rank.mesh.names if a in exchange_axes_of(op))
     if not axes:
         return None
     _, weights, fn = _EXCHANGES[op.target]

@@ -24,6 +24,11 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from meshfold.ir.graph import Op
+from meshfold.ir.mesh import Mesh
+from meshfold.ir.placement import Shard
+from meshfold.ir.symbolic import size_hint
+
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "silu": F.silu,
     "gelu": F.gelu,
@@ -81,19 +86,40 @@ def kept(experts: torch.Tensor, pos: torch.Tensor, weights: torch.Tensor, capaci
     return keep
 
 
+ROWS = 512
+"""Pairs an expert computes at once. Its GEMMs' temporaries (gate, up, their product and, in the
+backward, their gradients) exist for at most this many rows at a time, so the op's working set does
+not grow with the tokens it is given; ``passes.cost.memory`` prices it from this constant."""
+
+
+def _pieces(local: torch.Tensor, e: int) -> tuple[torch.Tensor, ...]:
+    """Pair rows of expert ``e``, in pieces of at most ``ROWS``."""
+    return torch.split(torch.where(local == e)[0], ROWS)
+
+
 def pair_outputs(
-    local: torch.Tensor, x: torch.Tensor, w: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, act: str
+    local: torch.Tensor,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    act: str,
+    tok: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``w * expert(x)`` per (token, choice) pair; ``local`` indexes the given experts' weights."""
-    out = torch.zeros_like(x)
+    """``w * expert(x)`` per (token, choice) pair; ``local`` indexes the given experts' weights.
+    Pair ``i`` reads row ``tok[i]`` of ``x`` and adds its result into row ``tok[i]`` of ``out`` (both
+    None: row ``i`` of ``x``, and a new buffer of one row per pair)."""
+    if out is None:
+        out = x.new_zeros((len(local), x.size(1)))
     fn = ACTIVATIONS[act]
     for e in range(w_down.size(0)):
-        rows = torch.where(local == e)[0]
-        if rows.numel() == 0:
-            continue
-        xe = x[rows]
-        o = (fn(xe @ w_gate_up[e, 0].t()) * (xe @ w_gate_up[e, 1].t())) @ w_down[e].t()
-        out[rows] = (o * w[rows, None]).to(out.dtype)
+        for rows in _pieces(local, e):
+            at = rows if tok is None else tok[rows]
+            xe = x[at]
+            o = (fn(xe @ w_gate_up[e, 0].t()) * (xe @ w_gate_up[e, 1].t())) @ w_down[e].t()
+            out.index_add_(0, at, (o * w[rows, None]).to(out.dtype))
+            del xe, o  # NOTE: one piece's temporaries at a time
     return out
 
 
@@ -105,30 +131,35 @@ def pair_grads(
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     act: str,
+    tok: torch.Tensor | None = None,
+    dx: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of :func:`pair_outputs` given each pair's incoming ``dy``: per pair d_x and d_w,
-    and the given experts' d_gate_up and d_down (summed over their pairs)."""
-    dx, dw = torch.zeros_like(x), torch.zeros_like(w)
+    """Gradients of :func:`pair_outputs` given each pair's incoming ``dy``: per pair d_w, d_x (added
+    into row ``tok[i]`` of ``dx``, as ``pair_outputs`` reads ``x``), and the given experts'
+    d_gate_up and d_down (summed over their pairs)."""
+    if dx is None:
+        dx = x.new_zeros((len(local), x.size(1)))
+    dw = torch.zeros_like(w)
     d_gate_up, d_down = torch.zeros_like(w_gate_up), torch.zeros_like(w_down)
     fn = ACTIVATIONS[act]
     for e in range(w_down.size(0)):
-        rows = torch.where(local == e)[0]
-        if rows.numel() == 0:
-            continue
-        xe, dye = x[rows], dy[rows]
         wg, wu = w_gate_up[e, 0], w_gate_up[e, 1]
-        g, u = xe @ wg.t(), xe @ wu.t()
-        a = fn(g)
-        z = a * u
-        o = z @ w_down[e].t()
-        dw[rows] = (dye * o).sum(-1).to(dw.dtype)
-        do = dye * w[rows, None].to(dye.dtype)
-        d_down[e] = do.t() @ z
-        dz = do @ w_down[e]
-        dg, du = _act_backward(act, dz * u, g), dz * a
-        d_gate_up[e, 0] = dg.t() @ xe
-        d_gate_up[e, 1] = du.t() @ xe
-        dx[rows] = dg @ wg + du @ wu
+        for rows in _pieces(local, e):
+            at = rows if tok is None else tok[rows]
+            xe, dye = x[at], dy[at]
+            g, u = xe @ wg.t(), xe @ wu.t()
+            a = fn(g)
+            z = a * u
+            o = z @ w_down[e].t()
+            dw[rows] = (dye * o).sum(-1).to(dw.dtype)
+            do = dye * w[rows, None].to(dye.dtype)
+            d_down[e] += do.t() @ z
+            dz = do @ w_down[e]
+            dg, du = _act_backward(act, dz * u, g), dz * a
+            d_gate_up[e, 0] += dg.t() @ xe
+            d_gate_up[e, 1] += du.t() @ xe
+            dx.index_add_(0, at, dg @ wg + du @ wu)
+            del xe, dye, g, u, a, z, o, do, dz, dg, du  # NOTE: one piece's temporaries at a time
     return dx, dw, d_gate_up, d_down
 
 
@@ -158,8 +189,8 @@ def experts_range(
     """The experts' output for experts ``[lo, lo + len(w_down))`` (the weights given), zero elsewhere.
     ``capacity`` (0: dropless) is judged over every token given, as on one device."""
     tok, slot, local = _my_pairs(lo, idx, weights, w_down.size(0), capacity, policy)
-    y = pair_outputs(local, hidden[tok], weights[tok, slot], w_gate_up, w_down, act)
-    return torch.zeros_like(hidden).index_add_(0, tok, y)
+    w = weights[tok, slot]
+    return pair_outputs(local, hidden, w, w_gate_up, w_down, act, tok=tok, out=torch.zeros_like(hidden))
 
 
 def experts_range_backward(
@@ -177,10 +208,12 @@ def experts_range_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`experts_range` w.r.t. hidden, weights, w_gate_up, w_down (the given experts')."""
     tok, slot, local = _my_pairs(lo, idx, weights, w_down.size(0), capacity, policy)
-    dx, dw, d_gate_up, d_down = pair_grads(local, hidden[tok], weights[tok, slot], grad[tok], w_gate_up, w_down, act)
+    dx = torch.zeros_like(hidden)
     d_weights = torch.zeros_like(weights)
+    w = weights[tok, slot]
+    _, dw, d_gate_up, d_down = pair_grads(local, hidden, w, grad, w_gate_up, w_down, act, tok=tok, dx=dx)
     d_weights[tok, slot] = dw
-    return torch.zeros_like(hidden).index_add_(0, tok, dx), d_weights, d_gate_up, d_down
+    return dx, d_weights, d_gate_up, d_down
 
 
 # NOTE: the ops' non-tensor arguments, after the five tensors: activation, per-expert capacity
@@ -293,3 +326,45 @@ def experts(
     )
     assert isinstance(out, torch.Tensor)
     return out
+
+
+def exchange_axes(op: Op) -> tuple[str, ...]:
+    """Mesh axes over which a routed-experts op (forward or backward) splits its tokens and its
+    experts alike: its lowering exchanges tokens over them (the all-to-all dispatcher). Other ops: ()."""
+    at = _TOKENS_AND_WEIGHTS.get(op.target)
+    if at is None:
+        return ()
+    t, w = op.operands[at[0]].layout, op.operands[at[1]].layout
+    return tuple(a for a in t.axes if t.placement(a) == Shard(0) and w.placement(a) == Shard(0))
+
+
+def working_set(op: Op, mesh: Mesh) -> int:
+    """Bytes a routed-experts op holds on one rank while it runs, beyond its operands and results:
+    its pairs' indices and weights, and one piece (``ROWS`` pairs) of one expert's temporaries, with
+    the tokens spread evenly over the experts. Over exchange axes, also the buffers of pairs that
+    travel (derived from ``backends/moe.py``'s sends and receives). On the ranged lowering this is
+    the allocator's peak within a few KiB (``tests/unit/test_moe_ops.py``)."""
+    tokens_at, weights_at = _TOKENS_AND_WEIGHTS[op.target]
+    hidden, idx, w_down = op.operands[tokens_at], op.operands[tokens_at + 1], op.operands[weights_at + 1]
+    shapes = [v.layout.local_shape(v.type.shape, mesh) for v in (hidden, idx, w_down)]  # type: ignore[union-attr]
+    (t, h), (_, k), (mine, _, i) = ([int(size_hint(d)) for d in s] for s in shapes)
+    experts = int(size_hint(w_down.type.shape[0]))  # type: ignore[union-attr]
+    s = hidden.type.dtype.itemsize  # type: ignore[union-attr]
+    n = math.prod(mesh.size(a) for a in exchange_axes(op))
+    pairs = math.ceil(t * k * mine / experts) * n
+    per_expert = math.ceil(pairs / max(mine, 1))
+    rows = min(ROWS, per_expert)
+    # NOTE: tok, slot, local (int64) and each pair's weight; an expert's row list and one piece's
+    ind = 3 * 8 * pairs + s * pairs + 8 * per_expert + 8 * rows
+    if op.target == EXPERTS:
+        piece = s * rows * h + max(3 * s * rows * i, s * rows * (i + h), 2 * s * rows * h)
+        travel = 16 * pairs + s * pairs * (h + 1) + 2 * s * pairs * h
+    else:
+        ind += s * pairs  # NOTE: each pair's weight gradient
+        piece = s * rows * (7 * h + 7 * i)
+        travel = 16 * pairs + s * pairs * (2 * h + 1) + 2 * s * pairs * (h + 1)
+    return ind + piece + (travel if n > 1 else 0)
+
+
+_TOKENS_AND_WEIGHTS: dict[object, tuple[int, int]] = {EXPERTS: (0, 3), EXPERTS_BACKWARD: (1, 4)}
+"""Operand positions of the tokens (hidden) and of ``w_gate_up`` in each routed-experts op."""

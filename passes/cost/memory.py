@@ -23,9 +23,12 @@ type divided over the mesh axes that shard it) and mirrors how the program is ex
   output at its end (NCCL writes the output directly). Without this, offloaded programs on 4 CPU
   ranks measured up to 38% over.
 
-Kernel-internal workspaces are not modelled. The peak is over forward and backward; the optimizer
-step's own temporaries come after it. Imports ``ir`` (and hence torch), so ``passes.cost`` does not
-re-export it: the planner stays torch-free.
+* a routed-experts op (``ir.moe``) also holds its working set while it runs (``ir.moe.working_set``:
+  its pairs' indices and one piece of one expert's temporaries); other kernels' internal
+  workspaces are not modelled.
+
+The peak is over forward and backward; the optimizer step's own temporaries come after it. Imports
+``ir`` (and hence torch), so ``passes.cost`` does not re-export it: the planner stays torch-free.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from dataclasses import dataclass
 from meshfold.ir import Graph, Mesh, Op, OpDef, Value, is_view
 from meshfold.ir.asynchrony import starts
 from meshfold.ir.graph import local_nbytes
+from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, working_set
 from meshfold.ir.ops import (
     ALL_GATHER,
     ALL_GATHER_BUCKET,
@@ -102,7 +106,9 @@ def rank_memory(graph: Graph, optimizer_states: int = 2, *, cluster: Cluster | N
         if k == tangents_at:
             live += sum(size[i.value] for i in graph.inputs if i.kind == "tangent")
         new = {root[r] for r in op.results if root[r] is r and r not in resident}
-        dying = {root[u] for u in op.operands} - resident - new
+        # NOTE: a wait also ends its start's operands that the call was handed as they are
+        used = (*op.operands, *(_handed(waits[op]) if op in waits else ()))
+        dying = {root[u] for u in used} - resident - new
         dying = {r for r in dying if end.get(r) == k}
         made, freed = sum(size[r] for r in new), sum(size[r] for r in dying)
         stages = _stages(op, size, mesh, gloo) or ((made, True),)
@@ -188,6 +194,8 @@ def _stages(op: Op, size: dict[Value, int], mesh: Mesh, gloo: bool) -> tuple[tup
     """How a collective's eager lowering allocates, as steps of (bytes it holds beyond what was live
     before it, whether its operands are still alive then): the contiguous copy of a non-leading dim,
     the gathered or flat buffers, then the results. Empty for ops that just make their results."""
+    if op.target in (EXPERTS, EXPERTS_BACKWARD):
+        return ((sum(size[r] for r in op.results) + working_set(op, mesh), True),)
     if not isinstance(op.target, OpDef) or not op.operands:
         return ()
     axis = op.kwarg("axis")

@@ -40,7 +40,12 @@ def _reference(hidden, idx, weights, gate_up, down):  # type: ignore[no-untyped-
 
 
 def test_op_equals_token_by_token_reference_with_gradients() -> None:
-    args = [a.requires_grad_(a.is_floating_point()) for a in _inputs()]
+    _equals_reference(_inputs())
+
+
+def _equals_reference(inputs: tuple[torch.Tensor, ...]) -> None:
+    """The op and the token-by-token reference agree in output and every gradient."""
+    args = [a.requires_grad_(a.is_floating_point()) for a in inputs]
     got, want = experts(*args), _reference(*args)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     seed = torch.randn(T, H)
@@ -159,3 +164,50 @@ def test_an_activation_named_nowhere_is_read_off_the_function() -> None:
     assert _act_of(torch.nn.functional.silu) == "silu"
     assert _act_of(nn.GELU(approximate="tanh")) == "gelu_tanh" and _act_of(nn.GELU()) == "gelu"
     assert _act_of(torch.tanh) is None and _act_of(None) is None
+
+
+def test_pieces_of_an_expert_equal_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Experts computed a few rows at a time (``ROWS`` 3, so every expert here takes several pieces
+    and the weight gradients sum over them): forward and every gradient as the token-by-token reference."""
+    from meshfold.ir import moe
+
+    monkeypatch.setattr(moe, "ROWS", 3)
+    _equals_reference(_inputs(1))
+
+
+@pytest.mark.parametrize(("tokens", "hidden", "inter", "n", "k"), [(4096, 64, 96, 4, 2), (1024, 256, 128, 8, 4)])
+def test_working_set_is_what_the_allocator_holds(tokens: int, hidden: int, inter: int, n: int, k: int) -> None:
+    """``ir.moe.working_set`` plus the op's results against the CPU allocator's own peak while the
+    forward and the backward op run (more pairs per expert than ``ROWS``, so in pieces): within 1%."""
+    from meshfold.ir.graph import local_nbytes
+    from meshfold.ir.moe import EXPERTS_BACKWARD, experts_range_backward, working_set
+    from meshfold.tools.measure import peak_new_bytes
+
+    grads = f"f32[{tokens}, {hidden}], f32[{tokens}, {k}], f32[{n}, 2, {inter}, {hidden}], f32[{n}, {hidden}, {inter}]"
+    text = f"""graph @moe {{
+  param %gu : f32[{n}, 2, {inter}, {hidden}]
+  param %wd : f32[{n}, {hidden}, {inter}]
+  input %x : f32[{tokens}, {hidden}]
+  input %idx : i64[{tokens}, {k}]
+  input %w : f32[{tokens}, {k}]
+  input %gy : f32[{tokens}, {hidden}]
+  %e = meshfold.moe_experts(%x, %idx, %w, %gu, %wd, "silu", 0, "probs", "any") : f32[{tokens}, {hidden}]  # moe fwd
+  %b.0, %b.1, %b.2, %b.3 = meshfold.moe_experts_backward(%gy, %x, %idx, %w, %gu, %wd, "silu", 0, "probs", "any") \
+: {grads}  # moe bwd
+  output out(0) = %e
+}}
+"""
+    graph = ir.parse(text)
+    mesh = ir.Mesh.of(dp=1)
+    g = torch.Generator().manual_seed(0)
+    x, gy = torch.randn(tokens, hidden, generator=g), torch.randn(tokens, hidden, generator=g)
+    w, idx = torch.randn(tokens, n, generator=g).softmax(-1).topk(k)
+    gu, wd = torch.randn(n, 2, inter, hidden, generator=g), torch.randn(n, hidden, inter, generator=g)
+    measured = [
+        peak_new_bytes(lambda: experts_range(0, x, idx, w, gu, wd, "silu")),
+        peak_new_bytes(lambda: experts_range_backward(0, gy, x, idx, w, gu, wd, "silu")),
+    ]
+    ops = [op for op in graph.ops if op.target in (EXPERTS, EXPERTS_BACKWARD)]
+    for op, got in zip(ops, measured, strict=True):
+        want = working_set(op, mesh) + sum(local_nbytes(r, mesh) for r in op.results)
+        assert abs(want - got) <= 0.01 * got, (op.describe(), want, got)
