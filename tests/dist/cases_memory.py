@@ -11,6 +11,7 @@ import torch
 from meshfold.api import parallelize
 from meshfold.passes.cost.memory import rank_memory
 from meshfold.tools.measure import allocator_accounting, peak_new_bytes, storage_bytes
+from meshfold.tools.zoo import build
 from meshfold.tools.zoo.models import LlamaTiny
 from tests.dist.pool import device_mesh
 
@@ -20,22 +21,25 @@ def step_memory(
     shape: tuple[int, ...],
     names: tuple[str, ...],
     plan: str,
-    hidden: int,
-    batch: int,
-    seq: int,
+    hidden: int = 64,
+    batch: int = 8,
+    seq: int = 64,
     memory: int | str | None = None,
+    model: str | None = None,
 ) -> dict[str, Any]:
-    """Compile a Llama-style model, take one AdamW step (so the optimizer state exists), then measure
-    the next step's forward + backward: resident bytes (parameters, buffers, optimizer state) plus
-    the allocator's peak on top of them. Returns measured and estimated figures on this rank."""
+    """Compile a model, take one AdamW step (so the optimizer state exists), then measure the next
+    step's forward + backward: resident bytes (parameters, buffers, optimizer state) plus the
+    allocator's peak on top of them. Returns measured and estimated figures on this rank.
+
+    ``model``: None for a Llama-style model of width ``hidden``; else a zoo language model's name or
+    ``"hf:<arch>"`` for one of ``tests.dist.hf_models``; each on ``batch`` x ``seq`` tokens."""
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     mesh = device_mesh(tuple(shape), tuple(names))
-    net = LlamaTiny(vocab=256, hidden=hidden, intermediate=2 * hidden)
-    ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(1))
-    pm = parallelize(net, mesh, (ids, ids), plan=plan, memory=memory)
+    net, (ids, labels) = _language_model(model, hidden, batch, seq)
+    pm = parallelize(net, mesh, (ids, labels), plan=plan, memory=memory)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
-    pm(ids, ids).backward()
+    pm(ids, labels).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     params = [p for p in pm.parameters()]
@@ -44,7 +48,7 @@ def step_memory(
     kept: list[torch.Tensor] = []
 
     def step() -> None:
-        loss = pm(ids, ids)
+        loss = pm(ids, labels)
         loss.backward()
         kept.append(loss)
 
@@ -57,3 +61,19 @@ def step_memory(
         "resident_estimated": est.resident,
         "peak_at": est.peak_at,
     }
+
+
+def _language_model(
+    model: str | None, hidden: int, batch: int, seq: int
+) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """The model ``step_memory`` measures and its (ids, labels) of ``batch`` x ``seq`` tokens."""
+    if model is None:
+        ids = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(1))
+        return LlamaTiny(vocab=256, hidden=hidden, intermediate=2 * hidden), (ids, ids)
+    if model.startswith("hf:"):
+        from tests.dist.hf_models import build_hf
+
+        return build_hf(model.removeprefix("hf:"), 2, batch, seq)
+    from tests.dist.cases import token_inputs
+
+    return build(model)[0], token_inputs((batch, seq))

@@ -7,13 +7,13 @@ import warnings
 
 import pytest
 
+from meshfold.passes.base import PassFailure
 from meshfold.passes.cost.memory import rank_memory
 from meshfold.session import CompileOptions, compile_model
 from meshfold.tools.zoo import build
 from tests.dist.cases import mlp_recomputed_attention_offloaded, token_inputs
 from tests.dist.conftest import RankPools
 from tests.dist.hf_models import build_hf
-
 
 CASES = [
     ("llama-tiny", "full"),
@@ -109,7 +109,12 @@ def test_a_budgeted_program_equals_single_device(rank_pools: RankPools) -> None:
         peaks.append(est.peak)
     budget = sum(peaks) // 2
     rank_pools.get(4).run(
-        "tests.dist.cases:equivalence", model="llama-tiny", shape=(2, 2), names=("dp", "tp"), plan="fsdp+tp", memory=budget
+        "tests.dist.cases:equivalence",
+        model="llama-tiny",
+        shape=(2, 2),
+        names=("dp", "tp"),
+        plan="fsdp+tp",
+        memory=budget,
     )
 
 
@@ -119,8 +124,13 @@ FSDP_TP = dict(mesh="dp=2,tp=2", plan="fsdp+tp")
 BUDGETED = {"llama-tiny": (32, 64), "mixtral-tiny": (64, 64), "qwen2": (32, 64)}
 
 
-@pytest.mark.parametrize("fraction", [0.7, 0.5, 0.3])
-@pytest.mark.parametrize("model", sorted(BUDGETED))
+# NOTE: mixtral-tiny's floor: with every block recomputed or offloaded, the routed experts' backward
+# still holds one piece of one expert's temporaries (ir.moe.ROWS rows) beside the parameter state:
+# 30% of its keep peak is below what any choice reaches, and is refused (below)
+FRACTIONS = [(m, f) for m in sorted(BUDGETED) for f in (0.7, 0.5, 0.3) if (m, f) != ("mixtral-tiny", 0.3)]
+
+
+@pytest.mark.parametrize(("model", "fraction"), FRACTIONS, ids=[f"{f}-{m}" for m, f in FRACTIONS])
 def test_budgets_equal_single_device(rank_pools: RankPools, model: str, fraction: float) -> None:
     """A budget at 70, 50 and 30% of the keep-everything program's predicted peak per rank: the
     memory pass meets it (recomputing or offloading, whichever its time model prices lower), and the
@@ -140,7 +150,6 @@ def test_budgets_equal_single_device(rank_pools: RankPools, model: str, fraction
         rank_pools.get(4).run("tests.dist.cases:hf_equivalence", arch=model, **where)
     else:
         rank_pools.get(4).run("tests.dist.cases:equivalence", model=model, steps=1, **where)
-
 
 
 def test_an_auto_plan_under_a_budget_equals_single_device(rank_pools: RankPools) -> None:
@@ -169,3 +178,48 @@ def test_an_auto_plan_under_a_budget_equals_single_device(rank_pools: RankPools)
     assert all(r["report"] == report for r in results)
     assert report[-1].startswith("memory: policy auto under a budget of "), report
     assert "recomputed" in report[-1] or "offloaded" in report[-1], report
+
+
+REFUSED = (
+    r"memory budget .* cannot be met: with every block recomputed or offloaded the predicted peak is .* over;"
+    r" the largest parameter on a rank: layers\.\d\.block_sparse_moe"
+)
+
+
+def test_a_budget_below_every_choice_is_refused_before_anything_runs() -> None:
+    """30% of mixtral-tiny's keep peak: no way to free memory reaches it (the experts' backward holds
+    its working set whatever is recomputed), so compiling fails, naming the budget, the lowest
+    predicted peak and the largest parameter, before any rank runs anything."""
+    net, inputs = build("mixtral-tiny")[0], token_inputs(BUDGETED["mixtral-tiny"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        keep = rank_memory(compile_model(net, inputs, CompileOptions.of(**FSDP_TP)).graph).peak
+        with pytest.raises(PassFailure, match=REFUSED):
+            compile_model(net, inputs, CompileOptions.of(**FSDP_TP, memory=int(0.3 * keep)))
+
+
+# NOTE: (model, tokens) measured beside llama-tiny above: a Mixtral-style model and an HF model
+MEASURED = [("mixtral-tiny", BUDGETED["mixtral-tiny"]), ("hf:qwen2", BUDGETED["qwen2"])]
+
+
+@pytest.mark.parametrize(("model", "tokens"), MEASURED, ids=[m for m, _ in MEASURED])
+def test_every_policy_measures_as_predicted(rank_pools: RankPools, model: str, tokens: tuple[int, int]) -> None:
+    """Every recompute policy (selective, kv, full) and budgets at 70 and 50% of the keep peak (30% too
+    where it can be met) on 4 ranks: each rank's measured peak within 10% of its prediction, and each
+    budget's prediction at most the budget."""
+    pool = rank_pools.get(4)
+    where = dict(shape=(2, 2), names=("dp", "tp"), plan="fsdp+tp", batch=tokens[0], seq=tokens[1], model=model)
+    keep = pool.run("tests.dist.cases_memory:step_memory", **where)
+    peak = max(r["estimated"] for r in keep)
+    runs: list[tuple[object, list[dict[str, int]]]] = [(None, keep)]
+    fractions = (0.7, 0.5) if model == "mixtral-tiny" else (0.7, 0.5, 0.3)
+    # NOTE: offload-only is left out here: its peak moves with when gloo's threads drop the buffers
+    # they copied (3.8-4.3 MiB against 4.2 predicted on Qwen2); llama-tiny's test above measures it
+    for memory in ("selective", "kv", "full", *(int(f * peak) for f in fractions)):
+        runs.append((memory, pool.run("tests.dist.cases_memory:step_memory", memory=memory, **where)))
+    for memory, results in runs:
+        for rank, r in enumerate(results):
+            err = abs(r["estimated"] - r["measured"]) / r["measured"]
+            assert err <= 0.10, f"{memory}, rank {rank}: estimate {r['estimated']} vs measured {r['measured']}"
+            if isinstance(memory, int):
+                assert r["estimated"] <= memory, (memory, rank, r)
