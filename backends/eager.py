@@ -29,7 +29,7 @@ from meshfold.backends.random import is_random, random_site
 from meshfold.backends.watch import Watch, watch_waits
 from meshfold.ir import Graph, Op, OpDef, TensorType, Value
 from meshfold.ir.graph import Arg
-from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
+from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, TOKENS_AND_WEIGHTS
 from meshfold.ir.moe import exchange_axes as exchange_axes_of
 from meshfold.ir.ops import OFFLOAD, REDISTRIBUTE, RELOAD, WAIT
 
@@ -247,8 +247,8 @@ def _returns_sequence(op: Op) -> bool:
     return len(rets) != 1 or str(rets[0].type).startswith("List")
 
 
-# NOTE: (tokens operand, expert-weight operand) of the ops that exchange tokens themselves.
-_EXCHANGES = {EXPERTS: (0, 3, exchange_forward), EXPERTS_BACKWARD: (1, 4, exchange_backward)}
+# NOTE: the ops that exchange tokens themselves (their operands: ``ir.moe.TOKENS_AND_WEIGHTS``).
+_EXCHANGES = {EXPERTS: exchange_forward, EXPERTS_BACKWARD: exchange_backward}
 _TIERS = {OFFLOAD: offload, RELOAD: reload}
 """``mem.*``: an activation to the host tier and back (``backends/offload.py``)."""
 
@@ -268,7 +268,8 @@ def _exchange_call(op: Op, rank: RankContext) -> tuple[Any, tuple[Any, ...]] | N
     axes = tuple(a for a in rank.mesh.names if a in exchange_axes_of(op))
     if not axes:
         return None
-    _, weights, fn = _EXCHANGES[op.target]
+    fn = _EXCHANGES[op.target]
+    _, weights = TOKENS_AND_WEIGHTS[op.target]
     w = op.operands[weights]
     assert isinstance(w.type, TensorType)
     coords = [rank.coordinate]

@@ -331,7 +331,7 @@ def experts(
 def exchange_axes(op: Op) -> tuple[str, ...]:
     """Mesh axes over which a routed-experts op (forward or backward) splits its tokens and its
     experts alike: its lowering exchanges tokens over them (the all-to-all dispatcher). Other ops: ()."""
-    at = _TOKENS_AND_WEIGHTS.get(op.target)
+    at = TOKENS_AND_WEIGHTS.get(op.target)
     if at is None:
         return ()
     t, w = op.operands[at[0]].layout, op.operands[at[1]].layout
@@ -344,7 +344,7 @@ def working_set(op: Op, mesh: Mesh) -> int:
     the tokens spread evenly over the experts. Over exchange axes, also the buffers of pairs that
     travel (derived from ``backends/moe.py``'s sends and receives). On the ranged lowering this is
     the allocator's peak within a few KiB (``tests/unit/test_moe_ops.py``)."""
-    tokens_at, weights_at = _TOKENS_AND_WEIGHTS[op.target]
+    tokens_at, weights_at = TOKENS_AND_WEIGHTS[op.target]
     hidden, idx, w_down = op.operands[tokens_at], op.operands[tokens_at + 1], op.operands[weights_at + 1]
     shapes = [v.layout.local_shape(v.type.shape, mesh) for v in (hidden, idx, w_down)]  # type: ignore[union-attr]
     (t, h), (_, k), (mine, _, i) = ([int(size_hint(d)) for d in s] for s in shapes)
@@ -366,5 +366,5 @@ def working_set(op: Op, mesh: Mesh) -> int:
     return ind + piece + (travel if n > 1 else 0)
 
 
-_TOKENS_AND_WEIGHTS: dict[object, tuple[int, int]] = {EXPERTS: (0, 3), EXPERTS_BACKWARD: (1, 4)}
+TOKENS_AND_WEIGHTS: dict[object, tuple[int, int]] = {EXPERTS: (0, 3), EXPERTS_BACKWARD: (1, 4)}
 """Operand positions of the tokens (hidden) and of ``w_gate_up`` in each routed-experts op."""
