@@ -181,11 +181,12 @@ def exchange_forward(
     capacity: int = 0,
     policy: str = "probs",
     dispatcher: str = "alltoall",
+    rows: int = 0,
 ) -> torch.Tensor:
     """``moe_experts`` on this rank's tokens, its experts computed for the whole group's tokens.
     ``stages``/``me``/``los``/``size`` describe the peers (see :class:`Peers`)."""
     r = _route(Peers(tuple(stages), me, tuple(los), size), idx, weights, hidden, capacity, policy)
-    y = pair_outputs(r.local, r.floats, r.weights, w_gate_up, w_down, act)
+    y = pair_outputs(r.local, r.floats, r.weights, w_gate_up, w_down, act, rows=rows)
     return torch.zeros_like(hidden).index_add_(0, r.tok, r.back(y))
 
 
@@ -204,12 +205,15 @@ def exchange_backward(
     capacity: int = 0,
     policy: str = "probs",
     dispatcher: str = "alltoall",
+    rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`exchange_forward`: hidden and weights for this rank's tokens, the expert
     weights' for its own experts."""
     h = hidden.size(1)
     r = _route(Peers(tuple(stages), me, tuple(los), size), idx, weights, torch.cat((hidden, grad), 1), capacity, policy)
-    dx, dw, d_gate_up, d_down = pair_grads(r.local, r.floats[:, :h], r.weights, r.floats[:, h:], w_gate_up, w_down, act)
+    dx, dw, d_gate_up, d_down = pair_grads(
+        r.local, r.floats[:, :h], r.weights, r.floats[:, h:], w_gate_up, w_down, act, rows=rows
+    )
     back = r.back(torch.cat((dx, dw[:, None].to(dx.dtype)), dim=1))
     d_weights = torch.zeros_like(weights)
     d_weights[r.tok, r.slot] = back[:, h].to(d_weights.dtype)

@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
-from meshfold.ir.graph import Op
+from meshfold.ir.graph import Op, local_nbytes
 from meshfold.ir.mesh import Mesh
 from meshfold.ir.placement import Shard
 from meshfold.ir.symbolic import size_hint
@@ -92,9 +94,22 @@ backward, their gradients) exist for at most this many rows at a time, so the op
 not grow with the tokens it is given; ``passes.cost.memory`` prices it from this constant."""
 
 
-def _pieces(local: torch.Tensor, e: int) -> tuple[torch.Tensor, ...]:
-    """Pair rows of expert ``e``, in pieces of at most ``ROWS``."""
-    return torch.split(torch.where(local == e)[0], ROWS)
+def _pieces(local: torch.Tensor, e: int, rows: int) -> tuple[torch.Tensor, ...]:
+    """Pair rows of expert ``e``, in pieces of at most ``rows`` (0: ``ROWS``)."""
+    return torch.split(torch.where(local == e)[0], rows or ROWS)
+
+
+def piece_rows(op: Op) -> int:
+    """The pairs a routed-experts op computes at once: its ``rows`` keyword (the memory pass sets
+    it to fit a budget), else ``ROWS``."""
+    rows = op.kwarg("rows")
+    return int(rows) if isinstance(rows, int) and rows > 0 else ROWS
+
+
+def with_rows(op: Op, rows: int) -> Op:
+    """``op`` (a routed-experts op) computing ``rows`` pairs at a time; same operands and results."""
+    kwargs = tuple((k, v) for k, v in op.kwargs if k != "rows") + ((("rows", rows),) if rows != ROWS else ())
+    return replace(op, kwargs=kwargs)
 
 
 def pair_outputs(
@@ -106,19 +121,21 @@ def pair_outputs(
     act: str,
     tok: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    rows: int = 0,
 ) -> torch.Tensor:
     """``w * expert(x)`` per (token, choice) pair; ``local`` indexes the given experts' weights.
     Pair ``i`` reads row ``tok[i]`` of ``x`` and adds its result into row ``tok[i]`` of ``out`` (both
-    None: row ``i`` of ``x``, and a new buffer of one row per pair)."""
+    None: row ``i`` of ``x``, and a new buffer of one row per pair), ``rows`` pairs at a time (0:
+    ``ROWS``)."""
     if out is None:
         out = x.new_zeros((len(local), x.size(1)))
     fn = ACTIVATIONS[act]
     for e in range(w_down.size(0)):
-        for rows in _pieces(local, e):
-            at = rows if tok is None else tok[rows]
+        for piece in _pieces(local, e, rows):
+            at = piece if tok is None else tok[piece]
             xe = x[at]
             o = (fn(xe @ w_gate_up[e, 0].t()) * (xe @ w_gate_up[e, 1].t())) @ w_down[e].t()
-            out.index_add_(0, at, (o * w[rows, None]).to(out.dtype))
+            out.index_add_(0, at, (o * w[piece, None]).to(out.dtype))
             del xe, o  # NOTE: one piece's temporaries at a time
     return out
 
@@ -133,6 +150,7 @@ def pair_grads(
     act: str,
     tok: torch.Tensor | None = None,
     dx: torch.Tensor | None = None,
+    rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`pair_outputs` given each pair's incoming ``dy``: per pair d_w, d_x (added
     into row ``tok[i]`` of ``dx``, as ``pair_outputs`` reads ``x``), and the given experts'
@@ -144,15 +162,15 @@ def pair_grads(
     fn = ACTIVATIONS[act]
     for e in range(w_down.size(0)):
         wg, wu = w_gate_up[e, 0], w_gate_up[e, 1]
-        for rows in _pieces(local, e):
-            at = rows if tok is None else tok[rows]
+        for piece in _pieces(local, e, rows):
+            at = piece if tok is None else tok[piece]
             xe, dye = x[at], dy[at]
             g, u = xe @ wg.t(), xe @ wu.t()
             a = fn(g)
             z = a * u
             o = z @ w_down[e].t()
-            dw[rows] = (dye * o).sum(-1).to(dw.dtype)
-            do = dye * w[rows, None].to(dye.dtype)
+            dw[piece] = (dye * o).sum(-1).to(dw.dtype)
+            do = dye * w[piece, None].to(dye.dtype)
             d_down[e] += do.t() @ z
             dz = do @ w_down[e]
             dg, du = _act_backward(act, dz * u, g), dz * a
@@ -185,12 +203,14 @@ def experts_range(
     capacity: int = 0,
     policy: str = "probs",
     dispatcher: str = "any",
+    rows: int = 0,
 ) -> torch.Tensor:
     """The experts' output for experts ``[lo, lo + len(w_down))`` (the weights given), zero elsewhere.
-    ``capacity`` (0: dropless) is judged over every token given, as on one device."""
+    ``capacity`` (0: dropless) is judged over every token given, as on one device; ``rows`` pairs
+    are computed at a time (0: ``ROWS``)."""
     tok, slot, local = _my_pairs(lo, idx, weights, w_down.size(0), capacity, policy)
     w = weights[tok, slot]
-    return pair_outputs(local, hidden, w, w_gate_up, w_down, act, tok=tok, out=torch.zeros_like(hidden))
+    return pair_outputs(local, hidden, w, w_gate_up, w_down, act, tok=tok, out=torch.zeros_like(hidden), rows=rows)
 
 
 def experts_range_backward(
@@ -205,13 +225,14 @@ def experts_range_backward(
     capacity: int = 0,
     policy: str = "probs",
     dispatcher: str = "any",
+    rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of :func:`experts_range` w.r.t. hidden, weights, w_gate_up, w_down (the given experts')."""
     tok, slot, local = _my_pairs(lo, idx, weights, w_down.size(0), capacity, policy)
     dx = torch.zeros_like(hidden)
     d_weights = torch.zeros_like(weights)
     w = weights[tok, slot]
-    _, dw, d_gate_up, d_down = pair_grads(local, hidden, w, grad, w_gate_up, w_down, act, tok=tok, dx=dx)
+    _, dw, d_gate_up, d_down = pair_grads(local, hidden, w, grad, w_gate_up, w_down, act, tok=tok, dx=dx, rows=rows)
     d_weights[tok, slot] = dw
     return dx, d_weights, d_gate_up, d_down
 
@@ -235,10 +256,12 @@ def moe_experts(
     capacity: int,
     policy: str,
     dispatcher: str,
+    rows: int = 0,
 ) -> torch.Tensor:
-    """Routed experts of one MoE layer (see the module docstring)."""
+    """Routed experts of one MoE layer (see the module docstring); ``rows``: pairs computed at a
+    time (0: ``ROWS``), which bounds the working set and never changes the result."""
     _check(hidden, top_k_index, w_gate_up, w_down, act)
-    return experts_range(0, hidden, top_k_index, top_k_weights, w_gate_up, w_down, act, capacity, policy)
+    return experts_range(0, hidden, top_k_index, top_k_weights, w_gate_up, w_down, act, capacity, policy, rows=rows)
 
 
 @moe_experts.register_fake
@@ -250,6 +273,7 @@ def _moe_experts_fake(
     w_down: torch.Tensor,
     act: str,
     *options: object,
+    rows: int = 0,
 ) -> torch.Tensor:
     _check(hidden, top_k_index, w_gate_up, w_down, act)
     return torch.empty_like(hidden)
@@ -267,14 +291,17 @@ def moe_experts_backward(
     capacity: int,
     policy: str,
     dispatcher: str,
+    rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``moe_experts`` w.r.t. hidden, top_k_weights, w_gate_up and w_down."""
-    return experts_range_backward(0, grad, hidden, top_k_index, top_k_weights, w_gate_up, w_down, act, capacity, policy)
+    return experts_range_backward(
+        0, grad, hidden, top_k_index, top_k_weights, w_gate_up, w_down, act, capacity, policy, rows=rows
+    )
 
 
 @moe_experts_backward.register_fake
 def _moe_experts_backward_fake(
-    grad: torch.Tensor, *tensors_and_options: object
+    grad: torch.Tensor, *tensors_and_options: object, rows: int = 0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     hidden, _, weights, w_gate_up, w_down = tensors_and_options[:5]
     assert all(isinstance(t, torch.Tensor) for t in (hidden, weights, w_gate_up, w_down))
@@ -290,8 +317,13 @@ def _setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[object, ...],
 def _backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     hidden, idx, weights, w_gate_up, w_down = ctx.saved_tensors  # type: ignore[attr-defined]
     options = ctx.options  # type: ignore[attr-defined]
-    dh, dw, dgu, dd = torch.ops.meshfold.moe_experts_backward(grad, hidden, idx, weights, w_gate_up, w_down, *options)
-    return dh, None, dw, dgu, dd, None, None, None, None
+    # NOTE: (act, capacity, policy, dispatcher) as given; ``rows`` by keyword and only when set, so a
+    # captured backward reads like its forward
+    rows = {"rows": options[4]} if len(options) > 4 and options[4] else {}
+    dh, dw, dgu, dd = torch.ops.meshfold.moe_experts_backward(
+        grad, hidden, idx, weights, w_gate_up, w_down, *options[:4], **rows
+    )
+    return dh, None, dw, dgu, dd, *(None for _ in options)
 
 
 moe_experts.register_autograd(_backward, setup_context=_setup)
@@ -339,31 +371,87 @@ def exchange_axes(op: Op) -> tuple[str, ...]:
 
 
 def working_set(op: Op, mesh: Mesh) -> int:
-    """Bytes a routed-experts op holds on one rank while it runs, beyond its operands and results:
-    its pairs' indices and weights, and one piece (``ROWS`` pairs) of one expert's temporaries, with
-    the tokens spread evenly over the experts. Over exchange axes, also the buffers of pairs that
-    travel (derived from ``backends/moe.py``'s sends and receives). On the ranged lowering this is
-    the allocator's peak within a few KiB (``tests/unit/test_moe_ops.py``)."""
+    """Bytes a routed-experts op holds on one rank while it runs, beyond its operands and results,
+    with the tokens spread evenly over the experts. Computed in place (``experts_range``): its pairs'
+    indices and weights, and one piece (``piece_rows`` pairs) of one expert's temporaries. Over
+    exchange axes (``backends/moe.py``), the largest of its phases: sending the pairs' rows, computing
+    on what arrived, sending the results back, combining. Both measured against the allocator's peak
+    (``tests/unit/test_moe_ops.py``, ``tests/dist/test_moe_dispatch.py``)."""
+    sh = _share(op, mesh)
+    h, i, s, pairs = sh.hidden, sh.intermediate, sh.itemsize, sh.pairs
+    rows = min(piece_rows(op), sh.per_expert)
+    # NOTE: an expert's row list and one piece's; one piece of one expert's temporaries
+    per = 8 * sh.per_expert + 8 * rows
+    if op.target == EXPERTS:
+        piece = s * rows * h + max(3 * s * rows * i, s * rows * (i + h), 2 * s * rows * h)
+    else:
+        piece = s * rows * (7 * h + 7 * i)
+    if sh.ranks == 1:
+        # NOTE: tok, slot, local (int64) and each pair's weight (and, backward, its weight's gradient)
+        ind = 3 * 8 * pairs + s * pairs * (1 if op.target == EXPERTS else 2)
+        return ind + per + piece
+    return _exchanged(op, sh, per + piece, mesh)
+
+
+def _exchanged(op: Op, sh: _Share, compute: int, mesh: Mesh) -> int:
+    """``working_set`` of the all-to-all lowering: the peak of its phases less its results. ``P``
+    pairs leave and (evenly spread) as many arrive; each travels as one row of floats (the token,
+    with its incoming gradient in the backward, and its weight) and of int64s (expert, position)."""
+    h, s, p, t, k = sh.hidden, sh.itemsize, sh.pairs, sh.tokens, sh.k
+    results = sum(local_nbytes(r, mesh) for r in op.results)
+    width = h + 1 if op.target == EXPERTS else 2 * h + 1
+    # NOTE: kept to the end: tok, slot, the hop's order and each arrived pair's local expert
+    ids = 32 * p
+    # NOTE: sending: the rows (backward: the tokens with their gradients, cat first), owner per pair
+    # and pair lists, the sorted copy and what arrived, the int64 rows and destinations
+    send = (0 if op.target == EXPERTS else 2 * t * h * s) + 8 * t * k + 72 * p + 3 * p * width * s
+    arrived = p * width * s
+    if op.target == EXPERTS:
+        weights = 0
+        made = p * h * s  # NOTE: each pair's output
+    else:
+        weights = results - t * h * s - t * k * s  # NOTE: the expert weights' gradients, made first
+        made = p * (h + 1) * s  # NOTE: each pair's d_x and d_weight
+    computing = arrived + made + ids + compute + weights
+    # NOTE: the results travel back (backward: d_x and d_weight as one row, cat first) into a sorted
+    # copy; the forward has made its output (zeros, then the combine adds into it) before they do
+    back = arrived + ids + (3 * made + results if op.target == EXPERTS else 4 * made + weights)
+    ending = arrived + 2 * made + ids + results
+    return max(send, computing, back, ending) - results
+
+
+def pieces(op: Op, mesh: Mesh, rows: int | None = None) -> int:
+    """Pieces a routed-experts op computes on one rank, ``rows`` pairs each (None: its own
+    ``piece_rows``), with the tokens spread evenly over the experts."""
+    share = _share(op, mesh)
+    return share.experts * math.ceil(share.per_expert / (rows or piece_rows(op)))
+
+
+class _Share(NamedTuple):
+    """One rank's share of a routed-experts op."""
+
+    tokens: int
+    k: int
+    hidden: int
+    intermediate: int
+    itemsize: int
+    ranks: int
+    """Ranks it exchanges tokens with (1: none)."""
+    experts: int
+    pairs: int
+    per_expert: int
+
+
+def _share(op: Op, mesh: Mesh) -> _Share:
     tokens_at, weights_at = TOKENS_AND_WEIGHTS[op.target]
     hidden, idx, w_down = op.operands[tokens_at], op.operands[tokens_at + 1], op.operands[weights_at + 1]
     shapes = [v.layout.local_shape(v.type.shape, mesh) for v in (hidden, idx, w_down)]  # type: ignore[union-attr]
     (t, h), (_, k), (mine, _, i) = ([int(size_hint(d)) for d in s] for s in shapes)
     experts = int(size_hint(w_down.type.shape[0]))  # type: ignore[union-attr]
-    s = hidden.type.dtype.itemsize  # type: ignore[union-attr]
     n = math.prod(mesh.size(a) for a in exchange_axes(op))
     pairs = math.ceil(t * k * mine / experts) * n
-    per_expert = math.ceil(pairs / max(mine, 1))
-    rows = min(ROWS, per_expert)
-    # NOTE: tok, slot, local (int64) and each pair's weight; an expert's row list and one piece's
-    ind = 3 * 8 * pairs + s * pairs + 8 * per_expert + 8 * rows
-    if op.target == EXPERTS:
-        piece = s * rows * h + max(3 * s * rows * i, s * rows * (i + h), 2 * s * rows * h)
-        travel = 16 * pairs + s * pairs * (h + 1) + 2 * s * pairs * h
-    else:
-        ind += s * pairs  # NOTE: each pair's weight gradient
-        piece = s * rows * (7 * h + 7 * i)
-        travel = 16 * pairs + s * pairs * (2 * h + 1) + 2 * s * pairs * (h + 1)
-    return ind + piece + (travel if n > 1 else 0)
+    s = hidden.type.dtype.itemsize  # type: ignore[union-attr]
+    return _Share(t, k, h, i, s, n, mine, pairs, math.ceil(pairs / max(mine, 1)))
 
 
 TOKENS_AND_WEIGHTS: dict[object, tuple[int, int]] = {EXPERTS: (0, 3), EXPERTS_BACKWARD: (1, 4)}

@@ -21,7 +21,9 @@ type divided over the mesh axes that shard it) and mirrors how the program is ex
 * on gloo (CPU ranks: ``cluster`` None, the default, or the catalog's host device) an all-gather
   gathers into a flat buffer the size of its output and copies out of it, so it holds twice its
   output at its end (NCCL writes the output directly). Without this, offloaded programs on 4 CPU
-  ranks measured up to 38% over.
+  ranks measured up to 38% over. An all-to-all is lowered as a gather of every rank's operand, then
+  this rank's chunk: gloo's flat buffer is that whole gather (without it, a router's token
+  exchange measured 1 MiB over on mixtral-tiny's 30% budget).
 
 * a routed-experts op (``ir.moe``) also holds its working set while it runs (``ir.moe.working_set``:
   its pairs' indices and one piece of one expert's temporaries); other kernels' internal
@@ -96,7 +98,7 @@ def rank_memory(graph: Graph, optimizer_states: int = 2, *, cluster: Cluster | N
     root = _alias_roots(graph, schedule)
     resident = {root[i.value] for i in graph.inputs if i.kind in ("param", "buffer")}
     end = _last_uses(graph, schedule, root, waits)
-    staged = {s: _staging(s, size, gloo) for s in waits.values()}
+    staged = {s: _staging(s, size, mesh, gloo) for s in waits.values()}
 
     live = sum(size[i.value] for i in graph.inputs if i.kind not in ("param", "buffer") and i.kind != "tangent")
     tangents_at = next((k for k, op in enumerate(schedule) if op.prov.phase != "fwd"), len(schedule))
@@ -175,19 +177,24 @@ def _handed(op: Op) -> tuple[Value, ...]:
     return ()
 
 
-def _staging(op: Op, size: dict[Value, int], gloo: bool) -> int:
+def _staging(op: Op, size: dict[Value, int], mesh: Mesh, gloo: bool) -> int:
     """Bytes a started collective's lowering copies its operands into (a flat bucket buffer, the
     contiguous copy of a non-leading dim; gloo's flat gather buffer), alive until its wait."""
     if op.target in (ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET):
         return sum(size[u] for u in op.operands)
     dim = op.kwarg("concat_dim", op.kwarg("dim", 0))
-    flat = sum(size[r] for r in op.results) if gloo and _gathers(op) else 0
+    flat = _flat(op, size, mesh) if gloo else 0
     return flat + (sum(size[u] for u in op.operands) if isinstance(dim, int) and dim else 0)
 
 
-def _gathers(op: Op) -> bool:
-    """An all-gather (not the all-reduce a ``max`` gather is lowered to)."""
-    return op.target == ALL_GATHER and op.kwarg("reduce") != "max"
+def _flat(op: Op, size: dict[Value, int], mesh: Mesh) -> int:
+    """gloo's flat buffer for a collective its lowering makes an all-gather (an all-gather, and an
+    all-to-all: a gather then this rank's chunk): what it gathers, every rank's operand. 0 for others."""
+    if op.target == ALL_GATHER and op.kwarg("reduce") != "max":
+        return sum(size[r] for r in op.results)
+    if op.target == ALL_TO_ALL:
+        return mesh.size(str(op.kwarg("axis"))) * sum(size[u] for u in op.operands)
+    return 0
 
 
 def _stages(op: Op, size: dict[Value, int], mesh: Mesh, gloo: bool) -> tuple[tuple[int, bool], ...]:
@@ -209,16 +216,16 @@ def _stages(op: Op, size: dict[Value, int], mesh: Mesh, gloo: bool) -> tuple[tup
             return ((src, True), (src + out, False))
         if int(op.kwarg("dim")):  # type: ignore[arg-type]
             return ((src, True), (src + out, False), (2 * out, False))
-        if gloo and _gathers(op):
-            return ((out, True), (2 * out, True))
+        if gloo and op.target == ALL_GATHER:
+            return ((out, True), (out + _flat(op, size, mesh), True))
         return ((out, True), (2 * out, False)) if avg else ((out, True),)
     if op.target == ALL_REDUCE:
         return ((out, True), (2 * out, False)) if avg else ((out, True),)
-    if op.target == ALL_TO_ALL:
-        full = src * n
+    if op.target == ALL_TO_ALL:  # NOTE: lowered as a gather, then this rank's chunk
+        full, flat = src * n, _flat(op, size, mesh) if gloo else 0
         if int(op.kwarg("concat_dim")):  # type: ignore[arg-type]
-            return ((src, True), (src + full, False), (2 * full, False), (full + out, False))
-        return ((full, True), (full + out, False))
+            return ((src, True), (src + full + flat, False), (2 * full, False), (full + out, False))
+        return ((full, True), (full + flat, True), (full + out, False))
     if op.target not in (ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET):
         return ()  # NOTE: comm.shard / comm.partial make their result directly
     given = op.kwarg("dims")

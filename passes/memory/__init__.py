@@ -11,7 +11,8 @@ Policies (``memory{policy=...}`` or ``parallelize(..., memory="...")``):
 * ``offload``: every saved activation goes to the host tier after its last forward use and comes
   back before its first backward use (``offload``; ``backends/offload.py`` lowers the pair).
 * a byte budget (``memory{budget=6GiB}``, ``memory="6GiB"``): per block, recompute its pointwise
-  ops or all of it, and per saved activation, offload it, whichever ways bring the predicted
+  ops or all of it; per saved activation, offload it; per routed-experts op, compute it in smaller
+  pieces (``ir.moe.piece_rows``: a smaller working set, more kernels), whichever ways bring the predicted
   memory of one rank (``passes.cost.memory``: parameters, gradients, optimizer state, live
   activations) under the budget at every point of the schedule in least added time (``budget``,
   ``rows``: an integer program with exact feedback).
@@ -71,7 +72,7 @@ class Memory(Pass):
         if callable(policy):
             return self._per_value(ctx, graph, policy)
         before = rank_memory(graph, cluster=ctx.cluster)
-        recomputed, moved, out = _decide(ctx, graph, policy, budget)
+        recomputed, moved, out, pieces = _decide(ctx, graph, policy, budget)
         after = rank_memory(out, cluster=ctx.cluster)
         if budget and after.peak > budget:
             how = f"under policy {policy}"
@@ -83,6 +84,7 @@ class Memory(Pass):
                 )
             _over_budget(graph, budget, after.peak, after.resident, how)
         self._report(ctx, graph, out, policy, budget, (before.peak, after.peak), (recomputed, moved))
+        ctx.stats["memory"]["pieces"] = pieces  # type: ignore[index]
         return out
 
     def _report(
@@ -143,20 +145,20 @@ class Memory(Pass):
         return out
 
 
-def _decide(ctx: PassContext, graph: Graph, policy: str, budget: int) -> tuple[list[str], list[str], Graph]:
-    """What ``policy`` recomputes (blocks, or what a budget needs) and offloads (values), and the
-    graph that does it."""
+def _decide(ctx: PassContext, graph: Graph, policy: str, budget: int) -> tuple[list[str], list[str], Graph, list[str]]:
+    """What ``policy`` recomputes (blocks, or what a budget needs) and offloads (values), the graph
+    that does it, and (under a budget) the routed-experts ops it computes in smaller pieces."""
     if policy == "keep":
-        return [], [], graph
+        return [], [], graph, []
     if policy == "offload":
         moved = saved_activations(graph)
-        return [], [v.name for v in moved], offloaded(graph, moved)
+        return [], [v.name for v in moved], offloaded(graph, moved), []
     if policy == "auto":
         d = decide(graph, budget, ctx.cluster)
-        return d.recomputed, list(d.offloaded), d.graph
+        return d.recomputed, list(d.offloaded), d.graph, d.pieces
     parts = policy_values(graph, policy)
     values = set().union(*parts.values())
-    return list(parts), [], recompute(graph, values) if values else graph
+    return list(parts), [], recompute(graph, values) if values else graph, []
 
 
 def _over_budget(graph: Graph, budget: int, peak: int, resident: int, how: str) -> None:
@@ -189,6 +191,8 @@ def memory_line(stats: Mapping[str, object]) -> str | None:
         parts.append(f"recomputed {', '.join(s['recomputed'])} (+{1e3 * s['recompute_s']:.3f} ms)")
     if s["offloaded"]:
         parts.append(f"{len(s['offloaded'])} values offloaded (+{1e3 * s['offload_s']:.3f} ms of copies)")
+    if s.get("pieces"):
+        parts.append(f"routed experts in smaller pieces: {', '.join(s['pieces'])}")
     what = "; ".join(parts) or "nothing recomputed or offloaded"
     budget = f" under a budget of {s['budget'] / 2**20:.2f} MiB" if s["budget"] else ""
     before, after = s["peak_before"] / 2**20, s["peak_after"] / 2**20

@@ -25,10 +25,11 @@ from dataclasses import dataclass, replace
 
 from meshfold.ir import Graph, Mesh, Op, Value
 from meshfold.ir.graph import local_nbytes
+from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, ROWS, pieces, with_rows, working_set
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.cost.axis import axis_models
 from meshfold.passes.cost.hardware import Cluster
-from meshfold.passes.cost.memory import rank_memory
+from meshfold.passes.cost.memory import alias_roots, rank_memory
 from meshfold.passes.memory.offload import offloaded, saved_activations
 from meshfold.passes.memory.policies import policy_values
 from meshfold.passes.memory.recompute import recompute
@@ -61,6 +62,10 @@ class Choice:
     """Their bytes per rank."""
     seconds: float
     """Time the choice adds to a step on one rank."""
+    during: tuple[tuple[Op, int], ...] = ()
+    """``pieces``: the routed-experts op it shrinks and the bytes that frees while the op runs."""
+    rows: int = 0
+    """``pieces``: the pairs the op then computes at a time."""
 
     @property
     def offloads(self) -> bool:
@@ -69,6 +74,8 @@ class Choice:
     @property
     def label(self) -> str:
         where = self.block or "outside the blocks"
+        if self.how == "pieces":
+            return f"{where} experts {self.during[0][0].prov.phase} in pieces of {self.rows}"
         return where if self.how == "full" else f"{where} {self.how}"
 
 
@@ -83,7 +90,11 @@ class Decision:
 
     @property
     def recomputed(self) -> list[str]:
-        return [c.label for c in self.chosen if not c.offloads]
+        return [c.label for c in self.chosen if c.how in ("pointwise", "full")]
+
+    @property
+    def pieces(self) -> list[str]:
+        return [c.label for c in self.chosen if c.how == "pieces"]
 
 
 def choices(graph: Graph, cluster: Cluster | None) -> list[Choice]:
@@ -102,10 +113,37 @@ def choices(graph: Graph, cluster: Cluster | None) -> list[Choice]:
             adds = _adds(frozenset(vs), saved, made)
             out.append(Choice(b, how, frozenset(vs), frees, adds, _nbytes(frees, mesh), seconds))
     block = _value_blocks(graph)
+    root = alias_roots(graph)
+    shared: dict[Value, list[Value]] = {}  # NOTE: saved values that share one storage go together
     for v in saved_activations(graph):
-        n = local_nbytes(v, mesh)
-        out.append(Choice(block.get(v, ""), "offload", frozenset(), frozenset({v}), frozenset(), n, 2 * n / host_bw))
+        shared.setdefault(root[v], []).append(v)
+    for group in shared.values():
+        n = _nbytes(group, mesh)
+        away = frozenset(group)
+        out.append(Choice(block.get(group[0], ""), "offload", frozenset(), away, frozenset(), n, 2 * n / host_bw))
+    launch = max(costs.models[0].cluster.device.eff.launch_s, DISPATCH_S)
+    for op, b in zip(graph.ops, op_blocks(graph), strict=True):
+        if op.target not in KERNELS:
+            continue
+        for rows in SMALLER:
+            n = working_set(op, mesh) - working_set(with_rows(op, rows), mesh)
+            more = pieces(op, mesh, rows) - pieces(op, mesh)
+            seconds = more * KERNELS[op.target] * launch
+            none = frozenset[Value]()
+            out.append(Choice(b, "pieces", none, none, none, n, seconds, ((op, n),), rows))
     return [c for c in out if c.freed > 0]
+
+
+SMALLER = (ROWS // 2, ROWS // 4, ROWS // 8)
+"""Piece sizes a budget may give a routed-experts op (``ir.moe.piece_rows``): its working set is one
+piece of one expert's temporaries, so halving the piece halves most of it, for more kernels."""
+
+KERNELS = {EXPERTS: 8, EXPERTS_BACKWARD: 24}
+"""Kernels one piece launches (``ir.moe.pair_outputs``, ``pair_grads``): what a smaller piece adds."""
+
+DISPATCH_S = 1.5e-6
+"""Least time an extra kernel adds: one eager op's dispatch, measured on this CPU (one thread,
+tiny tensors), where the device's model prices no launch gap (``hardware.HOST``)."""
 
 
 def spill_prices(graph: Graph, mesh: Mesh, cluster: Cluster | None) -> tuple[tuple[float, float], ...]:
@@ -124,7 +162,8 @@ def spill_prices(graph: Graph, mesh: Mesh, cluster: Cluster | None) -> tuple[tup
     if not total:
         return ()
     edges: dict[float, int] = {}
-    for points in _block_points(choices(g, cluster)).values():
+    spills = [c for c in choices(g, cluster) if c.how != "pieces"]
+    for points in _block_points(spills).values():
         at = (0, 0.0)
         while True:
             ahead = [(b - at[0], t - at[1]) for b, t in points if b > at[0]]
@@ -180,7 +219,7 @@ def decide(graph: Graph, budget: int, cluster: Cluster | None) -> Decision:
             best = carry_out(graph, tuple(options[j] for j in picked))
             over = rank_memory(best.graph, cluster=cluster).peak - budget
             if over <= 0:
-                return best
+                return _larger_pieces(graph, best, budget, cluster)
             low = more
             more = low + over if low + over < high else (low + high) / 2
         if high - low < 1:
@@ -188,8 +227,29 @@ def decide(graph: Graph, budget: int, cluster: Cluster | None) -> Decision:
     return _most(graph, options, cluster)
 
 
+def _larger_pieces(graph: Graph, decision: Decision, budget: int, cluster: Cluster | None) -> Decision:
+    """``decision`` with each routed-experts op back in the largest pieces that still meet ``budget``:
+    the program's rows ask every way for the feedback's added excess, so it may shrink pieces the
+    carried-out program does not need shrunk (fewer kernels for the same bytes)."""
+    for c in [c for c in decision.chosen if c.how == "pieces"]:
+        for rows in (ROWS, *SMALLER):
+            if rows <= c.rows:
+                break
+            rest = tuple(d for d in decision.chosen if d is not c)
+            wider = rest if rows == ROWS else (*rest, replace(c, rows=rows))
+            tried = carry_out(graph, wider)
+            if rank_memory(tried.graph, cluster=cluster).peak <= budget:
+                decision = tried
+                break
+    return decision
+
+
 def carry_out(graph: Graph, chosen: tuple[Choice, ...]) -> Decision:
-    """``graph`` with the chosen recomputes, then the chosen values offloaded."""
+    """``graph`` with the chosen experts' pieces, then the chosen recomputes, then the chosen values
+    offloaded."""
+    rows = {op: c.rows for c in chosen for op, _ in c.during}
+    if rows:
+        graph = replace(graph, ops=tuple(with_rows(op, rows[op]) if op in rows else op for op in graph.ops))
     again = set().union(*(c.again for c in chosen))
     out = recompute(graph, again) if again else graph
     away = set().union(*(c.values for c in chosen if c.offloads))
@@ -202,10 +262,12 @@ def carry_out(graph: Graph, chosen: tuple[Choice, ...]) -> Decision:
 def _most(graph: Graph, options: list[Choice], cluster: Cluster | None) -> Decision:
     """The lowest predicted peak of one way for every block (every value offloaded; every block
     recomputed pointwise or whole, alone or with every value still saved then offloaded): what the
-    caller reports when no choice meets the budget."""
-    tried = [carry_out(graph, tuple(c for c in options if c.offloads))]
+    caller reports when no choice meets the budget; each with the routed experts in their smallest
+    pieces."""
+    least = tuple(c for c in options if c.how == "pieces" and c.rows == SMALLER[-1])
+    tried = [carry_out(graph, (*least, *(c for c in options if c.offloads)))]
     for how in ("pointwise", "full"):
-        again = tuple(c for c in options if c.how == how)
+        again = (*least, *(c for c in options if c.how == how))
         d = carry_out(graph, again)
         rest = saved_activations(d.graph)
         tried += [d, Decision(again, offloaded(d.graph, rest), tuple(sorted(v.name for v in rest)))]

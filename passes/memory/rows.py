@@ -9,8 +9,10 @@ is absent between and after. A recompute also makes the backward read what its o
 forward did not save (a GEMM's output under a recomputed activation): those live from their last
 forward reader until the recompute. So each way frees, at each point, the bytes of its values
 absent there less the bytes it newly holds there; storage is counted once (a view's bytes are its
-base's). The points over budget are grouped by what every way frees there (one row per group, at
-the group's largest excess), so the program has a row per distinct stretch of the schedule.
+base's). A way may also shrink an op's own working set (the routed experts computed in smaller
+pieces): that frees bytes only while the op runs. The points over budget are grouped by what every
+way frees there (one row per group, at the group's largest excess), so the program has a row per
+distinct stretch of the schedule.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Protocol
 import numpy as np
 from scipy.sparse import csc_array
 
-from meshfold.ir import Graph, Value
+from meshfold.ir import Graph, Op, Value
 from meshfold.ir.graph import local_nbytes
 from meshfold.passes.cost.memory import MemoryEstimate, alias_roots
 from meshfold.passes.sharding.milp import solve_milp
@@ -39,6 +41,10 @@ class Way(Protocol):
     @property
     def seconds(self) -> float: ...
 
+    @property
+    def during(self) -> tuple[tuple[Op, int], ...]:
+        """Ops whose own working set it shrinks, and by how many bytes (while that op runs)."""
+
 
 def freed_at(graph: Graph, est: MemoryEstimate, budget: int, ways: Sequence[Way]) -> tuple[np.ndarray, np.ndarray]:
     """``(freed, excess)``: for each group of points where the estimate ``est`` of ``graph`` exceeds
@@ -50,6 +56,7 @@ def freed_at(graph: Graph, est: MemoryEstimate, budget: int, ways: Sequence[Way]
         return np.zeros((0, len(ways))), np.zeros(0)
     schedule = [op for op in graph.ops if op.prov.phase == "fwd"] + [op for op in graph.ops if op.prov.phase != "fwd"]
     forward = sum(op.prov.phase == "fwd" for op in graph.ops)
+    at = {op: k for k, op in enumerate(schedule)}
     gone: dict[Value, int] = {}
     uses: dict[Value, list[int]] = {}
     for k, op in enumerate(schedule):
@@ -81,6 +88,8 @@ def freed_at(graph: Graph, est: MemoryEstimate, budget: int, ways: Sequence[Way]
         for r, us in _by_root(w.adds, root).items():
             if r not in held and r not in holders:
                 freed[:, j] -= nbytes[r] * ((points >= min(gone[u] for u in us)) & (points < back))
+        for op, n in w.during:
+            freed[:, j] += n * (points == at[op])
     groups, inverse = np.unique(freed, axis=0, return_inverse=True)
     excess = np.zeros(len(groups))
     np.maximum.at(excess, inverse.ravel(), over[points])
@@ -107,9 +116,10 @@ def cheapest(ways: Sequence[Way], freed: np.ndarray, excess: np.ndarray) -> list
     rows: list[int] = [int(r) for r in r_idx]
     cols: list[int] = [int(c) for c in c_idx]
     vals: list[float] = [float(x) for x in scaled[r_idx, c_idx]]
-    covers: dict[Value, list[int]] = {}
+    covers: dict[Value | Op, list[int]] = {}  # NOTE: at most one way per value, and per op shrunk
     for j, w in enumerate(ways):
-        for v in w.values:
+        claimed: list[Value | Op] = [*w.values, *(op for op, _ in w.during)]
+        for v in claimed:
             covers.setdefault(v, []).append(j)
     exclusive = list(dict.fromkeys(tuple(js) for js in covers.values() if len(js) > 1))
     base = len(excess)

@@ -92,3 +92,49 @@ def skewed_exchange(pad: bool) -> float:
     diffs = [float((got - want).abs().max())] + [float((a - b).abs().max()) for a, b in zip(d_got, d_want, strict=True)]
     assert float(want.abs().max()) > 0 and float(d_all[2].abs().max()) > 0, "a trivial case"
     return max(diffs)
+
+
+def exchange_working_set(tokens: int, hidden: int, inter: int, n: int, k: int, rows: int) -> tuple[list[int], list[int]]:
+    """The all-to-all lowering of both experts ops on this rank (``tokens`` split over every rank,
+    ``n`` experts too, ``rows`` pairs computed at a time): the allocator's peak while each runs, and
+    ``ir.moe.working_set`` plus its results for the same op. Returns (measured, estimated)."""
+    from meshfold import ir
+    from meshfold.backends.moe import exchange_backward, exchange_forward
+    from meshfold.ir.graph import local_nbytes
+    from meshfold.ir.moe import with_rows, working_set
+    from meshfold.tools.measure import peak_new_bytes
+
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    group = torch.distributed.group.WORLD.group_name  # type: ignore[union-attr]
+    split = "{ep: S(0)}"
+    tensors = [f"f32[{tokens}, {hidden}]", f"f32[{tokens}, {k}]", f"f32[{n}, 2, {inter}, {hidden}]", f"f32[{n}, {hidden}, {inter}]"]
+    grads = ", ".join(f"{t} {split}" for t in tensors)
+    graph = ir.parse(
+        f"""graph @moe mesh<ep={world}> {{
+  param %gu : {tensors[2]} {split}
+  param %wd : {tensors[3]} {split}
+  input %x : {tensors[0]} {split}
+  input %idx : i64[{tokens}, {k}] {split}
+  input %w : {tensors[1]} {split}
+  input %gy : {tensors[0]} {split}
+  %e = meshfold.moe_experts(%x, %idx, %w, %gu, %wd, "silu", 0, "probs", "alltoall") : {tensors[0]} {split}  # moe fwd
+  %b.0, %b.1, %b.2, %b.3 = meshfold.moe_experts_backward(%gy, %x, %idx, %w, %gu, %wd, "silu", 0, "probs", \
+"alltoall") : {grads}  # moe bwd
+  output out(0) = %e
+}}
+"""
+    )
+    assert graph.mesh is not None
+    mine, per = tokens // world, n // world
+    g = torch.Generator().manual_seed(rank)
+    x, gy = torch.randn(mine, hidden, generator=g), torch.randn(mine, hidden, generator=g)
+    w, idx = torch.randn(mine, n, generator=g).softmax(-1).topk(k)
+    gu, wd = torch.randn(per, 2, inter, hidden, generator=g), torch.randn(per, hidden, inter, generator=g)
+    peers = (((group, world, 1),), rank, tuple(range(0, n, per)), per)
+    measured = [
+        peak_new_bytes(lambda: exchange_forward(*peers, x, idx, w, gu, wd, "silu", rows=rows)),
+        peak_new_bytes(lambda: exchange_backward(*peers, gy, x, idx, w, gu, wd, "silu", rows=rows)),
+    ]
+    ops = [with_rows(op, rows) for op in graph.ops if op.target in (EXPERTS, EXPERTS_BACKWARD)]
+    estimated = [working_set(op, graph.mesh) + sum(local_nbytes(r, graph.mesh) for r in op.results) for op in ops]
+    return measured, estimated

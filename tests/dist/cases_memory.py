@@ -26,18 +26,20 @@ def step_memory(
     seq: int = 64,
     memory: int | str | None = None,
     model: str | None = None,
+    moe: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Compile a model, take one AdamW step (so the optimizer state exists), then measure the next
     step's forward + backward: resident bytes (parameters, buffers, optimizer state) plus the
     allocator's peak on top of them. Returns measured and estimated figures on this rank.
 
     ``model``: None for a Llama-style model of width ``hidden``; else a zoo language model's name or
-    ``"hf:<arch>"`` for one of ``tests.dist.hf_models``; each on ``batch`` x ``seq`` tokens."""
+    ``"hf:<arch>"`` for one of ``tests.dist.hf_models``; each on ``batch`` x ``seq`` tokens. ``moe``:
+    the routed experts' mapping, as ``parallelize`` takes it."""
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     mesh = device_mesh(tuple(shape), tuple(names))
     net, (ids, labels) = _language_model(model, hidden, batch, seq)
-    pm = parallelize(net, mesh, (ids, labels), plan=plan, memory=memory)
+    pm = parallelize(net, mesh, (ids, labels), plan=plan, memory=memory, moe=moe)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
     pm(ids, labels).backward()
     opt.step()

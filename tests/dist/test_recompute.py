@@ -4,6 +4,7 @@ single-device model, and the measured peak falls as the liveness estimate says."
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import pytest
 
@@ -124,9 +125,10 @@ FSDP_TP = dict(mesh="dp=2,tp=2", plan="fsdp+tp")
 BUDGETED = {"llama-tiny": (32, 64), "mixtral-tiny": (64, 64), "qwen2": (32, 64)}
 
 
-# NOTE: mixtral-tiny's floor: with every block recomputed or offloaded, the routed experts' backward
-# still holds one piece of one expert's temporaries (ir.moe.ROWS rows) beside the parameter state:
-# 30% of its keep peak is below what any choice reaches, and is refused (below)
+# NOTE: mixtral-tiny's floor: with every activation offloaded and the routed experts in their smallest
+# pieces, the router's token exchange (the sharding moves 4096 x 64 tokens from S(0) to S(1) over dp
+# for the gate's GEMM, an all-to-all lowered as a gather: 2 MiB on gloo) still fills 30% of its keep
+# peak; that budget is refused (below)
 FRACTIONS = [(m, f) for m in sorted(BUDGETED) for f in (0.7, 0.5, 0.3) if (m, f) != ("mixtral-tiny", 0.3)]
 
 
@@ -187,9 +189,10 @@ REFUSED = (
 
 
 def test_a_budget_below_every_choice_is_refused_before_anything_runs() -> None:
-    """30% of mixtral-tiny's keep peak: no way to free memory reaches it (the experts' backward holds
-    its working set whatever is recomputed), so compiling fails, naming the budget, the lowest
-    predicted peak and the largest parameter, before any rank runs anything."""
+    """30% of mixtral-tiny's keep peak: no way to free memory reaches it (with every activation
+    offloaded and the routed experts in their smallest pieces, the router's token exchange still
+    fills it), so compiling fails, naming the budget, the lowest predicted peak and the largest
+    parameter, before any rank runs anything."""
     net, inputs = build("mixtral-tiny")[0], token_inputs(BUDGETED["mixtral-tiny"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -198,28 +201,36 @@ def test_a_budget_below_every_choice_is_refused_before_anything_runs() -> None:
             compile_model(net, inputs, CompileOptions.of(**FSDP_TP, memory=int(0.3 * keep)))
 
 
-# NOTE: (model, tokens) measured beside llama-tiny above: a Mixtral-style model and an HF model
-MEASURED = [("mixtral-tiny", BUDGETED["mixtral-tiny"]), ("hf:qwen2", BUDGETED["qwen2"])]
+# NOTE: measured beside llama-tiny above: a Mixtral-style model (its experts computed in place, and
+# split over all 4 ranks with the all-to-all dispatcher) and an HF model: (model, tokens, moe, budgets
+# as fractions of the keep peak, whether offload-only is measured). Offload-only is measured where no
+# started all-gather is in flight at its peak: on Qwen2 one is (an FSDP gather of the first backward
+# layer, its wait after the reloads), and gloo frees its flat buffer when the transfer ends, anywhere
+# in that window (3.3-4.3 MiB measured against 4.2 predicted); llama-tiny's test above bounds it
+MEASURED: list[tuple[str, tuple[int, int], dict[str, int] | None, tuple[float, ...], bool]] = [
+    ("mixtral-tiny", BUDGETED["mixtral-tiny"], None, (0.7, 0.5), True),
+    ("mixtral-tiny", BUDGETED["mixtral-tiny"], {"ep": 4}, (0.7, 0.5), True),
+    ("hf:qwen2", BUDGETED["qwen2"], None, (0.7, 0.5, 0.3), False),
+]
 
 
-@pytest.mark.parametrize(("model", "tokens"), MEASURED, ids=[m for m, _ in MEASURED])
-def test_every_policy_measures_as_predicted(rank_pools: RankPools, model: str, tokens: tuple[int, int]) -> None:
-    """Every recompute policy (selective, kv, full) and budgets at 70 and 50% of the keep peak (30% too
-    where it can be met) on 4 ranks: each rank's measured peak within 10% of its prediction, and each
-    budget's prediction at most the budget."""
+@pytest.mark.parametrize("case", MEASURED, ids=[f"{c[0]}{'-ep4' if c[2] else ''}" for c in MEASURED])
+def test_every_policy_measures_as_predicted(rank_pools: RankPools, case: tuple[Any, ...]) -> None:
+    """Every recompute policy (selective, kv, full), offload-only (see above) and budgets at 70, 50
+    (and 30, where it can be met) % of the keep peak on 4 ranks: each rank's measured peak within 10%
+    of its prediction, and under a budget both at most the budget."""
+    model, tokens, moe, fractions, offload = case
     pool = rank_pools.get(4)
-    where = dict(shape=(2, 2), names=("dp", "tp"), plan="fsdp+tp", batch=tokens[0], seq=tokens[1], model=model)
+    where = dict(shape=(2, 2), names=("dp", "tp"), plan="fsdp+tp", batch=tokens[0], seq=tokens[1], model=model, moe=moe)
     keep = pool.run("tests.dist.cases_memory:step_memory", **where)
     peak = max(r["estimated"] for r in keep)
     runs: list[tuple[object, list[dict[str, int]]]] = [(None, keep)]
-    fractions = (0.7, 0.5) if model == "mixtral-tiny" else (0.7, 0.5, 0.3)
-    # NOTE: offload-only is left out here: its peak moves with when gloo's threads drop the buffers
-    # they copied (3.8-4.3 MiB against 4.2 predicted on Qwen2); llama-tiny's test above measures it
-    for memory in ("selective", "kv", "full", *(int(f * peak) for f in fractions)):
+    policies = ("selective", "kv", "full", *(("offload",) if offload else ()))
+    for memory in (*policies, *(int(f * peak) for f in fractions)):
         runs.append((memory, pool.run("tests.dist.cases_memory:step_memory", memory=memory, **where)))
     for memory, results in runs:
         for rank, r in enumerate(results):
             err = abs(r["estimated"] - r["measured"]) / r["measured"]
             assert err <= 0.10, f"{memory}, rank {rank}: estimate {r['estimated']} vs measured {r['measured']}"
             if isinstance(memory, int):
-                assert r["estimated"] <= memory, (memory, rank, r)
+                assert max(r["estimated"], r["measured"]) <= memory, (memory, rank, r)

@@ -166,21 +166,32 @@ def test_an_activation_named_nowhere_is_read_off_the_function() -> None:
     assert _act_of(torch.tanh) is None and _act_of(None) is None
 
 
-def test_pieces_of_an_expert_equal_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Experts computed a few rows at a time (``ROWS`` 3, so every expert here takes several pieces
-    and the weight gradients sum over them): forward and every gradient as the token-by-token reference."""
-    from meshfold.ir import moe
+def test_pieces_of_an_expert_equal_the_reference() -> None:
+    """The op asked to compute 3 pairs at a time (``rows=3``, as the memory pass asks it, so every
+    expert here takes several pieces and the weight gradients sum over them): forward and every
+    gradient, through the backward op the autograd formula calls, as the token-by-token reference."""
+    hidden, idx, weights, gate_up, down = (a.requires_grad_(a.is_floating_point()) for a in _inputs(1))
+    gu = gate_up.view(E, 2, INTER, H)
+    got = torch.ops.meshfold.moe_experts(hidden, idx, weights, gu, down, "silu", 0, "probs", "any", rows=3)
+    want = _reference(hidden, idx, weights, gate_up, down)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    seed = torch.randn(T, H)
+    diff = [hidden, weights, gate_up, down]
+    for a, b in zip(torch.autograd.grad(got, diff, seed), torch.autograd.grad(want, diff, seed), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
 
-    monkeypatch.setattr(moe, "ROWS", 3)
-    _equals_reference(_inputs(1))
 
-
-@pytest.mark.parametrize(("tokens", "hidden", "inter", "n", "k"), [(4096, 64, 96, 4, 2), (1024, 256, 128, 8, 4)])
-def test_working_set_is_what_the_allocator_holds(tokens: int, hidden: int, inter: int, n: int, k: int) -> None:
+@pytest.mark.parametrize(
+    ("tokens", "hidden", "inter", "n", "k", "rows"),
+    [(4096, 64, 96, 4, 2, 512), (4096, 64, 96, 4, 2, 64), (1024, 256, 128, 8, 4, 512)],
+)
+def test_working_set_is_what_the_allocator_holds(
+    tokens: int, hidden: int, inter: int, n: int, k: int, rows: int
+) -> None:
     """``ir.moe.working_set`` plus the op's results against the CPU allocator's own peak while the
-    forward and the backward op run (more pairs per expert than ``ROWS``, so in pieces): within 1%."""
+    forward and the backward op run (more pairs per expert than ``rows``, so in pieces): within 1%."""
     from meshfold.ir.graph import local_nbytes
-    from meshfold.ir.moe import EXPERTS_BACKWARD, experts_range_backward, working_set
+    from meshfold.ir.moe import EXPERTS_BACKWARD, experts_range_backward, with_rows, working_set
     from meshfold.tools.measure import peak_new_bytes
 
     grads = f"f32[{tokens}, {hidden}], f32[{tokens}, {k}], f32[{n}, 2, {inter}, {hidden}], f32[{n}, {hidden}, {inter}]"
@@ -204,10 +215,10 @@ def test_working_set_is_what_the_allocator_holds(tokens: int, hidden: int, inter
     w, idx = torch.randn(tokens, n, generator=g).softmax(-1).topk(k)
     gu, wd = torch.randn(n, 2, inter, hidden, generator=g), torch.randn(n, hidden, inter, generator=g)
     measured = [
-        peak_new_bytes(lambda: experts_range(0, x, idx, w, gu, wd, "silu")),
-        peak_new_bytes(lambda: experts_range_backward(0, gy, x, idx, w, gu, wd, "silu")),
+        peak_new_bytes(lambda: experts_range(0, x, idx, w, gu, wd, "silu", rows=rows)),
+        peak_new_bytes(lambda: experts_range_backward(0, gy, x, idx, w, gu, wd, "silu", rows=rows)),
     ]
-    ops = [op for op in graph.ops if op.target in (EXPERTS, EXPERTS_BACKWARD)]
+    ops = [with_rows(op, rows) for op in graph.ops if op.target in (EXPERTS, EXPERTS_BACKWARD)]
     for op, got in zip(ops, measured, strict=True):
         want = working_set(op, mesh) + sum(local_nbytes(r, mesh) for r in op.results)
         assert abs(want - got) <= 0.01 * got, (op.describe(), want, got)
