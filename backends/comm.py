@@ -81,10 +81,15 @@ def issue(g: fx.Graph, op: Op, xs: list[fx.Node], size: int, group: str, coord: 
         call = g.call_function(c10d.reduce_scatter_tensor.default, (to_front(g, x, dim), "sum", size, group))
         return Issued(call, lambda g, out: [_averaged(g, from_front(g, out, dim), size, reduce)])
     if target == ALL_TO_ALL:
-        # NOTE: realized as gather + local chunk (same result; an all_to_all_single moves less).
         concat, split = int(op.kwarg("concat_dim")), int(op.kwarg("split_dim"))
-        call = g.call_function(c10d.all_gather_into_tensor.default, (to_front(g, x, concat), size, group))
-        return Issued(call, lambda g, out: [chunk(g, from_front(g, out, concat), split, size, coord)])
+        if concat == split:  # NOTE: gathered then cut on the same dim: a gather and this rank's chunk
+            call = g.call_function(c10d.all_gather_into_tensor.default, (to_front(g, x, concat), size, group))
+            return Issued(call, lambda g, out: [chunk(g, from_front(g, out, concat), split, size, coord)])
+        # NOTE: the split dim in front, cut in ``size`` equal rows: row block j goes to rank j, and
+        # what arrives (one block per rank, in rank order) is laid side by side along the concat dim
+        rows = [local[0][split] // size] * size
+        call = g.call_function(c10d.all_to_all_single.default, (to_front(g, x, split), rows, rows, group))
+        return Issued(call, lambda g, out: [_side_by_side(g, out, size, split, concat, local[0])])
     if target == SHARD:
         return Issued(None, results=(chunk(g, x, int(op.kwarg("dim")), size, coord),))
     if target == PARTIAL:
@@ -92,6 +97,20 @@ def issue(g: fx.Graph, op: Op, xs: list[fx.Node], size: int, group: str, coord: 
             return Issued(None, results=(g.call_function(aten.zeros_like.default, (x,)),))
         return Issued(None, results=(x,))
     raise ValueError(f"{op.describe()}: no eager lowering for {op.name}")
+
+
+def _side_by_side(g: fx.Graph, arrived: fx.Node, n: int, split: int, concat: int, shape: list[int]) -> fx.Node:
+    """An all-to-all's result from what arrived (``to_front(x, split)``'s layout, block ``i`` from rank
+    ``i``): the blocks concatenated along ``concat``, ``split`` moved back; contiguous. ``shape``:
+    the operand's local shape."""
+    rest = [d for i, d in enumerate(shape) if i != split]
+    at = concat + 1 if concat < split else concat  # NOTE: where concat sits once split leads
+    blocks = g.call_function(aten.view.default, (arrived, [n, shape[split] // n, *rest]))
+    beside = g.call_function(aten.movedim.int, (blocks, 0, at))
+    merged = [*[shape[split] // n], *rest]
+    merged[at] *= n
+    whole = g.call_function(aten.reshape.default, (beside, merged))
+    return contiguous(g, g.call_function(aten.movedim.int, (whole, 0, split))) if split else whole
 
 
 def _averaged(g: fx.Graph, x: fx.Node, n: int, reduce: str) -> fx.Node:

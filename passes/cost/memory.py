@@ -21,11 +21,10 @@ type divided over the mesh axes that shard it) and mirrors how the program is ex
 * on gloo (CPU ranks: ``cluster`` None, the default, or the catalog's host device) an all-gather
   gathers into a flat buffer the size of its output and copies out of it, so it holds twice its
   output at its end (NCCL writes the output directly). Without this, offloaded programs on 4 CPU
-  ranks measured up to 38% over. An all-to-all is lowered as a gather of every rank's operand, then
-  this rank's chunk: gloo's flat buffer is that whole gather (without it, a router's token
-  exchange measured 1 MiB over on mixtral-tiny's 30% budget).
+  ranks measured up to 38% over. An all-to-all whose concat and split dims are one is lowered as a
+  gather of every rank's operand, then this rank's chunk: gloo's flat buffer is that whole gather.
 
-* a routed-experts op (``ir.moe``) also holds its working set while it runs (``ir.moe.working_set``:
+* a routed-experts op (``ir.moe``) also holds its working set while it runs (``ir.moe_memory.working_set``:
   its pairs' indices and one piece of one expert's temporaries); other kernels' internal
   workspaces are not modelled.
 
@@ -40,7 +39,8 @@ from dataclasses import dataclass
 from meshfold.ir import Graph, Mesh, Op, OpDef, Value, is_view
 from meshfold.ir.asynchrony import starts
 from meshfold.ir.graph import local_nbytes
-from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, working_set
+from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
+from meshfold.ir.moe_memory import working_set
 from meshfold.ir.ops import (
     ALL_GATHER,
     ALL_GATHER_BUCKET,
@@ -192,7 +192,7 @@ def _flat(op: Op, size: dict[Value, int], mesh: Mesh) -> int:
     all-to-all: a gather then this rank's chunk): what it gathers, every rank's operand. 0 for others."""
     if op.target == ALL_GATHER and op.kwarg("reduce") != "max":
         return sum(size[r] for r in op.results)
-    if op.target == ALL_TO_ALL:
+    if op.target == ALL_TO_ALL and op.kwarg("concat_dim") == op.kwarg("split_dim"):
         return mesh.size(str(op.kwarg("axis"))) * sum(size[u] for u in op.operands)
     return 0
 
@@ -221,9 +221,14 @@ def _stages(op: Op, size: dict[Value, int], mesh: Mesh, gloo: bool) -> tuple[tup
         return ((out, True), (2 * out, False)) if avg else ((out, True),)
     if op.target == ALL_REDUCE:
         return ((out, True), (2 * out, False)) if avg else ((out, True),)
-    if op.target == ALL_TO_ALL:  # NOTE: lowered as a gather, then this rank's chunk
-        full, flat = src * n, _flat(op, size, mesh) if gloo else 0
-        if int(op.kwarg("concat_dim")):  # type: ignore[arg-type]
+    if op.target == ALL_TO_ALL:
+        concat, split = int(op.kwarg("concat_dim")), int(op.kwarg("split_dim"))  # type: ignore[arg-type]
+        if concat != split:
+            # NOTE: the split dim's copy in front, what arrives beside it, the blocks laid side by
+            # side, and (split dim not leading) moved back
+            return ((src, True), (2 * src, False), (src + out, False), *(((2 * out, False),) if split else ()))
+        full, flat = src * n, _flat(op, size, mesh) if gloo else 0  # NOTE: a gather, then this rank's chunk
+        if concat:
             return ((src, True), (src + full + flat, False), (2 * full, False), (full + out, False))
         return ((full, True), (full + flat, True), (full + out, False))
     if op.target not in (ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET):

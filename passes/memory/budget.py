@@ -25,7 +25,8 @@ from dataclasses import dataclass, replace
 
 from meshfold.ir import Graph, Mesh, Op, Value
 from meshfold.ir.graph import local_nbytes
-from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, ROWS, pieces, with_rows, working_set
+from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, ROWS, with_rows
+from meshfold.ir.moe_memory import pieces, working_set
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.cost.axis import axis_models
 from meshfold.passes.cost.hardware import Cluster

@@ -31,7 +31,7 @@ def _profiled(prof: Any) -> tuple[Counter[str], Counter[str]]:
     calls: Counter[str] = Counter()
     sent: Counter[str] = Counter()
     for e in prof.events():
-        if e.name not in _PROFILED or _inside_same_op(e):
+        if e.name not in _PROFILED or _inside_a_collective(e):
             continue
         kind, i = _PROFILED[e.name]
         numel = 1
@@ -42,11 +42,13 @@ def _profiled(prof: Any) -> tuple[Counter[str], Counter[str]]:
     return calls, sent
 
 
-def _inside_same_op(e: Any) -> bool:
-    """Whether ``e`` is the re-dispatch of an outer event of the same op (a dispatch mode's inner call)."""
+def _inside_a_collective(e: Any) -> bool:
+    """Whether ``e`` runs inside an outer collective event: the re-dispatch of the same op (a dispatch
+    mode's inner call), or the eager op a functional collective calls (``all_to_all_single`` runs
+    ``c10d::alltoall_base_``)."""
     parent = e.cpu_parent
     while parent is not None:
-        if parent.name == e.name:
+        if parent.name in _PROFILED:
             return True
         parent = parent.cpu_parent
     return False

@@ -97,11 +97,12 @@ def skewed_exchange(pad: bool) -> float:
 def exchange_working_set(tokens: int, hidden: int, inter: int, n: int, k: int, rows: int) -> tuple[list[int], list[int]]:
     """The all-to-all lowering of both experts ops on this rank (``tokens`` split over every rank,
     ``n`` experts too, ``rows`` pairs computed at a time): the allocator's peak while each runs, and
-    ``ir.moe.working_set`` plus its results for the same op. Returns (measured, estimated)."""
+    ``ir.moe_memory.working_set`` plus its results for the same op. Returns (measured, estimated)."""
     from meshfold import ir
     from meshfold.backends.moe import exchange_backward, exchange_forward
     from meshfold.ir.graph import local_nbytes
-    from meshfold.ir.moe import with_rows, working_set
+    from meshfold.ir.moe import with_rows
+    from meshfold.ir.moe_memory import working_set
     from meshfold.tools.measure import peak_new_bytes
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()

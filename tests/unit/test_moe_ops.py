@@ -188,10 +188,11 @@ def test_pieces_of_an_expert_equal_the_reference() -> None:
 def test_working_set_is_what_the_allocator_holds(
     tokens: int, hidden: int, inter: int, n: int, k: int, rows: int
 ) -> None:
-    """``ir.moe.working_set`` plus the op's results against the CPU allocator's own peak while the
+    """``ir.moe_memory.working_set`` plus the op's results against the CPU allocator's own peak while the
     forward and the backward op run (more pairs per expert than ``rows``, so in pieces): within 1%."""
     from meshfold.ir.graph import local_nbytes
-    from meshfold.ir.moe import EXPERTS_BACKWARD, experts_range_backward, with_rows, working_set
+    from meshfold.ir.moe import EXPERTS_BACKWARD, experts_range_backward, with_rows
+    from meshfold.ir.moe_memory import working_set
     from meshfold.tools.measure import peak_new_bytes
 
     grads = f"f32[{tokens}, {hidden}], f32[{tokens}, {k}], f32[{n}, 2, {inter}, {hidden}], f32[{n}, {hidden}, {inter}]"
