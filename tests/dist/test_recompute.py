@@ -200,10 +200,11 @@ def test_a_budget_below_every_choice_is_refused_before_anything_runs() -> None:
 # NOTE: measured beside llama-tiny above: a Mixtral-style model (its experts computed in place, and
 # split over all 4 ranks with the all-to-all dispatcher) and an HF model: (model, tokens, moe, budgets
 # as fractions of the keep peak, whether offload-only is measured). mixtral-tiny's 30% budget (4.24
-# MiB) measures 4.15 MiB as predicted on most ranks and runs, but 4.5-4.8 on some, the extra held
-# during layer 1's attention backward while every collective around it has been waited on; gloo's
-# worker thread drops a finished collective's buffers after the wait returns, which is the likely
-# holder (at these sizes 10-15% of the budget). Its program is held to single device above.
+# MiB) measures 4.15 MiB as predicted on most ranks and runs, but 4.5-4.8 on some: in those, the
+# 0.5 MiB output of an all-gather the program waited on and dropped two ops earlier is still
+# allocated during layer 1's attention backward (gloo's worker thread holds a finished collective's
+# tensors until it lets go of the work, after the wait has returned; with 4 ranks on 2 cores that
+# can be milliseconds later). Its program is held to single device above.
 # Offload-only is measured where no
 # started all-gather is in flight at its peak: on Qwen2 one is (an FSDP gather of the first backward
 # layer, its wait after the reloads), and gloo frees its flat buffer when the transfer ends, anywhere
