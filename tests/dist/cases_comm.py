@@ -13,7 +13,7 @@ from meshfold import ir
 from meshfold.backends.comm import issue, local_shapes
 from meshfold.ir.ops import ALL_TO_ALL
 from meshfold.passes.cost.memory import rank_memory
-from meshfold.tools.measure import peak_new_bytes
+from meshfold.tools.measure import settled_peak_new_bytes
 
 
 def all_to_all(shape: tuple[int, ...], concat: int, split: int) -> dict[str, Any]:
@@ -47,7 +47,7 @@ def all_to_all(shape: tuple[int, ...], concat: int, split: int) -> dict[str, Any
     return {
         "equal": torch.equal(got, 2 * whole.chunk(world, split)[rank]),
         "contiguous": got.is_contiguous(),
-        "measured": peak_new_bytes(lambda: module(mine)),
+        "measured": settled_peak_new_bytes(lambda: module(mine), runs=3),
         # NOTE: while the all-to-all runs (the caller holds the input, so it is not counted in either)
         "estimated": next(during for name, during in est.timeline if name.startswith("comm.all_to_all")),
     }

@@ -103,7 +103,7 @@ def exchange_working_set(tokens: int, hidden: int, inter: int, n: int, k: int, r
     from meshfold.ir.graph import local_nbytes
     from meshfold.ir.moe import with_rows
     from meshfold.ir.moe_memory import working_set
-    from meshfold.tools.measure import peak_new_bytes
+    from meshfold.tools.measure import settled_peak_new_bytes
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     group = torch.distributed.group.WORLD.group_name  # type: ignore[union-attr]
@@ -133,8 +133,8 @@ def exchange_working_set(tokens: int, hidden: int, inter: int, n: int, k: int, r
     gu, wd = torch.randn(per, 2, inter, hidden, generator=g), torch.randn(per, hidden, inter, generator=g)
     peers = (((group, world, 1),), rank, tuple(range(0, n, per)), per)
     measured = [
-        peak_new_bytes(lambda: exchange_forward(*peers, x, idx, w, gu, wd, "silu", rows=rows)),
-        peak_new_bytes(lambda: exchange_backward(*peers, gy, x, idx, w, gu, wd, "silu", rows=rows)),
+        settled_peak_new_bytes(lambda: exchange_forward(*peers, x, idx, w, gu, wd, "silu", rows=rows), runs=3),
+        settled_peak_new_bytes(lambda: exchange_backward(*peers, gy, x, idx, w, gu, wd, "silu", rows=rows), runs=3),
     ]
     ops = [with_rows(op, rows) for op in graph.ops if op.target in (EXPERTS, EXPERTS_BACKWARD)]
     estimated = [working_set(op, graph.mesh) + sum(local_nbytes(r, graph.mesh) for r in op.results) for op in ops]

@@ -10,7 +10,7 @@ import torch
 
 from meshfold.api import parallelize
 from meshfold.passes.cost.memory import rank_memory
-from meshfold.tools.measure import allocator_accounting, peak_new_bytes, storage_bytes
+from meshfold.tools.measure import allocator_accounting, settled_peak_new_bytes, storage_bytes
 from meshfold.tools.zoo import build
 from meshfold.tools.zoo.models import LlamaTiny
 from tests.dist.pool import device_mesh
@@ -30,11 +30,9 @@ def step_memory(
 ) -> dict[str, Any]:
     """Compile a model, take one AdamW step (so the optimizer state exists), then measure the next
     steps' forward + backward: resident bytes (parameters, buffers, optimizer state) plus the
-    allocator's peak on top of them, the lower of two steps. (gloo's worker thread lets go of a
-    finished collective's tensors only after its wait has returned, at times milliseconds later
-    with 4 ranks on 2 cores, so a step's peak can include a buffer the program has already dropped;
-    that noise only adds, and two steps rarely both catch it.) Returns measured and estimated
-    figures on this rank.
+    allocator's peak on top of them, the lower of two steps (``settled_peak_new_bytes``: gloo's
+    worker thread can hold a finished collective's tensors past its wait). Returns measured and
+    estimated figures on this rank.
 
     ``model``: None for a Llama-style model of width ``hidden``; else a zoo language model's name or
     ``"hf:<arch>"`` for one of ``tests.dist.hf_models``; each on ``batch`` x ``seq`` tokens. ``moe``:
@@ -58,12 +56,11 @@ def step_memory(
         loss.backward()
         kept.append(loss)
 
-    peaks = []
-    for _ in range(2):
-        peaks.append(peak_new_bytes(step))
+    def fresh() -> None:
         opt.zero_grad(set_to_none=True)  # NOTE: each step makes its gradients anew, as the first did
         kept.clear()
-    measured = resident + min(peaks)
+
+    measured = resident + settled_peak_new_bytes(step, before=fresh)
     est = rank_memory(pm.graph())
     return {
         "measured": measured,

@@ -16,8 +16,8 @@ def test_all_to_all_moves_each_block_to_its_rank(
     rank_pools: RankPools, shape: tuple[int, ...], concat: int, split: int
 ) -> None:
     """An all-to-all from ``S(concat)`` to ``S(split)``: each rank ends with exactly its ``S(split)``
-    slice (contiguous), and the allocator's peak while it runs is the estimate's (``rank_memory``,
-    which prices the program's operand too) within 1%."""
+    slice (contiguous), and the allocator's peak while it runs (``tools.measure.settled_peak_new_bytes``) is the
+    estimate's (``rank_memory``, which prices the program's operand too) within 1%."""
     results = rank_pools.get(4).run("tests.dist.cases_comm:all_to_all", shape=shape, concat=concat, split=split)
     for rank, r in enumerate(results):
         assert r["equal"] and r["contiguous"], (rank, r)
