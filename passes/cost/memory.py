@@ -189,7 +189,8 @@ def _staging(op: Op, size: dict[Value, int], mesh: Mesh, gloo: bool) -> int:
 
 def _flat(op: Op, size: dict[Value, int], mesh: Mesh) -> int:
     """gloo's flat buffer for a collective its lowering makes an all-gather (an all-gather, and an
-    all-to-all: a gather then this rank's chunk): what it gathers, every rank's operand. 0 for others."""
+    all-to-all whose concat and split dims are one: a gather then this rank's chunk): what it
+    gathers, every rank's operand. 0 for others."""
     if op.target == ALL_GATHER and op.kwarg("reduce") != "max":
         return sum(size[r] for r in op.results)
     if op.target == ALL_TO_ALL and op.kwarg("concat_dim") == op.kwarg("split_dim"):

@@ -83,8 +83,7 @@ class Memory(Pass):
                     else "with nothing (no block, layers.N) to recompute or offload"
                 )
             _over_budget(graph, budget, after.peak, after.resident, how)
-        self._report(ctx, graph, out, policy, budget, (before.peak, after.peak), (recomputed, moved))
-        ctx.stats["memory"]["pieces"] = pieces  # type: ignore[index]
+        self._report(ctx, graph, out, policy, budget, (before.peak, after.peak), (recomputed, moved), pieces)
         return out
 
     def _report(
@@ -96,8 +95,10 @@ class Memory(Pass):
         budget: int,
         peaks: tuple[int, int],
         what: tuple[list[str], list[str]],
+        pieces: list[str] | None = None,
     ) -> None:
-        """``PassContext.stats["memory"]``: the decision, the peaks and the time it adds."""
+        """``PassContext.stats["memory"]``: the decision (blocks recomputed, values offloaded, routed
+        experts computed in smaller pieces), the peaks and the time it adds."""
         assert graph.mesh is not None
         costs = Costs(out, axis_models(graph.mesh, ctx.cluster))
         made = {r for op in graph.ops for r in op.results}
@@ -110,6 +111,7 @@ class Memory(Pass):
             "peak_after": peaks[1],
             "recomputed": what[0],
             "offloaded": what[1],
+            "pieces": pieces or [],
             "recompute_s": added,
             "offload_s": 2 * sent / costs.models[0].cluster.device.host_bw,
         }
@@ -191,7 +193,7 @@ def memory_line(stats: Mapping[str, object]) -> str | None:
         parts.append(f"recomputed {', '.join(s['recomputed'])} (+{1e3 * s['recompute_s']:.3f} ms)")
     if s["offloaded"]:
         parts.append(f"{len(s['offloaded'])} values offloaded (+{1e3 * s['offload_s']:.3f} ms of copies)")
-    if s.get("pieces"):
+    if s["pieces"]:
         parts.append(f"routed experts in smaller pieces: {', '.join(s['pieces'])}")
     what = "; ".join(parts) or "nothing recomputed or offloaded"
     budget = f" under a budget of {s['budget'] / 2**20:.2f} MiB" if s["budget"] else ""
