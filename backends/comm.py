@@ -11,6 +11,7 @@ worker thread; NCCL on its stream).
 
 from __future__ import annotations
 
+import contextvars
 import math
 import operator
 from collections.abc import Callable
@@ -46,17 +47,33 @@ class Issued:
     node: fx.Node | None
     finish: Finish | None = None
     results: tuple[fx.Node, ...] = ()
+    wait: Callable[..., object] = c10d.wait_tensor.default
+    """What blocks until ``node`` is written (a reload from the host tier has its own)."""
 
     def complete(self, g: fx.Graph) -> list[fx.Node]:
         """The op's results: wait for the collective and finish, or the ready results."""
         if self.node is None or self.finish is None:
             return list(self.results)
-        return self.finish(g, g.call_function(c10d.wait_tensor.default, (self.node,)))
+        return self.finish(g, g.call_function(self.wait, (self.node,)))
 
 
-def issue(g: fx.Graph, op: Op, xs: list[fx.Node], size: int, group: str, coord: int, local: list[list[int]]) -> Issued:
+def issue(
+    g: fx.Graph,
+    op: Op,
+    xs: list[fx.Node],
+    size: int,
+    group: str,
+    coord: int,
+    local: list[list[int]],
+    held: bool = False,
+) -> Issued:
     """Emit ``op``'s collective call on ``xs`` (this rank's operands) over a group of ``size`` ranks in
-    which this rank is ``coord``; ``local``: each operand's local shape (buckets cut by it)."""
+    which this rank is ``coord``; ``local``: each operand's local shape (buckets cut by it).
+
+    ``held``: a started all-gather on gloo, which would gather into a flat buffer of its own and free
+    it when the transfer ends, at no fixed point of the program (anywhere before the wait); it is
+    sent instead as an all-to-all of its operand repeated once per rank, whose buffer the program
+    holds to the wait: the same bytes (twice the output), freed at a known place."""
     if size == 1:
         return Issued(None, results=tuple(xs))  # NOTE: every layout change on a one-rank axis is the identity
     target = op.target
@@ -66,7 +83,13 @@ def issue(g: fx.Graph, op: Op, xs: list[fx.Node], size: int, group: str, coord: 
     (x,) = xs
     if target == ALL_GATHER:
         dim = int(op.kwarg("dim"))
-        call = g.call_function(c10d.all_gather_into_tensor.default, (to_front(g, x, dim), size, group))
+        front = to_front(g, x, dim)
+        if held:
+            repeats = [size] + [1] * (len(local[0]) - 1)
+            sent = g.call_function(aten.repeat.default, (front, repeats))
+            call = g.call_function(gather_by_all_to_all, (sent, local[0][dim], size, group))
+            return Issued(call, lambda g, out: [from_front(g, g.call_function(_kept, (out, sent, front)), dim)])
+        call = g.call_function(c10d.all_gather_into_tensor.default, (front, size, group))
         return Issued(call, lambda g, out: [from_front(g, out, dim)])
     if target == ALL_REDUCE:
         reduce = str(op.kwarg("reduce"))
@@ -97,6 +120,35 @@ def issue(g: fx.Graph, op: Op, xs: list[fx.Node], size: int, group: str, coord: 
             return Issued(None, results=(g.call_function(aten.zeros_like.default, (x,)),))
         return Issued(None, results=(x,))
     raise ValueError(f"{op.describe()}: no eager lowering for {op.name}")
+
+
+GATHER_BY_ALL_TO_ALL = "meshfold::all_gather by all_to_all over {} ranks"
+"""The profiler's label (``record_function``) around a started gloo all-gather's all-to-all call."""
+
+_GATHERING: contextvars.ContextVar[bool] = contextvars.ContextVar("gathering_by_all_to_all", default=False)
+
+
+def gather_by_all_to_all(sent: torch.Tensor, rows: int, size: int, group: str) -> torch.Tensor:
+    """A started all-gather on gloo (``issue``'s ``held``): ``sent``, the operand (``rows`` leading
+    rows) repeated ``size`` times, sent as an all-to-all, one copy to each rank; labelled for the
+    profiler and for :func:`gathering_by_all_to_all` as the all-gather it is."""
+    token = _GATHERING.set(True)
+    try:
+        with torch.profiler.record_function(GATHER_BY_ALL_TO_ALL.format(size)):
+            return c10d.all_to_all_single.default(sent, [rows] * size, [rows] * size, group)
+    finally:
+        _GATHERING.reset(token)
+
+
+def gathering_by_all_to_all() -> bool:
+    """Whether the collective being dispatched now is an all-gather sent as an all-to-all (what a
+    recorder of collectives should count it as)."""
+    return _GATHERING.get()
+
+
+def _kept(x: torch.Tensor, *held: torch.Tensor) -> torch.Tensor:
+    """``x``; the program holds ``held`` up to here (fx frees a value after its last reader)."""
+    return x
 
 
 def _side_by_side(g: fx.Graph, arrived: fx.Node, n: int, split: int, concat: int, shape: list[int]) -> fx.Node:

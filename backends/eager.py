@@ -24,7 +24,7 @@ from meshfold.backends.comm import Issued, issue, local_shapes
 from meshfold.backends.interpret import runnable_target
 from meshfold.backends.local import LOCAL, LocalForms
 from meshfold.backends.moe import exchange_backward, exchange_forward
-from meshfold.backends.offload import offload, reload
+from meshfold.backends.offload import offload, reload, reload_start, reload_wait
 from meshfold.backends.random import is_random, random_site
 from meshfold.backends.watch import Watch, watch_waits
 from meshfold.ir import Graph, Op, OpDef, TensorType, Value
@@ -43,6 +43,9 @@ class RankContext:
     group_names: tuple[str, ...]
     flat_groups: tuple[tuple[tuple[str, ...], str], ...] = ()
     """Groups over several mesh axes at once (``exchange_axes`` says which a graph needs)."""
+    gloo: bool = False
+    """Whether the collectives run on gloo (CPU tensors): started all-gathers are then sent so that
+    their buffers live to their waits (``comm.issue``'s ``held``)."""
 
     def size(self, axis: str) -> int:
         return self.mesh.size(axis)
@@ -152,12 +155,13 @@ def _build(
     for op in ops:
         last = g._root.prev  # NOTE: the node before this op's; its collectives' waits are named after it
         if op.results and op.results[0] in started:
-            pending[started[op.results[0]]] = (op, _issue(g, op, env, rank))
+            pending[started[op.results[0]]] = (op, _issue(g, op, env, rank, started=True))
             continue
         if op.target == WAIT:
             start, issued = pending.pop(op)
             outs = issued.complete(g)
-            _watched(g, last, start, rank)
+            if start.target != RELOAD:  # NOTE: a reload waits on this rank's copy engine, no peer
+                _watched(g, last, start, rank)
         else:
             outs = _emit(g, op, env, rank, LOCAL, rng)
             if isinstance(op.target, OpDef) or op.target in _EXCHANGES:
@@ -227,10 +231,13 @@ def _emit(
     return _unpacked(g, op, node)
 
 
-def _issue(g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext) -> Issued:
+def _issue(g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext, started: bool = False) -> Issued:
+    if op.target == RELOAD:  # NOTE: started: the copy issued here, waited for at its comm.wait
+        return Issued(g.call_function(reload_start, (env[op.operands[0]],)), lambda g, out: [out], wait=reload_wait)
     axis = str(op.kwarg("axis"))
     xs = [env[x] for x in op.operands]
-    return issue(g, op, xs, rank.size(axis), rank.group(axis), rank.coord(axis), local_shapes(op, rank.mesh))
+    local = local_shapes(op, rank.mesh)
+    return issue(g, op, xs, rank.size(axis), rank.group(axis), rank.coord(axis), local, held=started and rank.gloo)
 
 
 def _unpacked(g: fx.Graph, op: Op, node: fx.Node) -> list[fx.Node]:

@@ -6,8 +6,10 @@ produced the value and marks the value used by the copy stream (``record_stream`
 allocator reuses its block only once the copy is done, which is when the forward may drop it.
 ``reload`` allocates the device copy on the copy stream (so it needs no wait for the compute
 stream's queued work: the allocator orders the block's reuse by stream), copies, marks the copy
-used by the compute stream and makes that stream wait for the copy before anything reads it; the
-copy engine runs it while the compute stream is still on the kernels queued before. A reload
+used by the compute stream, and records an event on the copy stream; the compute stream waits for
+that event before anything reads the copy (``reload_wait``). The copy engine runs it while the
+compute stream is still on the kernels queued before, and where the overlap pass started the reload
+a block ahead of its readers (a ``comm.wait`` on it), under that block's kernels too. A reload
 queues on the same stream as the offload of its value, so the host bytes it reads are always
 written first.
 
@@ -58,9 +60,23 @@ def offload(x: torch.Tensor) -> torch.Tensor:
 def reload(h: torch.Tensor) -> torch.Tensor:
     """An offloaded tensor back where it came from: on the current CUDA device if it is pinned host
     memory (only CUDA offloads make those), else in ordinary CPU memory."""
+    return reload_wait(reload_start(h))
+
+
+def reload_start(h: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Issue ``reload(h)``: the copy and, on CUDA, the event that marks it done on the copy stream
+    (the compute stream runs on meanwhile). A CPU rank's core makes the copy here and now."""
     if h.is_pinned():
         return _from_pinned(h, torch.device("cuda", torch.cuda.current_device()))
-    return h.clone()
+    return h.clone(), None
+
+
+def reload_wait(started: tuple[torch.Tensor, torch.cuda.Event | None]) -> torch.Tensor:
+    """The reloaded tensor, once the compute stream has been made to wait for its copy."""
+    out, done = started
+    if done is not None:
+        torch.cuda.current_stream(out.device).wait_event(done)
+    return out
 
 
 def _to_pinned(x: torch.Tensor) -> torch.Tensor:
@@ -73,12 +89,12 @@ def _to_pinned(x: torch.Tensor) -> torch.Tensor:
     return host
 
 
-def _from_pinned(h: torch.Tensor, device: torch.device) -> torch.Tensor:
+def _from_pinned(h: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
     stream = _copy_stream(device)
-    compute = torch.cuda.current_stream(device)
     with torch.cuda.stream(stream):
         out = torch.empty(h.shape, dtype=h.dtype, device=device)
         out.copy_(h, non_blocking=True)
-    out.record_stream(compute)
-    compute.wait_stream(stream)
-    return out
+        done = torch.cuda.Event()
+        done.record(stream)
+    out.record_stream(torch.cuda.current_stream(device))
+    return out, done

@@ -21,7 +21,7 @@ from meshfold.backends.eager import lower
 from meshfold.groups import MeshGroups, as_timeout
 from meshfold.passes import PassError
 from meshfold.passes.base import quiet
-from meshfold.passes.cost.hardware import Cluster
+from meshfold.passes.cost.hardware import Cluster, device_cluster
 from meshfold.passes.memory import memory_line
 from meshfold.passes.schedule.timeline import predicted, to_chrome_trace, write_trace
 from meshfold.passes.sharding.problem import solve_report
@@ -70,8 +70,10 @@ def parallelize(
     given (so ``AdamW(net.parameters())`` right after works), else on their first call.
 
     ``plan="auto"``: the sharding solve chooses every parameter's and input's layout as well, for
-    the hardware ``cluster`` (``"h100:8x1"``; default: gloo ranks on this CPU) under a per-device
-    ``memory`` bound (bytes or ``"40GiB"``; default: the cluster's device memory).
+    the hardware ``cluster`` (``"h100:8x1"``; default: on a CUDA mesh, the catalog part its GPUs are,
+    H100, H200 or A100, ``LOCAL_WORLD_SIZE`` to a node; else gloo ranks on this CPU) under a
+    per-device ``memory`` bound (bytes or ``"40GiB"``; default: the cluster's device memory). The
+    passes after the solve (the overlap schedule, the memory pass's prices) use the same cluster.
 
     ``memory``: a byte budget per rank (``"6GiB"``) also has the ``memory`` pass keep, recompute or
     offload each block's activations, whichever adds least time while the predicted peak fits (and
@@ -101,6 +103,9 @@ def parallelize(
     """
     if mesh is None:
         raise PassError("parallelize needs a mesh: parallelize(model, init_device_mesh(...), example_inputs, plan=...)")
+    if cluster is None and mesh.device_type == "cuda":  # NOTE: plan for the GPUs the ranks have
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
+        cluster = device_cluster(torch.cuda.get_device_name(), per_node, mesh.size())
     options = CompileOptions.of(
         mesh=ir_mesh(mesh),
         plan=plan,

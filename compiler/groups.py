@@ -67,7 +67,7 @@ class MeshGroups:
         coordinate = self.mesh.get_coordinate()
         assert coordinate is not None, "this rank is not in the mesh"
         flat = tuple((axes, self.over(axes)) for axes in exchange_axes(graph))
-        return RankContext(mesh, tuple(coordinate), self.axes, flat)
+        return RankContext(mesh, tuple(coordinate), self.axes, flat, gloo=self.mesh.device_type == "cpu")
 
 
 def _timed(mesh: DeviceMesh, axes: Sequence[str], timeout: timedelta) -> dist.ProcessGroup:

@@ -1,18 +1,19 @@
-"""Asynchronous collectives: a collective issued at one point of a rank's program and waited on later.
+"""Asynchronous ops: a collective or a reload issued at one point of a rank's program and waited on later.
 
-A collective whose results a ``comm.wait`` reads is *started*: it yields handles, not values. The
-``comm.wait`` takes all of them (in order) and returns the values, and every use reads the wait's
-results. The op order of the graph is the schedule: what sits between a start and its wait runs
-while the collective is on the wire. Rules (checked by :func:`check_waits`):
+A collective (or a ``mem.reload`` from the host tier) whose results a ``comm.wait`` reads is
+*started*: it yields handles, not values. The ``comm.wait`` takes all of them (in order) and
+returns the values, and every use reads the wait's results. The op order of the graph is the
+schedule: what sits between a start and its wait runs while the collective is on the wire (the
+reload on the copy engine). Rules (checked by :func:`check_waits`):
 
-* a ``comm.wait`` reads every result of one collective that can run asynchronously
-  (``ASYNC_COLLECTIVES``), in order, and returns values of the same types and layouts;
-* a started collective's handles are read by that wait and nothing else (no op, no graph output),
+* a ``comm.wait`` reads every result of one op that can run asynchronously (``ASYNC_OPS``), in
+  order, and returns values of the same types and layouts;
+* a started op's handles are read by that wait and nothing else (no op, no graph output),
   and both are in the same phase (the forward and the backward are separate programs);
 * SSA then puts every wait after its start and every use after its wait.
 
 :func:`inflight` walks the order and gives the most bytes a rank holds in started, not yet waited
-collectives' results; :func:`check_inflight` compares that to a bound.
+ops' results (a started reload's device copy included); :func:`check_inflight` compares that to a bound.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from meshfold.ir.ops import (
     ALL_TO_ALL,
     REDUCE_SCATTER,
     REDUCE_SCATTER_BUCKET,
+    RELOAD,
     WAIT,
 )
 
@@ -34,6 +36,8 @@ ASYNC_COLLECTIVES = frozenset(
     {ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ALL_TO_ALL, ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET}
 )
 """The collectives that move data between ranks (``comm.shard``/``comm.partial`` are local)."""
+ASYNC_OPS = ASYNC_COLLECTIVES | {RELOAD}
+"""What a ``comm.wait`` may wait for: those collectives, and a reload from the host tier."""
 
 
 class ScheduleError(ValueError):
@@ -54,11 +58,12 @@ def check_waits(graph: Graph) -> None:
         if op.target != WAIT:
             continue
         if not op.operands or op.operands[0] not in producers:
-            raise ScheduleError(f"{op.describe()}: comm.wait must read the results of a collective")
+            raise ScheduleError(f"{op.describe()}: comm.wait must read the results of a collective or a reload")
         start = producers[op.operands[0]]
-        if start.target not in ASYNC_COLLECTIVES:
+        if start.target not in ASYNC_OPS:
             raise ScheduleError(
-                f"{op.describe()}: it waits on {start.describe()}, which is not an asynchronous collective"
+                f"{op.describe()}: it waits on {start.describe()}, "
+                "which is neither an asynchronous collective nor a reload"
             )
         if op.operands != start.results:
             raise ScheduleError(f"{op.describe()}: it must read every result of {start.describe()}, in order")

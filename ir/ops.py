@@ -213,7 +213,7 @@ REDUCE_SCATTER_BUCKET = _declare(
     _scatter_volume,
 )
 PPERMUTE = _declare("comm", "ppermute", ("axis", "perm"), "send to the peer given by perm along axis")
-WAIT = _declare("comm", "wait", (), "wait for an asynchronous collective's result")
+WAIT = _declare("comm", "wait", (), "wait for an asynchronous collective's (or reload's) result")
 REDISTRIBUTE = _declare(
     "comm", "redistribute", (), "the operand in the result's layout; boxing lowers it to collectives"
 )

@@ -312,6 +312,18 @@ def local_cluster(ranks: int) -> Cluster:
     return make_cluster(LOCAL, max(1, ranks), 1)
 
 
+def device_cluster(device_name: str, devices_per_node: int, ranks: int) -> Cluster | None:
+    """``ranks`` devices that their driver names ``device_name`` (``torch.cuda.get_device_name``, e.g.
+    ``"NVIDIA H100 80GB HBM3"``), ``devices_per_node`` to a node, with the part's default fabric;
+    None when no catalog part is named in it."""
+    words = device_name.lower().replace("-", " ").replace("_", " ").split()
+    key = next((k for k in DEVICES if k != LOCAL and k in words), None)
+    if key is None or ranks < 1:
+        return None
+    per_node = max(1, min(devices_per_node, ranks))
+    return make_cluster(key, per_node, -(-ranks // per_node))
+
+
 def parse_cluster(text: str) -> Cluster:
     """Parse ``DEVICE:GPUS_PER_NODExNODES`` (e.g. ``"h100:8x64"``) into a Cluster with the device's
     default fabric. Raises ValueError naming the bad part and the accepted device names."""

@@ -21,7 +21,9 @@ Policies (``memory{policy=...}`` or ``parallelize(..., memory="...")``):
 A budget that the parameter state alone, or the program with every block recomputed, exceeds
 fails before anything runs, saying how many bytes are needed and the largest parameter.
 ``PassContext.stats["memory"]``: the policy, budget, predicted peak before and after, the blocks
-recomputed and the values offloaded, and the predicted seconds each adds per step.
+recomputed and the values offloaded, and the predicted seconds each adds per step (an offload's,
+what the copies' seconds exceed each phase's compute by where a copy engine runs them beside the
+kernels, ``budget``; all of them where the core copies).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from meshfold.ir.ops import OFFLOAD, WAIT
 from meshfold.passes.base import Pass, PassContext, PassError
 from meshfold.passes.cost.axis import axis_models
 from meshfold.passes.cost.memory import rank_memory, size_text
-from meshfold.passes.memory.budget import decide
+from meshfold.passes.memory.budget import copy_windows, decide
 from meshfold.passes.memory.offload import offloaded, saved_activations
 from meshfold.passes.memory.policies import ANSWERS, Saved, policy_values
 from meshfold.passes.memory.recompute import recomputable, recompute
@@ -104,6 +106,9 @@ class Memory(Pass):
         made = {r for op in graph.ops for r in op.results}
         added = sum(costs.compute(op) for op in out.ops if op.prov.phase == "bwd" and not set(op.results) <= made)
         sent = sum(local_nbytes(op.operands[0], graph.mesh) for op in out.ops if op.target == OFFLOAD)
+        copy = sent / costs.models[0].cluster.device.host_bw
+        # NOTE: a copy engine hides a phase's copies up to its compute seconds; a CPU rank's core copies
+        windows = copy_windows(graph, ctx.cluster) if costs.copy_engine else (0.0, 0.0)
         ctx.stats["memory"] = {
             "policy": policy,
             "budget": budget,
@@ -113,7 +118,8 @@ class Memory(Pass):
             "offloaded": what[1],
             "pieces": pieces or [],
             "recompute_s": added,
-            "offload_s": 2 * sent / costs.models[0].cluster.device.host_bw,
+            "offload_s": sum(max(copy - w, 0.0) for w in windows),
+            "copies_s": 2 * copy,
         }
 
     def _per_value(self, ctx: PassContext, graph: Graph, ask: Callable[[Saved], str]) -> Graph:
@@ -192,7 +198,8 @@ def memory_line(stats: Mapping[str, object]) -> str | None:
     if s["recomputed"]:
         parts.append(f"recomputed {', '.join(s['recomputed'])} (+{1e3 * s['recompute_s']:.3f} ms)")
     if s["offloaded"]:
-        parts.append(f"{len(s['offloaded'])} values offloaded (+{1e3 * s['offload_s']:.3f} ms of copies)")
+        copies = f"+{1e3 * s['offload_s']:.3f} ms; {1e3 * s['copies_s']:.3f} ms of copies"
+        parts.append(f"{len(s['offloaded'])} values offloaded ({copies})")
     if s["pieces"]:
         parts.append(f"routed experts in smaller pieces: {', '.join(s['pieces'])}")
     what = "; ".join(parts) or "nothing recomputed or offloaded"

@@ -4,8 +4,11 @@ The ways to free memory (``choices``): per block (``layers.3``), recompute its p
 but GEMMs, attention and collectives: cheap to run again, from the values kept for those) or the
 whole block from its input; per saved activation, offload it to the host tier. A way adds time:
 the recomputed ops' price under the one time model (``passes.cost.axis``), or an offload's copies
-there and back at the device's host bandwidth (``Device.host_bw``), counted whole (a reload is not
-issued ahead of its reader, so nothing hides it).
+there and back at the device's host bandwidth (``Device.host_bw``). Where the core makes the copies
+(CPU ranks) they are counted whole. A device with a copy engine runs them beside its kernels (the
+overlap pass starts each reload just in time for its reader), so there the program prices only
+what the copy engine cannot hide: per phase, the chosen copies' seconds beyond the phase's compute
+seconds (``copy_windows``). The sharding solve's prices (``spill_prices``) count copies whole.
 
 An integer program (HiGHS, ``rows``) takes at most one way per value with least added time such
 that at every point of the schedule the predicted peak exceeds the budget, what the ways free there
@@ -67,6 +70,9 @@ class Choice:
     """``pieces``: the routed-experts op it shrinks and the bytes that frees while the op runs."""
     rows: int = 0
     """``pieces``: the pairs the op then computes at a time."""
+    copy: float = 0.0
+    """``offload`` on a device with a copy engine: seconds of each of its two copies, which that engine
+    runs beside the kernels (``seconds`` counts both whole)."""
 
     @property
     def offloads(self) -> bool:
@@ -120,8 +126,10 @@ def choices(graph: Graph, cluster: Cluster | None) -> list[Choice]:
         shared.setdefault(root[v], []).append(v)
     for group in shared.values():
         n = _nbytes(group, mesh)
-        away = frozenset(group)
-        out.append(Choice(block.get(group[0], ""), "offload", frozenset(), away, frozenset(), n, 2 * n / host_bw))
+        away, copy = frozenset(group), n / host_bw if costs.copy_engine else 0.0
+        out.append(
+            Choice(block.get(group[0], ""), "offload", frozenset(), away, frozenset(), n, 2 * n / host_bw, copy=copy)
+        )
     launch = max(costs.models[0].cluster.device.eff.launch_s, DISPATCH_S)
     for op, b in zip(graph.ops, op_blocks(graph), strict=True):
         if op.target not in KERNELS:
@@ -147,6 +155,17 @@ DISPATCH_S = 1.5e-6
 tiny tensors), where the device's model prices no launch gap (``hardware.HOST``)."""
 
 
+def copy_windows(graph: Graph, cluster: Cluster | None) -> tuple[float, float]:
+    """Seconds of compute in the forward and in the backward of ``graph`` on one rank: how long a
+    copy engine can copy beside the kernels of each phase."""
+    assert graph.mesh is not None
+    costs = Costs(graph, axis_models(graph.mesh, cluster))
+    return (
+        sum(costs.compute(op) for op in graph.ops if op.prov.phase == "fwd"),
+        sum(costs.compute(op) for op in graph.ops if op.prov.phase != "fwd"),
+    )
+
+
 def spill_prices(graph: Graph, mesh: Mesh, cluster: Cluster | None) -> tuple[tuple[float, float], ...]:
     """What freeing saved activations costs, as the sharding solve sees it before any layout is
     chosen: ``(seconds per byte, share)`` stretches, cheapest first, where ``share`` is the fraction
@@ -157,12 +176,19 @@ def spill_prices(graph: Graph, mesh: Mesh, cluster: Cluster | None) -> tuple[tup
     combined (each recompute alone or with the offload of what it leaves saved, or everything
     offloaded), on the lower convex hull of bytes freed against time added: a combination with
     fewer bytes and more time is never worth taking. Those hull edges from every block, merged by
-    price."""
+    price. On a device with a copy engine, offloads whose copies fit in each phase's compute time
+    (``copy_windows``) add none: the first stretch, at price 0, is the share of the saved bytes
+    those copies move; the hull's cheapest edges price the rest."""
     g = replace(graph, mesh=mesh)
     total = _nbytes(saved_activations(g, min_bytes=0), mesh)
     if not total:
         return ()
-    edges: dict[float, int] = {}
+    hidden = 0.0
+    if Costs(g, axis_models(mesh, cluster)).copy_engine:
+        # NOTE: unsplit, the windows and the bytes are the whole graph's; layouts divide both alike
+        bw = axis_models(mesh, cluster)[0].cluster.device.host_bw
+        hidden = min(min(copy_windows(g, cluster)) * bw / total, 1.0)
+    edges: dict[float, float] = {}
     spills = [c for c in choices(g, cluster) if c.how != "pieces"]
     for points in _block_points(spills).values():
         at = (0, 0.0)
@@ -174,6 +200,8 @@ def spill_prices(graph: Graph, mesh: Mesh, cluster: Cluster | None) -> tuple[tup
             rate = float(f"{max(step[1], 0.0) / step[0]:.9g}")  # NOTE: equal blocks' edges merge
             edges[rate] = edges.get(rate, 0) + step[0]
             at = (at[0] + step[0], at[1] + step[1])
+    if hidden > 0:
+        edges[0.0] = edges.get(0.0, 0) + hidden * total
     out, share = [], 0.0
     for rate in sorted(edges):
         part = min(edges[rate] / total, 1.0 - share)
@@ -208,11 +236,12 @@ def decide(graph: Graph, budget: int, cluster: Cluster | None) -> Decision:
     budget -= int(MARGIN * budget)
     options = choices(graph, cluster)
     freed, excess = freed_at(graph, est, budget, options)
+    windows = copy_windows(graph, cluster)
     # NOTE: ``more`` is added to every row's excess: raised by what a pick still left over; where that
     # makes the program infeasible, halved back towards the last feasible one
     more, low, high = 0.0, 0.0, math.inf
     for _ in range(ROUNDS):
-        picked = cheapest(options, freed, excess + more)
+        picked = cheapest(options, freed, excess + more, windows)
         if picked is None:
             high = more
             more = (low + high) / 2

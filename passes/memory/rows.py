@@ -45,6 +45,11 @@ class Way(Protocol):
     def during(self) -> tuple[tuple[Op, int], ...]:
         """Ops whose own working set it shrinks, and by how many bytes (while that op runs)."""
 
+    @property
+    def copy(self) -> float:
+        """Seconds of each of its two copies (forward, backward) that a copy engine runs beside the
+        kernels; ``seconds`` counts them whole."""
+
 
 def freed_at(graph: Graph, est: MemoryEstimate, budget: int, ways: Sequence[Way]) -> tuple[np.ndarray, np.ndarray]:
     """``(freed, excess)``: for each group of points where the estimate ``est`` of ``graph`` exceeds
@@ -103,9 +108,13 @@ def _by_root(values: frozenset[Value], root: dict[Value, Value]) -> dict[Value, 
     return out
 
 
-def cheapest(ways: Sequence[Way], freed: np.ndarray, excess: np.ndarray) -> list[int] | None:
+def cheapest(
+    ways: Sequence[Way], freed: np.ndarray, excess: np.ndarray, windows: tuple[float, float] = (0.0, 0.0)
+) -> list[int] | None:
     """Indices of the ways, no value freed by two, freeing at least ``excess`` at every group of
-    points, in least time (HiGHS); None if no such choice exists."""
+    points, in least time (HiGHS); None if no such choice exists. A way's copies (``Way.copy``) are
+    priced by what the copy engine cannot hide: in each phase, their sum beyond that phase's compute
+    seconds (``windows``: forward, backward), one continuous variable per phase."""
     n = len(ways)
     if not len(excess):
         return []
@@ -127,13 +136,31 @@ def cheapest(ways: Sequence[Way], freed: np.ndarray, excess: np.ndarray) -> list
         rows += [base + e] * len(js)
         cols += js
         vals += [1.0] * len(js)
-    matrix = csc_array((vals, (rows, cols)), shape=(base + len(exclusive), n))
+    # NOTE: per phase: sum of the chosen copies - exposed <= the phase's compute seconds
+    copies = [j for j, w in enumerate(ways) if w.copy > 0]
+    height = base + len(exclusive)
+    for p in range(2 if copies else 0):
+        rows += [height + p] * (len(copies) + 1)
+        cols += [*copies, n + p]
+        vals += [*(ways[j].copy for j in copies), -1.0]
+    phases = 2 if copies else 0
+    matrix = csc_array((vals, (rows, cols)), shape=(height + phases, n + phases))
     # NOTE: a floor on each way's time keeps free-looking ones (no FLOPs the model prices) from
     # being taken for nothing
-    cost = [max(w.seconds, 1e-12) for w in ways]
-    lo = [1.0] * base + [0.0] * len(exclusive)
-    hi = [float("inf")] * base + [1.0] * len(exclusive)
-    answer = solve_milp(cost, [0.0] * n, [1.0] * n, [1] * n, matrix, lo, hi, gap=1e-6, node_limit=10_000)
+    cost = [max(w.seconds - 2 * w.copy, 1e-12) for w in ways] + [1.0] * phases
+    lo = [1.0] * base + [0.0] * len(exclusive) + [-float("inf")] * phases
+    hi = [float("inf")] * base + [1.0] * len(exclusive) + list(windows[:phases])
+    answer = solve_milp(
+        cost,
+        [0.0] * (n + phases),
+        [1.0] * n + [float("inf")] * phases,
+        [1] * n + [0] * phases,
+        matrix,
+        lo,
+        hi,
+        gap=1e-6,
+        node_limit=10_000,
+    )
     if answer.x is None:
         return None
-    return [j for j, x in enumerate(answer.x) if x > 0.5]
+    return [j for j, x in enumerate(answer.x[:n]) if x > 0.5]

@@ -1,18 +1,23 @@
 """``overlap``: schedule each rank's program so its collectives run while it computes.
 
-Every collective that moves data becomes a start and a ``comm.wait`` (``ir.asynchrony``), and a
-list scheduler over the time model (``timeline.Costs``, the one the sharding solve prices with)
-orders each phase:
+Every collective that moves data becomes a start and a ``comm.wait`` (``ir.asynchrony``), and so
+does every ``mem.reload`` of an offloaded activation on a device with a copy engine (it runs on
+the copy stream, beside the collectives' one); a list scheduler over the time model
+(``timeline.Costs``, the one the sharding solve prices with) orders each phase:
 
 * a collective is started as soon as its operands exist, except one whose operands are all the
   phase's inputs (a parameter's FSDP gather: it could start at the very beginning), which starts
   ``prefetch`` segments before the segment of its first use (a segment: consecutive ops of one
-  block, ``layers.3``, or of the code between blocks); the backward runs its blocks in reverse,
-  so its prefetch looks the other way by itself;
+  block, ``layers.3``, or of the code between blocks); the backward runs its blocks in reverse, so
+  its prefetch looks the other way by itself;
+* a reload (its operand, the host copy, the forward made) starts as late as lets its copy end
+  before its first reader by the time model, the copy stream taking the reloads in the order of
+  their readers: the copy is hidden under the compute before that reader (the block after it in
+  the backward, when the copies are long), and its device copy is not held longer than that;
 * no start puts more than ``max-inflight`` bytes in flight on a rank (the operands and results of
   started, not yet waited collectives: a gradient's reduce-scatter holds the whole unreduced
-  gradient), unless nothing else is in flight; under a memory budget (``parallelize(memory=...)``)
-  the bound is lowered until the predicted peak fits;
+  gradient; a started reload's device copy), unless nothing else is in flight; under a memory
+  budget (``parallelize(memory=...)``) the bound is lowered until the predicted peak fits;
 * a wait goes right before the first op that reads the collective's results; at each step the
   scheduler runs, among the ready ops within ``lookahead`` places of the earliest one that wait on
   no collective still on the wire, first one that a collective waits for (so the collective starts
@@ -28,7 +33,10 @@ peak bytes in flight of the program before and after.
 
 from __future__ import annotations
 
+import bisect
 import heapq
+import itertools
+import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -36,7 +44,7 @@ from typing import ClassVar
 from meshfold.ir import Graph, GraphBuilder, Op, Value
 from meshfold.ir.asynchrony import inflight
 from meshfold.ir.graph import local_nbytes
-from meshfold.ir.ops import WAIT
+from meshfold.ir.ops import RELOAD, WAIT
 from meshfold.passes.base import Pass, PassContext, PassError
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.cost.axis import axis_models
@@ -133,21 +141,26 @@ class _Scheduler:
         for k, ds in enumerate(self.deps):
             for d in ds:
                 self.users[d].append(k)
-        # NOTE: segments: maximal runs of one block label; a windowed collective may start once the
-        # compute stream has reached ``prefetch`` segments before the one of its first reader
-        seg, self.segment = -1, []
+        # NOTE: a windowed start waits until the compute stream has run an op at or after a place of
+        # the phase (``opens``): for a collective, the first op of the segment ``prefetch`` segments
+        # before its first reader's (segments: maximal runs of one block label among the computing
+        # ops; a collective or reload between two ops of one block does not split it)
+        seg, label, segment, first_op = -1, None, [], [-1]
         for k, blk in enumerate(blocks):
-            if k == 0 or blk != blocks[k - 1]:
-                seg += 1
-            self.segment.append(seg)
+            if k not in self.comm and (seg < 0 or blk != label):
+                seg, label = seg + 1, blk
+                first_op.append(k)
+            segment.append(max(seg, 0))
         self.opens: dict[int, int] = {}
         for c in self.comm:
-            if not self.deps[c]:
+            if not self.deps[c] and ops[c].target != RELOAD:
                 first = min(self.users[c], default=c)
-                self.opens[c] = self.segment[first] - opts.prefetch
+                self.opens[c] = first_op[max(segment[first] - opts.prefetch + 1, 0)]
+        self._just_in_time(costs)
         # NOTE: a started collective holds its operands as well as its results until its wait (a
         # gradient's reduce-scatter keeps the whole unreduced gradient alive)
-        held = {c: (*ops[c].operands, *ops[c].results) for c in self.comm}
+        # NOTE: a reload's operand is in the host tier: it holds only the device copy it makes
+        held = {c: (*(() if ops[c].target == RELOAD else ops[c].operands), *ops[c].results) for c in self.comm}
         self.size = {c: sum(local_nbytes(v, graph.mesh) for v in vs) for c, vs in held.items()}
         # NOTE: the ops a computed collective that the phase reads waits for, from the last ``lookahead``
         # places before it: run first among the ready, so the collective starts early and independent
@@ -160,18 +173,32 @@ class _Scheduler:
                 if k not in self.feeds and k not in self.comm and c - k <= opts.lookahead:
                     self.feeds.add(k)
                     todo.extend(self.deps[k])
-        self.now = self.free = self.held = 0.0
-        self.reached = -1  # NOTE: the latest segment the compute stream has entered
+        self.now = self.held = 0.0
+        self.free = {"comm": 0.0, "copy": 0.0}  # NOTE: when each stream beside compute is next free
+        self.reached = -1  # NOTE: the furthest place of the phase the compute stream has run
         self.ends: dict[int, float] = {}  # started collective -> when it finishes on the wire
         self.handles: dict[int, tuple[Value, ...]] = {}
         self.issuable: set[int] = set()  # NOTE: collectives whose operands exist and whose window is open
         self.by_size: list[tuple[float, int]] = []  # NOTE: a heap of them by bytes held (entries go stale)
 
+    def _just_in_time(self, costs: Costs) -> None:
+        """Open each reload's window as late as lets its copy end by its first reader's start, the copy
+        stream taking the reloads one after another in the order of their readers (by the ops'
+        predicted compute time in the phase's order): hidden, and its device copy held no longer."""
+        clock = list(itertools.accumulate((costs.compute(op) for op in self.ops), initial=0.0))
+        latest = math.inf
+        reloads = [c for c in self.comm if self.ops[c].target == RELOAD]
+        for c in sorted(reloads, key=lambda c: min(self.users[c], default=c), reverse=True):
+            first = min(self.users[c], default=c)
+            latest = min(latest, clock[first]) - costs.comm(self.ops[c])
+            # NOTE: issued before the op that runs at ``latest``: once the one before that has run
+            self.opens[c] = min(bisect.bisect_right(clock, latest) - 2, first - 1)
+
     def run(self) -> None:
         # NOTE: an op is ready once its compute operands are emitted and its collectives started (the
         # wait goes in when it is emitted); a collective is issuable on the same terms
         # NOTE: issuable collectives whose window has not opened wait in ``closed`` (a heap by the
-        # segment that opens them), so each step looks only at the open ones
+        # place that opens them), so each step looks only at the open ones
         missing = {k: len(ds) for k, ds in enumerate(self.deps)}
         ready = [k for k, n in missing.items() if n == 0 and k not in self.comm]
         issuable = self.issuable
@@ -259,8 +286,9 @@ class _Scheduler:
         handles = tuple(Value(f"{r.name}_start", r.type, r.layout) for r in op.results)
         self.b.append(Op(op.target, op.args, op.kwargs, handles, op.prov))
         self.handles[c] = handles
-        begin = max(self.now, self.free)
-        self.free = self.ends[c] = begin + self.costs.comm(op)
+        stream = self.costs.stream(op)
+        begin = max(self.now, self.free[stream])
+        self.free[stream] = self.ends[c] = begin + self.costs.comm(op)
         self.held += self.size[c]
 
     def _wait(self, c: int) -> None:
@@ -278,5 +306,5 @@ class _Scheduler:
         self._waits_for(k)
         op = self.ops[k]
         self.b.append(op)
-        self.reached = max(self.reached, self.segment[k])
+        self.reached = max(self.reached, k)
         self.now += self.costs.compute(op)

@@ -1,13 +1,17 @@
-"""The predicted timeline of one rank's scheduled program: a compute stream and a communication stream.
+"""The predicted timeline of one rank's scheduled program: a compute, a communication and a copy stream.
 
 Every op costs what the sharding solve prices it at (``passes.cost.axis``: the roofline of the
 op's FLOPs and bytes on one device, divided as its layouts divide it; a collective by the cluster's
-collective model over its mesh axis). Replaying the graph in order: a compute op runs when the
-compute stream is free; a collective starts when it is issued and the communication stream is
-free (collectives run one after another); a ``comm.wait`` holds the compute stream until its
-collective has finished, and that hold is *exposed* communication. A collective without a wait
-(synchronous) is issued and waited on at once. The overlap pass schedules by this model; the
-Chrome trace of it (``to_chrome_trace``) opens in Perfetto beside a measured profiler trace.
+collective model over its mesh axis; a copy to or from the host tier at the device's ``host_bw``).
+Replaying the graph in order: a compute op runs when the compute stream is free; a collective
+starts when it is issued and the communication stream is free (collectives run one after another);
+``mem.offload`` and ``mem.reload`` run on the copy stream (the copy engine), one after another; a
+``comm.wait`` holds the compute stream until its collective or reload has finished, and that hold
+is *exposed* communication. A collective or reload without a wait (synchronous) is issued and
+waited on at once; an offload is never waited on (the device frees the value once the copy is
+done). A CPU rank has no copy engine: its core makes the copies, so there they are compute.
+The overlap pass schedules by this model; the Chrome trace of it (``to_chrome_trace``) opens in
+Perfetto beside a measured profiler trace.
 """
 
 from __future__ import annotations
@@ -24,10 +28,10 @@ from typing import Any
 from meshfold.ir import Graph, Mesh, Op, OpDef, TensorType, Value
 from meshfold.ir.asynchrony import ASYNC_COLLECTIVES, starts
 from meshfold.ir.graph import local_nbytes
-from meshfold.ir.ops import ALL_GATHER, ALL_GATHER_BUCKET, ALL_REDUCE, ALL_TO_ALL, WAIT
+from meshfold.ir.ops import ALL_GATHER, ALL_GATHER_BUCKET, ALL_REDUCE, ALL_TO_ALL, OFFLOAD, RELOAD, WAIT
 from meshfold.ir.symbolic import size_hint
 from meshfold.passes.cost.axis import AxisModel, axis_models
-from meshfold.passes.cost.hardware import Cluster
+from meshfold.passes.cost.hardware import LOCAL, Cluster
 from meshfold.passes.sharding.opwork import op_bytes, op_flops
 
 _KIND = {ALL_GATHER: "all_gather", ALL_GATHER_BUCKET: "all_gather", ALL_REDUCE: "all_reduce", ALL_TO_ALL: "all_to_all"}
@@ -44,7 +48,10 @@ class Costs:
     _divided: dict[Value, float] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def compute(self, op: Op) -> float:
-        """An op's kernel time on one rank: its work divided as much as its layouts divide it."""
+        """An op's kernel time on one rank: its work divided as much as its layouts divide it (a
+        host-tier copy where the core makes it, ``copy``)."""
+        if op.target in (OFFLOAD, RELOAD):
+            return 0.0 if self.copy_engine else self.copy(op)
         if isinstance(op.target, OpDef):
             return 0.0
         t = self._seconds.get(op)
@@ -60,8 +67,26 @@ class Costs:
             w = self._divided[v] = _ways(v, self.graph.mesh)
         return w
 
+    @property
+    def copy_engine(self) -> bool:
+        """Whether the device copies to and from the host tier beside its kernels (a GPU's or NPU's
+        copy engine); a CPU rank's core makes the copies itself."""
+        return self.models[0].cluster.device.name != LOCAL
+
+    def copy(self, op: Op) -> float:
+        """Seconds of a ``mem.offload`` / ``mem.reload`` copy at the device's host bandwidth."""
+        moved = op.operands if op.target == OFFLOAD else op.results
+        return sum(local_nbytes(v, self.graph.mesh) for v in moved) / self.models[0].cluster.device.host_bw
+
+    def stream(self, op: Op) -> str:
+        """Where an op that ``moves_data`` runs beside the compute stream: ``copy`` or ``comm``."""
+        return "copy" if op.target in (OFFLOAD, RELOAD) else "comm"
+
     def comm(self, op: Op) -> float:
-        """A collective's wire time over its mesh axis (0 on a one-rank axis or for local ops)."""
+        """A collective's wire time over its mesh axis, or a reload's copy time on a device with a copy
+        engine (0 on a one-rank axis, for local ops, and for copies a CPU rank's core makes)."""
+        if op.target == RELOAD:
+            return self.copy(op) if self.copy_engine else 0.0
         if op.target not in ASYNC_COLLECTIVES or self.graph.mesh is None:
             return 0.0
         model = self.models[self.graph.mesh.index(str(op.kwarg("axis")))]
@@ -87,7 +112,7 @@ def _ways(v: Value, mesh: Mesh | None) -> float:
 
 @dataclass(frozen=True, slots=True)
 class Event:
-    """One box on a stream: ``stream`` is ``compute``, ``comm`` or ``wait`` (the compute stream held)."""
+    """One box on a stream: ``stream`` is ``compute``, ``comm``, ``copy`` or ``wait`` (the compute stream held)."""
 
     stream: str
     name: str
@@ -124,7 +149,8 @@ def replay(graph: Graph, costs: Costs) -> Timeline:
     waits = starts(graph)
     started = set(waits.values())
     for phase in ("fwd", "bwd"):
-        now = free = exposed = busy = 0.0
+        now = exposed = busy = 0.0
+        free = {"comm": 0.0, "copy": 0.0}
         done: dict[Op, float] = {}
         for op in graph.ops:
             if op.prov.phase != phase:
@@ -134,14 +160,20 @@ def replay(graph: Graph, costs: Costs) -> Timeline:
                 start = waits[op]
                 now, exposed = _hold(tl, phase, op, done.pop(start), now, exposed)
                 continue
+            if op.target == OFFLOAD and costs.copy_engine:  # NOTE: on the copy engine, never waited on
+                begin = max(now, free["copy"])
+                free["copy"] = begin + costs.copy(op)
+                tl.events.append(Event("copy", op.name, phase, begin, free["copy"] - begin))
+                continue
             if wire > 0.0:
-                begin = max(now, free)
-                free = begin + wire
-                busy += wire
-                tl.events.append(Event("comm", op.name, phase, begin, wire))
-                done[op] = free
+                stream = costs.stream(op)
+                begin = max(now, free[stream])
+                free[stream] = end = begin + wire
+                busy += wire if stream == "comm" else 0.0
+                tl.events.append(Event(stream, op.name, phase, begin, wire))
+                done[op] = end
                 if op not in started:
-                    now, exposed = _hold(tl, phase, op, free, now, exposed)
+                    now, exposed = _hold(tl, phase, op, end, now, exposed)
                 continue
             t = costs.compute(op)
             if t > 0.0:
@@ -163,7 +195,7 @@ def _hold(tl: Timeline, phase: str, op: Op, until: float, now: float, exposed: f
 def to_chrome_trace(tl: Timeline, label: str = "rank 0 (predicted)") -> dict[str, Any]:
     """Chrome trace-event JSON (opens in Perfetto): one thread per stream, the backward after the
     forward, times in microseconds."""
-    streams = ("compute", "comm", "wait")
+    streams = ("compute", "comm", "copy", "wait")
     out: list[dict[str, Any]] = [{"name": "process_name", "ph": "M", "pid": 0, "tid": 0, "args": {"name": label}}]
     for tid, s in enumerate(streams):
         out.append({"name": "thread_name", "ph": "M", "pid": 0, "tid": tid, "args": {"name": s}})

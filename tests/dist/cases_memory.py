@@ -9,6 +9,8 @@ from typing import Any
 import torch
 
 from meshfold.api import parallelize
+from meshfold.ir.asynchrony import starts
+from meshfold.ir.ops import RELOAD
 from meshfold.passes.cost.memory import rank_memory
 from meshfold.tools.measure import allocator_accounting, settled_peak_new_bytes, storage_bytes
 from meshfold.tools.zoo import build
@@ -27,6 +29,7 @@ def step_memory(
     memory: int | str | None = None,
     model: str | None = None,
     moe: dict[str, Any] | None = None,
+    cluster: str | None = None,
 ) -> dict[str, Any]:
     """Compile a model, take one AdamW step (so the optimizer state exists), then measure the next
     steps' forward + backward: resident bytes (parameters, buffers, optimizer state) plus the
@@ -36,12 +39,13 @@ def step_memory(
 
     ``model``: None for a Llama-style model of width ``hidden``; else a zoo language model's name or
     ``"hf:<arch>"`` for one of ``tests.dist.hf_models``; each on ``batch`` x ``seq`` tokens. ``moe``:
-    the routed experts' mapping, as ``parallelize`` takes it."""
+    the routed experts' mapping, as ``parallelize`` takes it; ``cluster``: the hardware the program is
+    planned and scheduled for (it runs on these gloo ranks all the same, and the estimate is gloo's)."""
     warnings.filterwarnings("ignore")
     torch.manual_seed(0)
     mesh = device_mesh(tuple(shape), tuple(names))
     net, (ids, labels) = _language_model(model, hidden, batch, seq)
-    pm = parallelize(net, mesh, (ids, labels), plan=plan, memory=memory, moe=moe)
+    pm = parallelize(net, mesh, (ids, labels), plan=plan, memory=memory, moe=moe, cluster=cluster)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
     pm(ids, labels).backward()
     opt.step()
@@ -68,6 +72,7 @@ def step_memory(
         "resident_measured": resident,
         "resident_estimated": est.resident,
         "peak_at": est.peak_at,
+        "reloads_started": sum(1 for s in starts(pm.graph()).values() if s.target == RELOAD),
     }
 
 

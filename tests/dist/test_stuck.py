@@ -22,5 +22,7 @@ def test_a_stuck_rank_is_named_within_the_timeout() -> None:
         message, seconds = said["inside the program"]
         assert seconds < TIMEOUT + 1.5, seconds
         assert "over mesh axis" in message and " did not complete" in message, message
-        assert message.split(" of ")[0] in ("all_gather_into_tensor", "all_reduce", "reduce_scatter_tensor"), message
+        # NOTE: a started all-gather on gloo runs as an all-to-all (``backends.comm.issue``)
+        called = ("all_gather_into_tensor", "gather_by_all_to_all", "all_reduce", "reduce_scatter_tensor")
+        assert message.split(" of ")[0] in called, message
     print(waiting[0]["inside the program"][0])

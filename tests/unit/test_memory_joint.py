@@ -16,7 +16,7 @@ from meshfold import ir
 from meshfold.ir.graph import local_nbytes
 from meshfold.passes.cost.hardware import parse_cluster
 from meshfold.passes.cost.memory import rank_memory
-from meshfold.passes.memory.budget import choices, spill_prices
+from meshfold.passes.memory.budget import choices, copy_windows, spill_prices
 from meshfold.passes.memory.offload import saved_activations
 from meshfold.session import CompileOptions, CompileResult, compile_model
 from meshfold.tools.zoo import build
@@ -28,8 +28,9 @@ CLUSTER = "h100:8x1"
 
 @pytest.fixture(scope="module")
 def model() -> tuple[Any, tuple[torch.Tensor, torch.Tensor]]:
-    """llama-tiny on 32 x 64 tokens: activations, not the parameter state, fill its peak."""
-    return build("llama-tiny")[0], token_inputs((32, 64))
+    """llama-tiny on 256 x 64 tokens: activations, not the parameter state, fill its peak, and the copies
+    of offloading them all do not fit beside the kernels on an H100 (the copy engine hides 40%)."""
+    return build("llama-tiny")[0], token_inputs((256, 64))
 
 
 def _compile(model: Any, pipeline: str, memory: int | None = None) -> CompileResult:
@@ -63,7 +64,11 @@ def test_prices_run_cheapest_first_from_the_cheapest_choice(model: Any) -> None:
     assert sum(c.freed for c in moved) == pytest.approx(saved, rel=1e-3)  # NOTE: all but values under 4 KiB
     assert sum(s for _, s in prices) == pytest.approx(1.0, rel=1e-3)
     assert sum(r * share * saved for r, share in prices) <= sum(c.seconds for c in moved) * (1 + 1e-9)
-    assert rates[0] == pytest.approx(min(c.seconds / c.freed for c in options), rel=1e-6)
+    # NOTE: on H100s the copy engine hides the offloads whose copies fit beside each phase's kernels:
+    # the first stretch is free, as large as those copies move; then the cheapest choice's price
+    window = min(copy_windows(graph, cluster)) * cluster.device.host_bw
+    assert prices[0] == (0.0, pytest.approx(min(window / saved, 1.0), rel=1e-3)) and prices[0][1] < 1
+    assert rates[1] == pytest.approx(min(c.seconds / c.freed for c in options), rel=1e-6)
 
 
 def _total(result: CompileResult) -> float:
@@ -76,10 +81,12 @@ def _total(result: CompileResult) -> float:
     return step + mem["recompute_s"] + mem["offload_s"]
 
 
-def test_recompute_priced_in_the_solve_beats_layouts_that_fit_alone(model: Any, keep: int) -> None:
+def test_spills_priced_in_the_solve_beat_layouts_that_fit_alone(model: Any, keep: int) -> None:
     """At 30% of keep's peak no layouts fit the bound alone: without the memory pass's prices the
     solve falls back to the fastest layouts and leaves it all to the memory pass; with them it
-    shards where that frees bytes cheaper than recomputing them (measured: 2.96 vs 3.28 modelled ms)."""
+    shards where that frees bytes cheaper than the memory pass would (measured: 3.18 vs 3.41
+    modelled ms; both offload, and the joint plan's copies fit beside its kernels: 0 vs 0.26 ms
+    exposed)."""
     budget = int(0.3 * keep)
     rest = ",boxing,bucket,memory,overlap,verify"
     joint = _compile(model, "cleanup,moe-fold,sharding" + rest, budget)

@@ -11,9 +11,10 @@ from meshfold.ir import VerifyError
 from meshfold.ir.asynchrony import inflight
 from meshfold.ir.asynchrony import starts as starts_of
 from meshfold.ir.graph import local_nbytes
-from meshfold.ir.ops import WAIT
+from meshfold.ir.ops import RELOAD, WAIT
 from meshfold.passes.cost.axis import axis_models
-from meshfold.passes.cost.hardware import parse_cluster
+from meshfold.passes.cost.hardware import device_cluster, parse_cluster
+from meshfold.passes.cost.memory import rank_memory
 from meshfold.passes.schedule.timeline import Costs, replay, to_chrome_trace
 from meshfold.session import CompileOptions, compile_model
 from meshfold.tools.zoo import build
@@ -46,7 +47,7 @@ def test_a_wait_after_its_start_verifies() -> None:
         (  # a wait on something that is not a collective
             "  %h = aten.relu(%w) : f32[64, 64] {dp: S(0)}\n  %w1 = comm.wait(%h) : f32[64, 64] {dp: S(0)}\n"
             "  %y = aten.relu(%x) : f32[32, 64] {dp: S(0)}\n",
-            "not an asynchronous collective",
+            "neither an asynchronous collective nor a reload",
         ),
         (  # waited twice
             GATHER + "  %w1 = comm.wait(%h) : f32[64, 64]  # l fwd\n  %w2 = comm.wait(%h) : f32[64, 64]  # l fwd\n"
@@ -203,3 +204,53 @@ def test_tp_chunks_split_each_partial_gemm_and_its_all_reduce() -> None:
         if s.kwarg("axis") == "tp"
         for op in graph.ops
     )
+
+
+def _offloaded_llama(cluster: str | None) -> ir.Graph:
+    model, inputs = build("llama-tiny")
+    return compile_model(
+        model, inputs, CompileOptions.of(mesh="dp=2,tp=2", plan="fsdp+tp", memory="offload", cluster=cluster)
+    ).graph
+
+
+def test_reloads_start_just_in_time_on_a_copy_engine() -> None:
+    """Offloaded activations on H100s: each ``mem.reload`` is started (a ``comm.wait`` on it right
+    before its first reader) early enough that the time model's copy stream ends it before that
+    reader, so no wait on it holds the compute stream, and no earlier (the predicted peak is that of
+    reloading in place). On gloo ranks (no copy engine: the core copies) each stays in place."""
+    graph, local = _offloaded_llama("h100:4x1"), _offloaded_llama(None)
+    at = _index(graph)
+    reloads = [k for k, op in enumerate(graph.ops) if op.target == RELOAD]
+    waits = {s: w for w, s in starts_of(graph).items()}
+    assert reloads and all(graph.ops[k] in waits for k in reloads)
+    users = graph.users()
+    for k in reloads:
+        done = at[waits[graph.ops[k]].results[0]]
+        first = min(at[u.results[0]] for r in waits[graph.ops[k]].results for u in users[r] if u.results)
+        assert all(o.name.startswith("comm.") or o.target == RELOAD for o in graph.ops[done + 1 : first])
+    assert not any(s.target == RELOAD for s in starts_of(local).values())
+    assert sum(1 for op in local.ops if op.target == RELOAD) == len(reloads)
+    h100 = axis_models(graph.mesh, parse_cluster("h100:4x1"))  # type: ignore[arg-type]
+    held = {}
+    for name, g in (("started", graph), ("in place", local)):
+        tl = replay(g, Costs(g, h100))
+        copies = sum(e.seconds for e in tl.events if e.stream == "copy" and e.phase == "bwd")
+        held[name] = sum(e.seconds for e in tl.events if e.stream == "wait" and "reload" in e.name)
+    assert copies > 0 and held["started"] == 0.0 and held["in place"] == pytest.approx(copies), (copies, held)
+    assert rank_memory(graph).peak <= rank_memory(local).peak
+
+
+@pytest.mark.parametrize(
+    ("name", "per_node", "ranks", "expected"),
+    [
+        ("NVIDIA H100 80GB HBM3", 8, 16, ("h100", 8, 2)),
+        ("NVIDIA A100-SXM4-80GB", 8, 4, ("a100", 4, 1)),
+        ("NVIDIA H200", 4, 6, ("h200", 4, 2)),
+        ("NVIDIA GeForce RTX 4090", 1, 1, None),
+    ],
+)
+def test_a_cuda_mesh_is_planned_for_the_part_its_driver_names(
+    name: str, per_node: int, ranks: int, expected: tuple[str, int, int] | None
+) -> None:
+    c = device_cluster(name, per_node, ranks)
+    assert (c.device.name, c.devices_per_node, c.nodes) == expected if c else expected is None
