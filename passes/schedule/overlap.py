@@ -12,8 +12,9 @@ the copy stream, beside the collectives' one); a list scheduler over the time mo
   its prefetch looks the other way by itself;
 * a reload (its operand, the host copy, the forward made) starts as late as lets its copy end
   before its first reader by the time model, the copy stream taking the reloads in the order of
-  their readers: the copy is hidden under the compute before that reader (the block after it in
-  the backward, when the copies are long), and its device copy is not held longer than that;
+  their readers, and no earlier than the reader of the reload before it: the copy is hidden under
+  the compute between those readers where it fits, and at most one reader's reloads are held
+  ahead of it;
 * no start puts more than ``max-inflight`` bytes in flight on a rank (the operands and results of
   started, not yet waited collectives: a gradient's reduce-scatter holds the whole unreduced
   gradient; a started reload's device copy), unless nothing else is in flight; under a memory
@@ -184,15 +185,21 @@ class _Scheduler:
     def _just_in_time(self, costs: Costs) -> None:
         """Open each reload's window as late as lets its copy end by its first reader's start, the copy
         stream taking the reloads one after another in the order of their readers (by the ops'
-        predicted compute time in the phase's order): hidden, and its device copy held no longer."""
+        predicted compute time in the phase's order), but not before the wait of the reload before
+        it: one reader's reloads ahead at most, so where the copies outlast the compute (the copy
+        engine is the bottleneck, and nothing hides them all) the device copies are not all held
+        from the phase's start."""
         clock = list(itertools.accumulate((costs.compute(op) for op in self.ops), initial=0.0))
-        latest = math.inf
         reloads = [c for c in self.comm if self.ops[c].target == RELOAD]
-        for c in sorted(reloads, key=lambda c: min(self.users[c], default=c), reverse=True):
-            first = min(self.users[c], default=c)
-            latest = min(latest, clock[first]) - costs.comm(self.ops[c])
+        first = {c: min(self.users[c], default=c) for c in reloads}
+        readers = sorted(set(first.values()))
+        before = dict(zip(readers[1:], readers, strict=False))  # NOTE: each reader -> the reader before it
+        latest = math.inf
+        for c in sorted(reloads, key=lambda c: first[c], reverse=True):
+            latest = min(latest, clock[first[c]]) - costs.comm(self.ops[c])
+            floor = before.get(first[c], 0) - 1  # NOTE: from the wait of the reload(s) before it
             # NOTE: issued before the op that runs at ``latest``: once the one before that has run
-            self.opens[c] = min(bisect.bisect_right(clock, latest) - 2, first - 1)
+            self.opens[c] = max(min(bisect.bisect_right(clock, latest) - 2, first[c] - 1), floor)
 
     def run(self) -> None:
         # NOTE: an op is ready once its compute operands are emitted and its collectives started (the

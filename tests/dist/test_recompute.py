@@ -73,12 +73,17 @@ MEMORY = dict(shape=(2, 2), names=("dp", "tp"), plan="fsdp+tp", hidden=128, batc
 
 
 def test_recompute_and_offload_lower_the_measured_peak(rank_pools: RankPools) -> None:
-    """Keep everything, recompute every block, offload every saved activation (reloaded where read,
-    and, planned for H100s, started a block ahead by the overlap pass), and a budget between keep
-    and full: each measured peak is within 10% of its estimate, full recompute and offload measure
-    lower than keeping, and the budgeted program measures at most its budget."""
+    """Keep everything, recompute every block (or the attention core, or the K/V path), offload every
+    saved activation (reloaded where read, and, planned for H100s, started ahead by the overlap
+    pass), and a budget between keep and full: each measured peak is within 10% of its estimate,
+    full recompute and offload measure lower than keeping, and the budgeted program measures at
+    most its budget."""
     pool = rank_pools.get(4)
     keep = pool.run("tests.dist.cases_memory:step_memory", **MEMORY)
+    for policy in ("selective", "kv"):
+        for rank, r in enumerate(pool.run("tests.dist.cases_memory:step_memory", memory=policy, **MEMORY)):
+            err = abs(r["estimated"] - r["measured"]) / r["measured"]
+            assert err <= 0.10, f"{policy}, rank {rank}: estimate {r['estimated']} vs measured {r['measured']}"
     full = pool.run("tests.dist.cases_memory:step_memory", memory="full", **MEMORY)
     off = pool.run("tests.dist.cases_memory:step_memory", memory="offload", **MEMORY)
     ahead = pool.run("tests.dist.cases_memory:step_memory", memory="offload", cluster="h100:4x1", **MEMORY)

@@ -16,6 +16,8 @@ from torch.distributed.tensor import DTensor
 
 from meshfold.api import parallelize
 from meshfold.backends.offload import offload, reload
+from meshfold.ir.asynchrony import starts
+from meshfold.ir.ops import RELOAD
 from meshfold.passes.cost.memory import rank_memory
 from meshfold.tools.zoo.models import LlamaTiny
 
@@ -81,6 +83,8 @@ def test_an_offloaded_program_on_a_cuda_rank_equals_the_model_and_lowers_the_pea
         net = LlamaTiny(vocab=256, hidden=256, intermediate=512).cuda()
         model = net if memory == "model" else parallelize(net, one_cuda_rank, (ids, ids), plan="ddp", memory=memory)
         predicted = None if memory == "model" else rank_memory(model.graph()).peak_transient
+        if memory == "offload":  # NOTE: planned for this GPU's copy engine: reloads started ahead
+            assert any(s.target == RELOAD for s in starts(model.graph()).values())
         runs[memory] = (*_step(model, ids), predicted)
     loss0, grads0, _, _ = runs["model"]
     for memory in (None, "offload"):

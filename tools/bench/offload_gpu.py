@@ -6,7 +6,9 @@
 One process, one NCCL rank (mesh ``dp=1``), the zoo's two-layer Llama-style model in fp32 at each
 ``--hidden`` (intermediate 4x). Per row: the eager model, then ``parallelize`` with every
 activation kept, ``memory="full"`` and ``memory="offload"`` (pinned host memory on a copy stream,
-``backends/offload.py``): the median step time (forward + backward, synchronized) of ``--steps``
+``backends/offload.py``; planned for this GPU, so the overlap pass starts each reload ahead of its
+reader), and ``offload-at-use``: the same planned as if the device had no copy engine (cluster
+``cpu``), each reload issued where its reader is: the median step time (forward + backward, synchronized) of ``--steps``
 after three warm-ups, the allocator's peak above what was live before the step, and both as ratios
 to the eager model measured in the same run, with the load average. Figures are printed, never
 asserted. Needs a CUDA device; says so and exits otherwise.
@@ -29,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from meshfold.api import parallelize
 from meshfold.tools.zoo.models import LlamaTiny
 
-POLICIES = ("model", "keep", "full", "offload")
+POLICIES = ("model", "keep", "full", "offload", "offload-at-use")
 
 
 def measure(model: torch.nn.Module, ids: torch.Tensor, steps: int) -> tuple[float, int]:
@@ -69,18 +71,22 @@ def main(argv: list[str] | None = None) -> int:
         ids = torch.randint(0, 256, (args.batch, args.seq), device="cuda")
         print(f"{torch.cuda.get_device_name()}, {args.batch} x {args.seq} tokens, fp32, median of {args.steps}")
         head = ("hidden", "program", "step ms", "vs model", "peak MiB", "vs model", "load")
-        print(" ".join(f"{h:>{w}}" for h, w in zip(head, (6, 8, 8, 8, 9, 8, 5), strict=True)))
+        print(" ".join(f"{h:>{w}}" for h, w in zip(head, (6, 14, 8, 8, 9, 8, 5), strict=True)))
         for hidden in args.hidden:
             base: tuple[float, int] | None = None
             for policy in POLICIES:
                 torch.manual_seed(0)
                 net = LlamaTiny(vocab=256, hidden=hidden, intermediate=4 * hidden).cuda()
-                memory = None if policy == "keep" else policy
-                model = net if policy == "model" else parallelize(net, mesh, (ids, ids), plan="ddp", memory=memory)
+                memory = None if policy == "keep" else policy.removesuffix("-at-use")
+                cluster = "cpu:1x1" if policy.endswith("-at-use") else None
+                if policy == "model":
+                    model = net
+                else:
+                    model = parallelize(net, mesh, (ids, ids), plan="ddp", memory=memory, cluster=cluster)
                 step, peak = measure(model, ids, args.steps)
                 base = base or (step, peak)
                 print(
-                    f"{hidden:>6} {policy:>8} {1e3 * step:>8.2f} {step / base[0]:>8.2f} {peak / 2**20:>9.1f} "
+                    f"{hidden:>6} {policy:>14} {1e3 * step:>8.2f} {step / base[0]:>8.2f} {peak / 2**20:>9.1f} "
                     f"{peak / base[1]:>8.2f} {os.getloadavg()[0]:>5.2f}"
                 )
                 del model, net
