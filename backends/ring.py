@@ -1,0 +1,238 @@
+"""Ring attention over a context-parallel group: each rank holds a slice of the sequence, and the
+keys and values travel around the ring while every rank attends its queries to each slice in turn.
+
+Zigzag layout (``sequence_shard``): the sequence is cut in ``2 * cp`` equal chunks and rank ``r``
+holds chunks ``r`` and ``2 * cp - 1 - r``, so under a causal mask every rank has the same work: an
+early chunk, which attends to little, beside a late one, which attends to much (``ring_blocks``
+lists the (query chunk, key chunk) pairs each rank computes at each step). The contiguous layout
+(rank ``r`` holds chunk ``r`` of ``cp``) is the plain sequence split: the same results, but under a
+causal mask the last rank does ``cp`` blocks' work and the first one half of one. Keys and values
+may have fewer heads than the queries (grouped-query attention): they travel as they are and are
+repeated for each block's kernel, and their gradients summed back over the repeats.
+
+Forward: at step ``s`` a rank holds the keys and values of rank ``r - s`` (mod ``cp``); for each of
+its query chunks ``a`` and the held key chunks ``b`` it runs the flash kernel on the pair, whole when
+``b`` comes before ``a``, causal when ``b == a``, not at all after (all pairs whole without a causal
+mask), and merges the block's output with the running one by their log-sum-exp (online softmax).
+The next step's keys and values are sent and received (point to point, ``batch_isend_irecv``)
+while the current pairs compute.
+
+Backward: the same pairs in the same order, each through the flash kernel's backward with the
+*merged* output and log-sum-exp, which is what makes the per-block gradients add up to the whole:
+the query gradients stay, the key and value gradients travel with the keys and values and, after a
+last step, arrive back at their owner.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True)
+class Block:
+    """One attention block a rank computes at one ring step: its query chunk (0 or 1: which of its
+    two), the key chunk (0 or 1 of the keys it holds then) and whether the block is causal."""
+
+    query: int
+    key: int
+    causal: bool
+
+
+LAYOUTS = ("zigzag", "contiguous")
+
+
+def chunks_of(rank: int, cp: int, layout: str = "zigzag") -> tuple[int, ...]:
+    """The global chunks that ``rank`` holds: of ``2 * cp`` in the zigzag layout, of ``cp`` in the
+    contiguous one."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown sequence layout {layout!r}; use one of {', '.join(LAYOUTS)}")
+    return (rank, 2 * cp - 1 - rank) if layout == "zigzag" else (rank,)
+
+
+def ring_blocks(rank: int, cp: int, causal: bool, layout: str = "zigzag") -> list[list[Block]]:
+    """Per ring step, the blocks ``rank`` computes (step ``s``: the keys of rank ``rank - s``)."""
+    mine = chunks_of(rank, cp, layout)
+    out = []
+    for s in range(cp):
+        theirs = chunks_of((rank - s) % cp, cp, layout)
+        step = []
+        for qi, a in enumerate(mine):
+            for ki, b in enumerate(theirs):
+                if not causal or b < a:
+                    step.append(Block(qi, ki, False))
+                elif b == a:
+                    step.append(Block(qi, ki, True))
+        out.append(step)
+    return out
+
+
+def sequence_shard(x: torch.Tensor, dim: int, cp: int, rank: int, layout: str = "zigzag") -> torch.Tensor:
+    """``rank``'s part of ``x`` along ``dim`` (the sequence) in ``layout``."""
+    mine = chunks_of(rank, cp, layout)
+    parts = x.chunk(len(mine) * cp, dim)
+    return torch.cat([parts[c] for c in mine], dim)
+
+
+def sequence_unshard(parts: list[torch.Tensor], dim: int, layout: str = "zigzag") -> torch.Tensor:
+    """The whole sequence from every rank's part in ``layout`` (in rank order)."""
+    cp = len(parts)
+    n = len(chunks_of(0, cp, layout))
+    chunks: list[torch.Tensor | None] = [None] * (n * cp)
+    for r, p in enumerate(parts):
+        for c, piece in zip(chunks_of(r, cp, layout), p.chunk(n, dim), strict=True):
+            chunks[c] = piece
+    return torch.cat([c for c in chunks if c is not None], dim)
+
+
+class _Ring:
+    """Sends tensors to the next rank of the group and receives the previous rank's, asynchronously."""
+
+    def __init__(self, group: dist.ProcessGroup) -> None:
+        self.group = group
+        rank, size = dist.get_rank(group), dist.get_world_size(group)
+        self.next = dist.get_global_rank(group, (rank + 1) % size)
+        self.prev = dist.get_global_rank(group, (rank - 1) % size)
+
+    def start(self, tensors: list[torch.Tensor], tag: int = 0) -> tuple[list[Any], list[torch.Tensor]]:
+        got = [torch.empty_like(t) for t in tensors]
+        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group, tag) for t in tensors]
+        ops += [dist.P2POp(dist.irecv, g, self.prev, self.group, tag) for g in got]
+        return dist.batch_isend_irecv(ops), got
+
+    @staticmethod
+    def finish(pending: tuple[list[Any], list[torch.Tensor]]) -> list[torch.Tensor]:
+        works, got = pending
+        for w in works:
+            w.wait()
+        return got
+
+
+def _merge(
+    out: torch.Tensor | None, lse: torch.Tensor | None, o: torch.Tensor, lo: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two softmax-normalised partial outputs over disjoint keys, merged by their log-sum-exps."""
+    if out is None or lse is None:
+        return o, lo
+    new = torch.logaddexp(lse, lo)
+    return out * torch.exp(lse - new).unsqueeze(-1) + o * torch.exp(lo - new).unsqueeze(-1), new
+
+
+def _parts(x: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """``x``'s ``n`` sequence chunks (views)."""
+    return list(x.chunk(n, dim=2))
+
+
+def _repeated(x: torch.Tensor, times: int) -> torch.Tensor:
+    """Grouped-query keys or values, each head repeated for the query heads that read it."""
+    return x if times == 1 else x.repeat_interleave(times, dim=1)
+
+
+def _summed(g: torch.Tensor, times: int) -> torch.Tensor:
+    """The gradient of ``_repeated``: each head's repeats summed."""
+    if times == 1:
+        return g
+    b, h, s, d = g.shape
+    return g.view(b, h // times, times, s, d).sum(2)
+
+
+class RingAttention(torch.autograd.Function):
+    """Causal or full attention of ``(batch, heads, seq, dim)`` tensors sharded in ``layout`` over
+    ``group`` (see the module doc)."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        group: dist.ProcessGroup,
+        causal: bool,
+        scale: float | None,
+        layout: str,
+    ) -> torch.Tensor:
+        ring, cp, rank = _Ring(group), dist.get_world_size(group), dist.get_rank(group)
+        n, times = len(chunks_of(rank, cp, layout)), q.shape[1] // k.shape[1]
+        queries = _parts(q, n)
+        outs: list[torch.Tensor | None] = [None] * n
+        lses: list[torch.Tensor | None] = [None] * n
+        kv = [k, v]
+        for s, step in enumerate(ring_blocks(rank, cp, causal, layout)):
+            pending = ring.start(kv) if s < cp - 1 else None
+            keys, values = _parts(_repeated(kv[0], times), n), _parts(_repeated(kv[1], times), n)
+            for b in step:
+                o, lo, *_ = aten._scaled_dot_product_flash_attention_for_cpu(
+                    queries[b.query], keys[b.key], values[b.key], 0.0, b.causal, scale=scale
+                )
+                outs[b.query], lses[b.query] = _merge(outs[b.query], lses[b.query], o, lo)
+            if pending is not None:
+                kv = ring.finish(pending)
+        assert all(o is not None for o in outs) and all(lv is not None for lv in lses)
+        out = torch.cat(outs, dim=2)  # type: ignore[arg-type]
+        lse = torch.cat(lses, dim=2)  # type: ignore[arg-type]
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.causal, ctx.scale, ctx.layout = group, causal, scale, layout
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        group = ctx.group
+        ring, cp, rank = _Ring(group), dist.get_world_size(group), dist.get_rank(group)
+        n, times = len(chunks_of(rank, cp, ctx.layout)), q.shape[1] // k.shape[1]
+        queries, outs, lses, grads = _parts(q, n), _parts(out, n), _parts(lse, n), _parts(grad.contiguous(), n)
+        dq = [torch.zeros_like(x) for x in queries]
+        kv, dkv = [k, v], [torch.zeros_like(k), torch.zeros_like(v)]
+        for s, step in enumerate(ring_blocks(rank, cp, ctx.causal, ctx.layout)):
+            pending = ring.start(kv) if s < cp - 1 else None
+            keys, values = _parts(_repeated(kv[0], times), n), _parts(_repeated(kv[1], times), n)
+            dk, dv = _parts(dkv[0], n), _parts(dkv[1], n)  # NOTE: what the ranks before added, added to here
+            for b in step:
+                gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    grads[b.query],
+                    queries[b.query],
+                    keys[b.key],
+                    values[b.key],
+                    outs[b.query],
+                    lses[b.query],
+                    0.0,
+                    b.causal,
+                    scale=ctx.scale,
+                )
+                dq[b.query] = dq[b.query] + gq
+                dk[b.key].add_(_summed(gk, times))
+                dv[b.key].add_(_summed(gv, times))
+            # NOTE: the key and value gradients go where the keys and values go, and a last step
+            # brings them home
+            grads_on = ring.start(dkv, tag=1)
+            if pending is not None:
+                kv = ring.finish(pending)
+            dkv = ring.finish(grads_on)
+        return torch.cat(dq, dim=2), dkv[0], dkv[1], None, None, None, None
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    causal: bool = True,
+    scale: float | None = None,
+    layout: str = "zigzag",
+) -> torch.Tensor:
+    """Attention of this rank's part (in ``layout``) of the queries over every rank's keys and
+    values; ``k`` and ``v`` may have fewer heads than ``q`` (a divisor of its heads)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"unknown sequence layout {layout!r}; use one of {', '.join(LAYOUTS)}")
+    if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
+        raise ValueError(
+            f"ring attention: {q.shape[1]} query heads over {k.shape[1]} key and {v.shape[1]} value heads; the "
+            "keys and values need one head count that divides the queries'"
+        )
+    out: torch.Tensor = RingAttention.apply(q, k, v, group, causal, scale, layout)
+    return out

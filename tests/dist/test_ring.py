@@ -1,0 +1,72 @@
+"""Ring attention (``backends/ring.py``): the zigzag layout's blocks and balance, and the ring on
+gloo ranks against one device's attention, forward and backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshfold.backends.ring import ring_blocks, sequence_shard, sequence_unshard
+from tests.dist.conftest import RankPools
+
+
+@pytest.mark.parametrize("cp", [2, 4, 8])
+def test_zigzag_blocks_cover_the_causal_square_once_and_balance_the_ranks(cp: int) -> None:
+    """Under a causal mask the blocks of all ranks over all steps are each (query chunk, key chunk)
+    pair at or below the diagonal once, the diagonal ones causal; and every rank computes the same
+    area (a diagonal block counts half)."""
+    seen: dict[tuple[int, int], bool] = {}
+    areas = []
+    for rank in range(cp):
+        area = 0.0
+        for s, step in enumerate(ring_blocks(rank, cp, causal=True)):
+            src = (rank - s) % cp
+            for b in step:
+                a = (rank, 2 * cp - 1 - rank)[b.query]
+                k = (src, 2 * cp - 1 - src)[b.key]
+                assert (a, k) not in seen
+                seen[(a, k)] = b.causal
+                area += 0.5 if b.causal else 1.0
+        areas.append(area)
+    assert set(seen) == {(a, k) for a in range(2 * cp) for k in range(a + 1)}
+    assert all(c == (a == k) for (a, k), c in seen.items())
+    assert len(set(areas)) == 1, areas
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "contiguous"])
+def test_sequence_layouts_round_trip(layout: str) -> None:
+    x = torch.arange(2 * 3 * 16).reshape(2, 3, 16)
+    assert torch.equal(sequence_unshard([sequence_shard(x, 2, 4, r, layout) for r in range(4)], 2, layout), x)
+
+
+# NOTE: (ranks, causal, ranks per ring, key/value heads of 4 query heads, layout)
+CASES = [
+    (2, True, None, 4, "zigzag"),
+    (4, True, None, 4, "zigzag"),
+    (4, False, None, 4, "zigzag"),
+    (4, True, 2, 4, "zigzag"),
+    (4, True, None, 2, "zigzag"),
+    (4, True, None, 4, "contiguous"),
+]
+
+
+@pytest.mark.parametrize(
+    "case", CASES, ids=[f"{w}ranks-{'causal' if c else 'full'}-cp{g or w}-kv{h}-{lay}" for w, c, g, h, lay in CASES]
+)
+def test_ring_attention_equals_attention(rank_pools: RankPools, case: tuple[int, bool, int | None, int, str]) -> None:
+    """The output and the query, key and value gradients equal one device's attention (float64),
+    grouped-query keys and values included."""
+    world, causal, group, kv_heads, layout = case
+    results = rank_pools.get(world).run(
+        "tests.dist.cases_ring:ring_equals_attention",
+        batch=2,
+        heads=4,
+        seq=32,
+        dim=8,
+        causal=causal,
+        group_size=group,
+        kv_heads=kv_heads,
+        layout=layout,
+    )
+    for rank, errs in enumerate(results):
+        assert max(errs.values()) < 1e-10, (rank, errs)
