@@ -141,9 +141,89 @@ def _summed(g: torch.Tensor, times: int) -> torch.Tensor:
     return g.view(b, h // times, times, s, d).sum(2)
 
 
+def ring_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    causal: bool = True,
+    scale: float | None = None,
+    layout: str = "zigzag",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The forward of ring attention on this rank's part of ``(batch, heads, seq, dim)`` tensors in
+    ``layout`` over ``group``: the output and its log-sum-exp ``(batch, heads, seq)``, as the flash
+    kernel returns them for the whole sequence."""
+    ring, cp, rank = _Ring(group), dist.get_world_size(group), dist.get_rank(group)
+    n, times = len(chunks_of(rank, cp, layout)), q.shape[1] // k.shape[1]
+    queries = _parts(q, n)
+    outs: list[torch.Tensor | None] = [None] * n
+    lses: list[torch.Tensor | None] = [None] * n
+    kv = [k, v]
+    for s, step in enumerate(ring_blocks(rank, cp, causal, layout)):
+        pending = ring.start(kv) if s < cp - 1 else None
+        keys, values = _parts(_repeated(kv[0], times), n), _parts(_repeated(kv[1], times), n)
+        for b in step:
+            o, lo, *_ = aten._scaled_dot_product_flash_attention_for_cpu(
+                queries[b.query], keys[b.key], values[b.key], 0.0, b.causal, scale=scale
+            )
+            outs[b.query], lses[b.query] = _merge(outs[b.query], lses[b.query], o, lo)
+        if pending is not None:
+            kv = ring.finish(pending)
+    done = [o for o in outs if o is not None]
+    sums = [lv for lv in lses if lv is not None]
+    assert len(done) == len(sums) == n, "every query chunk attends at least to itself"
+    return torch.cat(done, dim=2), torch.cat(sums, dim=2)
+
+
+def ring_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    group: dist.ProcessGroup,
+    causal: bool = True,
+    scale: float | None = None,
+    layout: str = "zigzag",
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gradients of ``q``, ``k`` and ``v`` (this rank's parts) from the output's ``grad``, given the
+    output and log-sum-exp ``ring_forward`` returned."""
+    ring, cp, rank = _Ring(group), dist.get_world_size(group), dist.get_rank(group)
+    n, times = len(chunks_of(rank, cp, layout)), q.shape[1] // k.shape[1]
+    queries, outs, lses, grads = _parts(q, n), _parts(out, n), _parts(lse, n), _parts(grad.contiguous(), n)
+    dq = [torch.zeros_like(x) for x in queries]
+    kv, dkv = [k, v], [torch.zeros_like(k), torch.zeros_like(v)]
+    for s, step in enumerate(ring_blocks(rank, cp, causal, layout)):
+        pending = ring.start(kv) if s < cp - 1 else None
+        keys, values = _parts(_repeated(kv[0], times), n), _parts(_repeated(kv[1], times), n)
+        dk, dv = _parts(dkv[0], n), _parts(dkv[1], n)  # NOTE: what the ranks before added, added to here
+        for b in step:
+            gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grads[b.query],
+                queries[b.query],
+                keys[b.key],
+                values[b.key],
+                outs[b.query],
+                lses[b.query],
+                0.0,
+                b.causal,
+                scale=scale,
+            )
+            dq[b.query] = dq[b.query] + gq
+            dk[b.key].add_(_summed(gk, times))
+            dv[b.key].add_(_summed(gv, times))
+        # NOTE: the key and value gradients go where the keys and values go, and a last step
+        # brings them home
+        grads_on = ring.start(dkv, tag=1)
+        if pending is not None:
+            kv = ring.finish(pending)
+        dkv = ring.finish(grads_on)
+    return torch.cat(dq, dim=2), dkv[0], dkv[1]
+
+
 class RingAttention(torch.autograd.Function):
-    """Causal or full attention of ``(batch, heads, seq, dim)`` tensors sharded in ``layout`` over
-    ``group`` (see the module doc)."""
+    """``ring_forward`` with ``ring_backward`` as its gradient (see the module doc)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -156,64 +236,14 @@ class RingAttention(torch.autograd.Function):
         scale: float | None,
         layout: str,
     ) -> torch.Tensor:
-        ring, cp, rank = _Ring(group), dist.get_world_size(group), dist.get_rank(group)
-        n, times = len(chunks_of(rank, cp, layout)), q.shape[1] // k.shape[1]
-        queries = _parts(q, n)
-        outs: list[torch.Tensor | None] = [None] * n
-        lses: list[torch.Tensor | None] = [None] * n
-        kv = [k, v]
-        for s, step in enumerate(ring_blocks(rank, cp, causal, layout)):
-            pending = ring.start(kv) if s < cp - 1 else None
-            keys, values = _parts(_repeated(kv[0], times), n), _parts(_repeated(kv[1], times), n)
-            for b in step:
-                o, lo, *_ = aten._scaled_dot_product_flash_attention_for_cpu(
-                    queries[b.query], keys[b.key], values[b.key], 0.0, b.causal, scale=scale
-                )
-                outs[b.query], lses[b.query] = _merge(outs[b.query], lses[b.query], o, lo)
-            if pending is not None:
-                kv = ring.finish(pending)
-        assert all(o is not None for o in outs) and all(lv is not None for lv in lses)
-        out = torch.cat(outs, dim=2)  # type: ignore[arg-type]
-        lse = torch.cat(lses, dim=2)  # type: ignore[arg-type]
+        out, lse = ring_forward(q, k, v, group, causal, scale, layout)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.layout = group, causal, scale, layout
+        ctx.how = (group, causal, scale, layout)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        q, k, v, out, lse = ctx.saved_tensors
-        group = ctx.group
-        ring, cp, rank = _Ring(group), dist.get_world_size(group), dist.get_rank(group)
-        n, times = len(chunks_of(rank, cp, ctx.layout)), q.shape[1] // k.shape[1]
-        queries, outs, lses, grads = _parts(q, n), _parts(out, n), _parts(lse, n), _parts(grad.contiguous(), n)
-        dq = [torch.zeros_like(x) for x in queries]
-        kv, dkv = [k, v], [torch.zeros_like(k), torch.zeros_like(v)]
-        for s, step in enumerate(ring_blocks(rank, cp, ctx.causal, ctx.layout)):
-            pending = ring.start(kv) if s < cp - 1 else None
-            keys, values = _parts(_repeated(kv[0], times), n), _parts(_repeated(kv[1], times), n)
-            dk, dv = _parts(dkv[0], n), _parts(dkv[1], n)  # NOTE: what the ranks before added, added to here
-            for b in step:
-                gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                    grads[b.query],
-                    queries[b.query],
-                    keys[b.key],
-                    values[b.key],
-                    outs[b.query],
-                    lses[b.query],
-                    0.0,
-                    b.causal,
-                    scale=ctx.scale,
-                )
-                dq[b.query] = dq[b.query] + gq
-                dk[b.key].add_(_summed(gk, times))
-                dv[b.key].add_(_summed(gv, times))
-            # NOTE: the key and value gradients go where the keys and values go, and a last step
-            # brings them home
-            grads_on = ring.start(dkv, tag=1)
-            if pending is not None:
-                kv = ring.finish(pending)
-            dkv = ring.finish(grads_on)
-        return torch.cat(dq, dim=2), dkv[0], dkv[1], None, None, None, None
+        return (*ring_backward(grad, *ctx.saved_tensors, *ctx.how), None, None, None, None)
 
 
 def ring_attention(

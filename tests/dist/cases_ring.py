@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshfold.backends.ring import ring_attention, sequence_shard, sequence_unshard
+from meshfold.backends.ring import ring_attention, ring_forward, sequence_shard, sequence_unshard
 
 
 def ring_equals_attention(
@@ -50,4 +50,13 @@ def ring_equals_attention(
     want.backward(dout)
     expected = [want.detach(), *(t.grad for t in ref)]
     names = ("out", "dq", "dk", "dv")
-    return {n: float((a - b).abs().max()) for n, a, b in zip(names, whole, expected, strict=True)}
+    errs = {n: float((a - b).abs().max()) for n, a, b in zip(names, whole, expected, strict=True)}
+    # NOTE: the log-sum-exp the forward returns (what the backward op reads) is the whole sequence's
+    _, lse = ring_forward(*(p.detach() for p in parts), group=group, causal=causal, layout=layout)
+    pieces = [torch.empty_like(lse) for _ in range(cp)]
+    dist.all_gather(pieces, lse.contiguous(), group=group)
+    reps = heads // kvh
+    full_k, full_v = k.repeat_interleave(reps, 1), v.repeat_interleave(reps, 1)
+    _, want_lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, full_k, full_v, 0.0, causal)
+    errs["lse"] = float((sequence_unshard(pieces, 2, layout) - want_lse).abs().max())
+    return errs

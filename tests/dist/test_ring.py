@@ -54,7 +54,7 @@ CASES = [
     "case", CASES, ids=[f"{w}ranks-{'causal' if c else 'full'}-cp{g or w}-kv{h}-{lay}" for w, c, g, h, lay in CASES]
 )
 def test_ring_attention_equals_attention(rank_pools: RankPools, case: tuple[int, bool, int | None, int, str]) -> None:
-    """The output and the query, key and value gradients equal one device's attention (float64),
+    """The output, its log-sum-exp and the query, key and value gradients equal one device's attention (float64),
     grouped-query keys and values included."""
     world, causal, group, kv_heads, layout = case
     results = rank_pools.get(world).run(
