@@ -2,16 +2,20 @@
 axis keeps them split (data parallelism) or lets every rank compute the whole batch.
 
 Presets keep the batch split on their ``ddp`` / ``fsdp`` axes (``Problem.batch_axes``); only
-``plan="auto"`` may trade that away, and ``batch_splits`` then says where it did.
+``plan="auto"`` may trade that away, and ``batch_splits`` then says where it did. A ``cp`` axis
+splits each input's sequence instead (``Problem.sequence_axes``); ``attention_split`` checks that no
+attention then reads it whole.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from meshfold.ir import Graph, Layout, Mesh, Placement, Shard, TensorType, Value
+from meshfold.passes.base import PassError
 from meshfold.passes.sharding.problem import Solution
+from meshfold.passes.sharding.rules.attention import RESULT_ROLES
 
 
 def batch_values(graph: Graph) -> frozenset[Value]:
@@ -87,3 +91,23 @@ def batch_splits(graph: Graph, mesh: Mesh, solution: Solution, start: Mapping[Va
                     gathered[v.name] = None
         out.append(BatchSplit(axis, split, whole, tuple(gathered)))
     return tuple(out)
+
+
+def attention_split(graph: Graph, axes: Sequence[str]) -> None:
+    """Raise unless, on each context-parallel axis in ``axes``, every attention of the laid-out
+    ``graph`` reads its queries split (by sequence, batch or heads), naming the first that reads
+    them whole: every rank of the axis would attend over the whole sequence."""
+    mesh = graph.mesh
+    if mesh is None or not axes:
+        return
+    for op in graph.ops:
+        if op.target not in RESULT_ROLES or op.prov.phase != "fwd":
+            continue
+        q = op.operands[0]
+        for axis in axes:
+            if not isinstance(q.layout.placement(axis), Shard):
+                raise PassError(
+                    f"{op.describe()}: on the context-parallel mesh axis {axis!r} ({mesh.size(axis)} ranks) its "
+                    f"queries {q.type} split neither by batch nor by heads, so every rank would attend over the "
+                    "whole sequence; use a cp size that divides the batch or the key/value heads"
+                )

@@ -8,10 +8,12 @@ from collections import defaultdict
 from collections.abc import Hashable
 from dataclasses import dataclass
 
-from meshfold.ir import Graph, Placement, Shard, TensorType, Value
+from meshfold.ir import Graph, Op, Placement, Shard, TensorType, Value
 from meshfold.passes.cost.axis import AxisModel
 from meshfold.passes.sharding.cost import nbytes
 from meshfold.passes.sharding.milp import Columns
+from meshfold.passes.sharding.rules.attention import OPERAND_ROLES, RESULT_ROLES
+from meshfold.passes.sharding.rules.common import operand_names
 from meshfold.passes.sharding.strategy import Strategy
 from meshfold.passes.sharding.ties import Ties
 
@@ -46,6 +48,7 @@ class MoveColumns:
     choice: dict[Value, dict[Placement, int]]
     shrink: dict[Value, int]
     batch: frozenset[Value]
+    sequence: bool
     scalar_only: list[bool]
     ties: Ties
     _read_terms: dict[tuple[int, int], tuple[Hashable, dict[Placement, Terms]]]
@@ -221,15 +224,31 @@ class MoveColumns:
         for u in uses:
             if u.op < 0 or self.scalar_only[u.op]:
                 continue
+            # NOTE: on a sequence axis (``Problem.sequence_axes``) an attention never reads its
+            # queries, keys and values whole, whatever they come from (a partial sum read whole would
+            # hand every rank the whole sequence); integers may be read whole by an op that cannot
+            # read them in their Shard
+            op = self.graph.ops[u.op]
+            attends = self.sequence and op.target in RESULT_ROLES and _qkv(op, u.index)
+            ints = self.sequence and isinstance(v.type, TensorType) and not v.type.dtype.is_floating_point
+            own = {s.inputs[u.index] for s in self.per_op[u.op]} if ints else set()
             for s, var in zip(self.per_op[u.op], x[u.op], strict=True):
                 q = s.inputs[u.index]
+                if attends and not isinstance(q, Shard):
+                    self.m.row_once({var: 1.0}, -math.inf, 0.0)
                 for p, t in have.items():
-                    if isinstance(p, Shard) and not isinstance(q, Shard):
+                    if isinstance(p, Shard) and not isinstance(q, Shard) and not (ints and p not in own):
                         self.m.row_once({var: 1.0, **t}, -math.inf, 1.0 if t else 0.0)
 
     def _move_time(self, p: Placement, q: Placement, size: float) -> float:
         """Time of turning ``p`` into ``q`` for a value of ``size`` bytes on this axis."""
         return self.model.redistribute(p, q, size)
+
+
+def _qkv(op: Op, index: int) -> bool:
+    """Whether operand ``index`` of attention ``op`` is its queries, keys, values, output or output
+    gradient (``rules.attention``'s ``qkv`` role)."""
+    return OPERAND_ROLES.get(operand_names(op)[index]) == "qkv"
 
 
 def _frozen(terms: dict[Placement, dict[int, float]]) -> tuple[object, ...]:

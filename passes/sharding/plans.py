@@ -16,7 +16,7 @@ from meshfold.ir import Graph, Layout, Mesh, Placement, R, Shard, TensorType, pa
 from meshfold.passes.base import PassError
 from meshfold.passes.sharding.tp import megatron_roles
 
-PRESETS = ("ddp", "fsdp", "tp")
+PRESETS = ("ddp", "fsdp", "tp", "cp")
 AUTO = "auto"
 """The plan that lets the sharding solve choose every parameter's and input's layout too."""
 DATA_AXES = ("dp", "fsdp")
@@ -53,25 +53,31 @@ class Plan:
 
 
 def default_preset(mesh: Mesh) -> str:
-    """The preset named by the mesh's axes: ``tp`` on ``tp``; ``dp`` is fsdp, or ddp when the mesh
-    also has an ``fsdp`` axis (HSDP)."""
-    by_axis = {"dp": "ddp" if "fsdp" in mesh.names else "fsdp", "fsdp": "fsdp", "tp": "tp"}
+    """The preset named by the mesh's axes: ``tp`` on ``tp``, ``cp`` on ``cp``; ``dp`` is fsdp, or ddp
+    when the mesh also has an ``fsdp`` axis (HSDP)."""
+    by_axis = {"dp": "ddp" if "fsdp" in mesh.names else "fsdp", "fsdp": "fsdp", "tp": "tp", "cp": "cp"}
     unknown = [a for a in mesh.names if a not in by_axis]
     if unknown:
         raise PassError(
-            f"cannot infer a plan for mesh axes {unknown} of {mesh}; name axes dp, fsdp or tp, or pass a plan"
+            f"cannot infer a plan for mesh axes {unknown} of {mesh}; name axes dp, fsdp, tp or cp, or pass a plan"
         )
     return "+".join(by_axis[a] for a in mesh.names)
 
 
 def mesh_presets(mesh: Mesh) -> list[str]:
     """Every preset the mesh's axis names allow, ``default_preset``'s first: a ``dp`` axis is fsdp or
-    ddp (ddp alone beside an ``fsdp`` axis), ``fsdp`` is fsdp, ``tp`` is tp; none for other names."""
+    ddp (ddp alone beside an ``fsdp`` axis), ``fsdp`` is fsdp, ``tp`` is tp, ``cp`` is cp; none for
+    other names."""
     try:
         first = default_preset(mesh)
     except PassError:
         return []
-    options = {"dp": ("ddp",) if "fsdp" in mesh.names else ("fsdp", "ddp"), "fsdp": ("fsdp",), "tp": ("tp",)}
+    options = {
+        "dp": ("ddp",) if "fsdp" in mesh.names else ("fsdp", "ddp"),
+        "fsdp": ("fsdp",),
+        "tp": ("tp",),
+        "cp": ("cp",),
+    }
     names = [""]
     for a in mesh.names:
         names = [f"{n}+{o}" if n else o for n in names for o in options[a]]
@@ -91,14 +97,14 @@ class Seeds:
 
 def axis_roles(plan: Plan, mesh: Mesh) -> dict[str, str]:
     """Mesh axis → preset using it. ``ddp`` takes ``dp``; ``fsdp`` takes ``fsdp`` if the mesh has one,
-    else ``dp``; ``tp`` takes ``tp``. Every mesh axis must be used."""
+    else ``dp``; ``tp`` takes ``tp``; ``cp`` takes ``cp``. Every mesh axis must be used."""
     roles: dict[str, str] = {}
     parts = plan.parts()
     if parts == [AUTO]:
         return {a: AUTO for a in mesh.names}
     for p in parts:
-        if p == "tp":
-            axis = "tp"
+        if p in ("tp", "cp"):
+            axis = p
         elif p == "fsdp":
             axis = "fsdp" if "fsdp" in mesh.names else "dp"
         else:
@@ -122,8 +128,14 @@ def axis_roles(plan: Plan, mesh: Mesh) -> dict[str, str]:
 
 def data_parallel_axes(roles: Mapping[str, str]) -> tuple[str, ...]:
     """The mesh axes (of ``axis_roles``) a preset splits the batch over: its ``ddp`` and ``fsdp``
-    axes. The sharding solve keeps the batch split on them (``Problem.batch_axes``); ``auto`` has none."""
-    return tuple(a for a, role in roles.items() if role in ("ddp", "fsdp"))
+    axes, and its ``cp`` axes, which split each input's sequence instead. The sharding solve keeps
+    the batch split on them (``Problem.batch_axes``); ``auto`` has none."""
+    return tuple(a for a, role in roles.items() if role in ("ddp", "fsdp", "cp"))
+
+
+def sequence_axes(roles: Mapping[str, str]) -> tuple[str, ...]:
+    """The mesh axes (of ``axis_roles``) a preset splits the sequence over: its ``cp`` axes."""
+    return tuple(a for a, role in roles.items() if role == "cp")
 
 
 def resolve(plan: Plan, graph: Graph, mesh: Mesh) -> Seeds:
@@ -137,7 +149,10 @@ def resolve(plan: Plan, graph: Graph, mesh: Mesh) -> Seeds:
         if not isinstance(t, TensorType):
             continue
         if i.kind == "input":
-            seeds.storage[i.name] = seeds.compute[i.name] = _batch_layout(i.name, t, mesh, data_axes)
+            layout = _batch_layout(i.name, t, mesh, [a for a in data_axes if roles[a] != "cp"])
+            for axis in sequence_axes(roles):
+                layout = _sequence_split(i.name, t, mesh, axis, layout)
+            seeds.storage[i.name] = seeds.compute[i.name] = layout
         elif i.kind in ("param", "buffer"):
             store, comp = _param_layouts(i.name, t, mesh, roles, tp_roles.get(i.name))
             seeds.storage[i.name], seeds.compute[i.name] = store, comp
@@ -161,6 +176,18 @@ def _batch_layout(name: str, t: TensorType, mesh: Mesh, data_axes: list[str]) ->
             f"ranks of {mesh} (axes {data_axes}); use a batch that is a multiple of {ways}"
         )
     return Layout.on(mesh, **{a: Shard(0) for a in data_axes})
+
+
+def _sequence_split(name: str, t: TensorType, mesh: Mesh, axis: str, layout: Layout) -> Layout:
+    """``layout`` with the sequence (dim 1) of input ``name`` split over the ``cp`` axis ``axis``."""
+    if t.rank < 2:
+        return layout
+    if not isinstance(t.shape[1], int) or t.shape[1] % mesh.size(axis):
+        raise PassError(
+            f"input {name!r} has sequence length {t.shape[1]} (dim 1 of {t}), not divisible by the "
+            f"{mesh.size(axis)} context-parallel ranks of mesh axis {axis!r}; use a multiple of {mesh.size(axis)}"
+        )
+    return layout.with_placement(axis, Shard(1))
 
 
 def _param_layouts(

@@ -55,6 +55,11 @@ class Problem:
     """Mesh axes that keep the batch split (a preset's ``ddp`` / ``fsdp`` axes): on them a value
     computed from the user's inputs is never moved off a Shard for an op to read (only a graph
     output may gather it), so every rank computes its own part of the batch (see ``batch.py``)."""
+    sequence_axes: frozenset[str] = frozenset()
+    """Batch axes that split each input's sequence (a preset's ``cp`` axes). There every attention
+    reads its queries, keys, values (and output gradient) split: by sequence, batch or heads (an
+    all-to-all from the sequence split: Ulysses), never whole; and the token ids and labels
+    (integers) may be read whole by an op that cannot read them split (the labels' shift by one)."""
 
 
 @dataclass(frozen=True)

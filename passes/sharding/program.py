@@ -53,6 +53,8 @@ class AxisProgram(MoveColumns):
         self.model = problem.models[self.k]
         self.batch = batch_values(graph) if axis in problem.batch_axes else frozenset()
         """Values that may not leave a Shard for an op to read (``Problem.batch_axes``)."""
+        self.sequence = axis in problem.sequence_axes
+        """Whether the axis splits the sequence (``Problem.sequence_axes``)."""
         # NOTE: also exempt: the experts op, whose all-gather dispatcher gathers the tokens over the
         # expert-parallel ranks by design (its result goes back to the batch split as P(sum))
         self.scalar_only = [

@@ -37,7 +37,7 @@ from meshfold.passes.base import JOINT, Pass, PassContext, PassError
 from meshfold.passes.blocks import op_kinds
 from meshfold.passes.cost.axis import AxisModel, axis_models
 from meshfold.passes.moe.spec import plan_with_experts
-from meshfold.passes.sharding.batch import batch_splits
+from meshfold.passes.sharding.batch import attention_split, batch_splits
 from meshfold.passes.sharding.cost import nbytes
 from meshfold.passes.sharding.fit import fitted, spill_prices
 from meshfold.passes.sharding.plans import (
@@ -48,6 +48,7 @@ from meshfold.passes.sharding.plans import (
     default_preset,
     mesh_presets,
     resolve,
+    sequence_axes,
 )
 from meshfold.passes.sharding.rules import RuleTable, rule_table, strategies_for
 from meshfold.passes.sharding.solve import Problem, Solution, preset_plan, report, seeded
@@ -115,7 +116,9 @@ class Sharding(Pass):
                     raise
                 ctx.warn(f"{e}; layouts fall back to the greedy choice")
                 prop.decided = None
-        return prop.run()
+        out = prop.run()
+        attention_split(out, sequence_axes(seeds.roles))
+        return out
 
 
 def _solved(
@@ -169,6 +172,7 @@ def _solved(
         status=ctx.status,
         share_blocks=opts.share_blocks,
         batch_axes=batch_axes,
+        sequence_axes=frozenset(sequence_axes(seeds.roles)),
         keys=keys,
     )
     presets = mesh_presets(mesh) if auto and not prop.pinned else []  # NOTE: presets lay out no expert weights

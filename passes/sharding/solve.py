@@ -28,7 +28,7 @@ from dataclasses import replace
 
 from meshfold.ir import Graph, Layout, Mesh, Placement, Value
 from meshfold.passes.base import PassContext, PassError
-from meshfold.passes.sharding.plans import Plan, data_parallel_axes, resolve
+from meshfold.passes.sharding.plans import Plan, data_parallel_axes, resolve, sequence_axes
 from meshfold.passes.sharding.problem import AxisStart, AxisStats, Problem, Solution
 from meshfold.passes.sharding.program import AxisProgram
 from meshfold.passes.sharding.strategy import Strategy
@@ -118,6 +118,7 @@ def preset_plan(graph: Graph, mesh: Mesh, auto: Problem, name: str) -> tuple[str
         free=frozenset(),
         wants=wants,
         batch_axes=frozenset(data_parallel_axes(seeds.roles)),
+        sequence_axes=frozenset(sequence_axes(seeds.roles)),
     )
     try:
         plan = solve(problem)

@@ -7,7 +7,7 @@ from tests.dist.conftest import RankPools
 
 EXPECTED = {
     "axis": ["names mesh axis 'pp'", "['dp']"],
-    "preset": ["unknown plan preset 'zero3'", "presets: ddp, fsdp, tp"],
+    "preset": ["unknown plan preset 'zero3'", "presets: ddp, fsdp, tp, cp"],
     "axis-role": ["mesh axis named 'tp'", "mesh_dim_names"],
     "glob": ["'nothing.*' matches no parameter"],
     "indivisible": ["'lin.weight'", "dim 0 (size 5)", "mesh axis 'dp'", "does not divide"],

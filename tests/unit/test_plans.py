@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from functools import cache
 
 import pytest
@@ -196,3 +197,36 @@ def test_a_preset_that_cannot_split_a_parameter_says_which_and_why(hidden: int) 
 )
 def test_mesh_presets_are_every_preset_the_axis_names_allow_default_first(mesh: str, presets: list[str]) -> None:
     assert mesh_presets(ir.Mesh.parse(mesh)) == presets
+
+
+def _queries(graph: ir.Graph) -> list[ir.Value]:
+    return [op.operands[0] for op in graph.ops if "scaled_dot_product" in op.name and op.prov.phase == "fwd"]
+
+
+def test_cp_splits_each_input_sequence_and_no_attention_reads_it_whole() -> None:
+    """``plan="cp"``: each input's sequence (dim 1) split over ``cp``; the solve keeps what is
+    computed from it split, and every attention reads its queries split: by heads through an
+    all-to-all where the batch cannot be split (gpt2-tiny, 2 sequences over 4 ranks: Ulysses), by
+    batch where it can (2 over 2: one all-to-all at the start is cheaper than two per layer)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # NOTE: solved, not the greedy fallback
+        heads = _compile("gpt2-tiny", ir.Mesh.parse("cp=4"), "cp", mode="solve")
+        batch = _compile("llama-tiny", ir.Mesh.parse("cp=2"), "cp", mode="solve")
+    for graph, split in ((heads, "{cp: S(1)}"), (batch, "{cp: S(0)}")):
+        assert {str(i.value.layout) for i in graph.inputs if i.kind == "input"} == {"{cp: S(1)}"}
+        queries = _queries(graph)
+        assert queries and all(str(q.layout) == split for q in queries), [str(q.layout) for q in queries]
+        assert any(op.name == "comm.all_to_all" and op.kwarg("axis") == "cp" for op in graph.ops)
+
+
+def test_cp_that_splits_no_attention_or_no_sequence_is_refused_by_name() -> None:
+    """8 ranks over 2 sequences of 4 heads (2 of keys and values): no split of attention fits, and
+    the greedy choice the solve falls back to would attend over the whole sequence on every rank;
+    a sequence of 16 over 3 ranks does not divide."""
+    with (
+        pytest.warns(UserWarning, match="sharding solve on mesh axis 'cp' failed"),
+        pytest.raises(PassError, match=r"scaled_dot_product.*context-parallel mesh axis 'cp' \(8 ranks\)"),
+    ):
+        _compile("llama-tiny", ir.Mesh.parse("cp=8"), "cp", mode="solve")
+    with pytest.raises(PassError, match=r"sequence length 16 .* not divisible by the 3 context-parallel ranks"):
+        _compile("llama-tiny", ir.Mesh.parse("cp=3"), "cp", mode="solve")
