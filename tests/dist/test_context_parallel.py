@@ -9,12 +9,15 @@ import pytest
 from tests.dist.conftest import RankPools
 
 # NOTE: (model, mesh shape, axis names, plan); gpt2-tiny's 2 sequences over 4 ranks: attention split
-# by heads (Ulysses); llama-tiny's over 2: by batch; with fsdp on dp the cp axis splits the heads
+# by heads (Ulysses); llama-tiny's over 2: by batch; with fsdp on dp the cp axis splits the heads;
+# llama-tiny over 4 (2 key/value heads): the solve finds no plan and the greedy choice it falls back
+# to (with a warning) splits the heads after the keys' repeat
 CASES = [
     ("llama-tiny", (2,), ("cp",), "cp"),
     ("llama-tiny", (2, 2), ("cp", "tp"), "cp+tp"),
     ("llama-tiny", (2, 2), ("dp", "cp"), "fsdp+cp"),
     ("gpt2-tiny", (4,), ("cp",), "cp"),
+    ("llama-tiny", (4,), ("cp",), "cp"),
 ]
 
 
