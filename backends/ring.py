@@ -25,6 +25,7 @@ last step, arrive back at their owner.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,6 +142,21 @@ def _summed(g: torch.Tensor, times: int) -> torch.Tensor:
     return g.view(b, h // times, times, s, d).sum(2)
 
 
+def _around(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, causal: bool, layout: str
+) -> Iterator[tuple[list[Block], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]]:
+    """Per ring step: its blocks, this rank's query chunks, and the key and value chunks held then
+    (repeated for the query heads); the next step's keys and values are on the way meanwhile."""
+    ring, cp, rank = _Ring(group), dist.get_world_size(group), dist.get_rank(group)
+    n, times = len(chunks_of(rank, cp, layout)), q.shape[1] // k.shape[1]
+    queries, kv = _parts(q, n), [k, v]
+    for s, step in enumerate(ring_blocks(rank, cp, causal, layout)):
+        pending = ring.start(kv) if s < cp - 1 else None
+        yield step, queries, _parts(_repeated(kv[0], times), n), _parts(_repeated(kv[1], times), n)
+        if pending is not None:
+            kv = ring.finish(pending)
+
+
 def ring_forward(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -153,22 +169,15 @@ def ring_forward(
     """The forward of ring attention on this rank's part of ``(batch, heads, seq, dim)`` tensors in
     ``layout`` over ``group``: the output and its log-sum-exp ``(batch, heads, seq)``, as the flash
     kernel returns them for the whole sequence."""
-    ring, cp, rank = _Ring(group), dist.get_world_size(group), dist.get_rank(group)
-    n, times = len(chunks_of(rank, cp, layout)), q.shape[1] // k.shape[1]
-    queries = _parts(q, n)
+    n = len(chunks_of(dist.get_rank(group), dist.get_world_size(group), layout))
     outs: list[torch.Tensor | None] = [None] * n
     lses: list[torch.Tensor | None] = [None] * n
-    kv = [k, v]
-    for s, step in enumerate(ring_blocks(rank, cp, causal, layout)):
-        pending = ring.start(kv) if s < cp - 1 else None
-        keys, values = _parts(_repeated(kv[0], times), n), _parts(_repeated(kv[1], times), n)
+    for step, queries, keys, values in _around(q, k, v, group, causal, layout):
         for b in step:
             o, lo, *_ = aten._scaled_dot_product_flash_attention_for_cpu(
                 queries[b.query], keys[b.key], values[b.key], 0.0, b.causal, scale=scale
             )
             outs[b.query], lses[b.query] = _merge(outs[b.query], lses[b.query], o, lo)
-        if pending is not None:
-            kv = ring.finish(pending)
     done = [o for o in outs if o is not None]
     sums = [lv for lv in lses if lv is not None]
     assert len(done) == len(sums) == n, "every query chunk attends at least to itself"
@@ -189,15 +198,18 @@ def ring_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of ``q``, ``k`` and ``v`` (this rank's parts) from the output's ``grad``, given the
     output and log-sum-exp ``ring_forward`` returned."""
-    ring, cp, rank = _Ring(group), dist.get_world_size(group), dist.get_rank(group)
-    n, times = len(chunks_of(rank, cp, layout)), q.shape[1] // k.shape[1]
-    queries, outs, lses, grads = _parts(q, n), _parts(out, n), _parts(lse, n), _parts(grad.contiguous(), n)
-    dq = [torch.zeros_like(x) for x in queries]
-    kv, dkv = [k, v], [torch.zeros_like(k), torch.zeros_like(v)]
-    for s, step in enumerate(ring_blocks(rank, cp, causal, layout)):
-        pending = ring.start(kv) if s < cp - 1 else None
-        keys, values = _parts(_repeated(kv[0], times), n), _parts(_repeated(kv[1], times), n)
-        dk, dv = _parts(dkv[0], n), _parts(dkv[1], n)  # NOTE: what the ranks before added, added to here
+    ring, times = _Ring(group), q.shape[1] // k.shape[1]
+    n = len(chunks_of(dist.get_rank(group), dist.get_world_size(group), layout))
+    outs, lses, grads = _parts(out, n), _parts(lse, n), _parts(grad.contiguous(), n)
+    dq = [torch.zeros_like(x) for x in _parts(q, n)]
+    dkv = [torch.zeros_like(k), torch.zeros_like(v)]
+    # NOTE: the key and value gradients go where the keys and values go (what the ranks before added
+    # arrives with them), and a last step brings them home
+    coming = None
+    for step, queries, keys, values in _around(q, k, v, group, causal, layout):
+        if coming is not None:
+            dkv = ring.finish(coming)
+        dk, dv = _parts(dkv[0], n), _parts(dkv[1], n)
         for b in step:
             gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grads[b.query],
@@ -213,12 +225,9 @@ def ring_backward(
             dq[b.query] = dq[b.query] + gq
             dk[b.key].add_(_summed(gk, times))
             dv[b.key].add_(_summed(gv, times))
-        # NOTE: the key and value gradients go where the keys and values go, and a last step
-        # brings them home
-        grads_on = ring.start(dkv, tag=1)
-        if pending is not None:
-            kv = ring.finish(pending)
-        dkv = ring.finish(grads_on)
+        coming = ring.start(dkv, tag=1)
+    assert coming is not None
+    dkv = ring.finish(coming)
     return torch.cat(dq, dim=2), dkv[0], dkv[1]
 
 
