@@ -26,6 +26,8 @@ from meshfold.backends.local import LOCAL, LocalForms
 from meshfold.backends.moe import exchange_backward, exchange_forward
 from meshfold.backends.offload import offload, reload, reload_start, reload_wait
 from meshfold.backends.random import is_random, random_site
+from meshfold.backends.ring_lowering import KERNELS as RING_KERNELS
+from meshfold.backends.ring_lowering import kernel_backward as ring_kernel_backward
 from meshfold.backends.watch import Watch, watch_waits
 from meshfold.ir import Graph, Op, OpDef, TensorType, Value
 from meshfold.ir.graph import Arg
@@ -46,6 +48,9 @@ class RankContext:
     gloo: bool = False
     """Whether the collectives run on gloo (CPU tensors): started all-gathers are then sent so that
     their buffers live to their waits (``comm.issue``'s ``held``)."""
+    cp_method: str = "ring"
+    """How an attention split along the sequence runs (``passes.cp.CpSpec``): ``ring`` attention or
+    ``tokenring``."""
 
     def size(self, axis: str) -> int:
         return self.mesh.size(axis)
@@ -212,6 +217,12 @@ def _emit(
         node = g.call_function(site, tuple(_load(a, env) for a in op.args), {k: _load(v, env) for k, v in op.kwargs})
         return _unpacked(g, op, node)
     args, kwargs = table.local_args(op, rank.mesh)
+    ring = _ring_group(op, rank)
+    if ring is not None:
+        loaded = (_load(a, env) for a in args)
+        call = (ring, rank.cp_method, *loaded)
+        node = g.call_function(RING_KERNELS[op.target], call, {k: _load(v, env) for k, v in kwargs.items()})
+        return _unpacked(g, op, node)
     exchange = _exchange_call(op, rank)
     if exchange is not None:
         fn, peers = exchange
@@ -268,6 +279,19 @@ def exchange_axes(graph: Graph) -> list[tuple[str, ...]]:
         if len(axes) > 1 and axes not in out and op.args[-1] != "hierarchical":
             out.append(axes)
     return out
+
+
+def _ring_group(op: Op, rank: RankContext) -> str | None:
+    """The process group an attention kernel runs as ring attention over: that of the mesh axis its
+    queries are split along their sequence on (``rules.attention.ring_strategy``); None for any other op."""
+    if op.target not in RING_KERNELS:
+        return None
+    q = op.operands[1 if RING_KERNELS[op.target] is ring_kernel_backward else 0]  # NOTE: after grad_out
+    assert isinstance(q.type, TensorType)
+    seq = ir.Shard(q.type.rank - 2)
+    axes = [a for a in rank.mesh.names if q.layout.placement(a) == seq]
+    assert len(axes) <= 1, f"{op.describe()}: a sequence split over several mesh axes has no ring"
+    return rank.group(axes[0]) if axes else None
 
 
 def _exchange_call(op: Op, rank: RankContext) -> tuple[Any, tuple[Any, ...]] | None:

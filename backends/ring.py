@@ -25,6 +25,7 @@ last step, arrive back at their owner.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -114,28 +115,29 @@ class _Ring:
         return got
 
 
-def _merge(
+def merge(
     out: torch.Tensor | None, lse: torch.Tensor | None, o: torch.Tensor, lo: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Two softmax-normalised partial outputs over disjoint keys, merged by their log-sum-exps."""
     if out is None or lse is None:
         return o, lo
     new = torch.logaddexp(lse, lo)
-    return out * torch.exp(lse - new).unsqueeze(-1) + o * torch.exp(lo - new).unsqueeze(-1), new
+    at = torch.where(torch.isneginf(new), 0.0, new)  # NOTE: rows no key has reached yet stay 0
+    return out * torch.exp(lse - at).unsqueeze(-1) + o * torch.exp(lo - at).unsqueeze(-1), new
 
 
-def _parts(x: torch.Tensor, n: int) -> list[torch.Tensor]:
+def seq_parts(x: torch.Tensor, n: int) -> list[torch.Tensor]:
     """``x``'s ``n`` sequence chunks (views)."""
     return list(x.chunk(n, dim=2))
 
 
-def _repeated(x: torch.Tensor, times: int) -> torch.Tensor:
+def repeated(x: torch.Tensor, times: int) -> torch.Tensor:
     """Grouped-query keys or values, each head repeated for the query heads that read it."""
     return x if times == 1 else x.repeat_interleave(times, dim=1)
 
 
-def _summed(g: torch.Tensor, times: int) -> torch.Tensor:
-    """The gradient of ``_repeated``: each head's repeats summed."""
+def summed(g: torch.Tensor, times: int) -> torch.Tensor:
+    """The gradient of ``repeated``: each head's repeats summed."""
     if times == 1:
         return g
     b, h, s, d = g.shape
@@ -144,17 +146,41 @@ def _summed(g: torch.Tensor, times: int) -> torch.Tensor:
 
 def _around(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, causal: bool, layout: str
-) -> Iterator[tuple[list[Block], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]]:
-    """Per ring step: its blocks, this rank's query chunks, and the key and value chunks held then
-    (repeated for the query heads); the next step's keys and values are on the way meanwhile."""
+) -> Iterator[tuple[int, list[Block], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]]:
+    """Per ring step: the rank whose keys are held, the step's blocks, this rank's query chunks, and
+    the key and value chunks held then (repeated for the query heads); the next step's keys and
+    values are on the way meanwhile."""
     ring, cp, rank = _Ring(group), dist.get_world_size(group), dist.get_rank(group)
     n, times = len(chunks_of(rank, cp, layout)), q.shape[1] // k.shape[1]
-    queries, kv = _parts(q, n), [k, v]
+    queries, kv = seq_parts(q, n), [k, v]
     for s, step in enumerate(ring_blocks(rank, cp, causal, layout)):
         pending = ring.start(kv) if s < cp - 1 else None
-        yield step, queries, _parts(_repeated(kv[0], times), n), _parts(_repeated(kv[1], times), n)
+        yield (rank - s) % cp, step, queries, seq_parts(repeated(kv[0], times), n), seq_parts(repeated(kv[1], times), n)
         if pending is not None:
             kv = ring.finish(pending)
+
+
+def mask_part(mask: torch.Tensor | None, cp: int, layout: str, queries: int, keys: int, b: Block) -> Any:
+    """The part of a mask block ``b`` reads, for the query rows of rank ``queries`` (``[*, L/cp or 1,
+    S]``: every key column) against the keys of rank ``keys``: None without a mask, ``SKIP`` for a
+    block it hides whole (never one holding the queries' own positions, so every query chunk
+    attends somewhere)."""
+    if mask is None:
+        return None
+    mine = chunks_of(queries, cp, layout)
+    rows = mask if mask.shape[-2] == 1 else mask.chunk(len(mine), dim=-2)[b.query]
+    key = chunks_of(keys, cp, layout)[b.key]
+    m = rows.chunk(len(mine) * cp, dim=-1)[key]
+    return SKIP if key != mine[b.query] and bool(hidden(m).all()) else m
+
+
+def hidden(m: torch.Tensor) -> torch.Tensor:
+    """Per query row of a mask ``[*, L, S]``, whether it hides every key (``[*, L]``)."""
+    return ~m.any(-1) if m.dtype == torch.bool else torch.isneginf(m).all(-1)
+
+
+SKIP = object()
+"""``mask_part``'s answer for a block whose mask hides every key from every query."""
 
 
 def ring_forward(
@@ -165,23 +191,32 @@ def ring_forward(
     causal: bool = True,
     scale: float | None = None,
     layout: str = "zigzag",
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of ring attention on this rank's part of ``(batch, heads, seq, dim)`` tensors in
     ``layout`` over ``group``: the output and its log-sum-exp ``(batch, heads, seq)``, as the flash
-    kernel returns them for the whole sequence."""
+    kernel returns them for the whole sequence. ``mask``: an additive or boolean mask of this
+    rank's query rows (or one row for all) over every key column, as the kernel takes it."""
     n = len(chunks_of(dist.get_rank(group), dist.get_world_size(group), layout))
     outs: list[torch.Tensor | None] = [None] * n
     lses: list[torch.Tensor | None] = [None] * n
-    for step, queries, keys, values in _around(q, k, v, group, causal, layout):
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    for src, step, queries, keys, values in _around(q, k, v, group, causal, layout):
         for b in step:
+            m = mask_part(mask, cp, layout, rank, src, b)
+            if m is SKIP:
+                continue
             o, lo, *_ = aten._scaled_dot_product_flash_attention_for_cpu(
-                queries[b.query], keys[b.key], values[b.key], 0.0, b.causal, scale=scale
+                queries[b.query], keys[b.key], values[b.key], 0.0, b.causal, attn_mask=m, scale=scale
             )
-            outs[b.query], lses[b.query] = _merge(outs[b.query], lses[b.query], o, lo)
+            if m is not None:  # NOTE: the kernel gives a row the mask hides whole a log-sum-exp of 0
+                lo = lo.masked_fill(hidden(m).expand(lo.shape), -math.inf)
+            outs[b.query], lses[b.query] = merge(outs[b.query], lses[b.query], o, lo)
     done = [o for o in outs if o is not None]
     sums = [lv for lv in lses if lv is not None]
     assert len(done) == len(sums) == n, "every query chunk attends at least to itself"
-    return torch.cat(done, dim=2), torch.cat(sums, dim=2)
+    lse = torch.cat(sums, dim=2)
+    return torch.cat(done, dim=2), torch.where(torch.isneginf(lse), 0.0, lse)  # NOTE: as the kernel has it
 
 
 def ring_backward(
@@ -195,22 +230,27 @@ def ring_backward(
     causal: bool = True,
     scale: float | None = None,
     layout: str = "zigzag",
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of ``q``, ``k`` and ``v`` (this rank's parts) from the output's ``grad``, given the
-    output and log-sum-exp ``ring_forward`` returned."""
+    output and log-sum-exp ``ring_forward`` returned (with the same ``mask``)."""
     ring, times = _Ring(group), q.shape[1] // k.shape[1]
     n = len(chunks_of(dist.get_rank(group), dist.get_world_size(group), layout))
-    outs, lses, grads = _parts(out, n), _parts(lse, n), _parts(grad.contiguous(), n)
-    dq = [torch.zeros_like(x) for x in _parts(q, n)]
+    outs, lses, grads = seq_parts(out, n), seq_parts(lse, n), seq_parts(grad.contiguous(), n)
+    dq = [torch.zeros_like(x) for x in seq_parts(q, n)]
     dkv = [torch.zeros_like(k), torch.zeros_like(v)]
     # NOTE: the key and value gradients go where the keys and values go (what the ranks before added
     # arrives with them), and a last step brings them home
     coming = None
-    for step, queries, keys, values in _around(q, k, v, group, causal, layout):
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    for src, step, queries, keys, values in _around(q, k, v, group, causal, layout):
         if coming is not None:
             dkv = ring.finish(coming)
-        dk, dv = _parts(dkv[0], n), _parts(dkv[1], n)
+        dk, dv = seq_parts(dkv[0], n), seq_parts(dkv[1], n)
         for b in step:
+            m = mask_part(mask, cp, layout, rank, src, b)
+            if m is SKIP:
+                continue
             gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
                 grads[b.query],
                 queries[b.query],
@@ -220,11 +260,12 @@ def ring_backward(
                 lses[b.query],
                 0.0,
                 b.causal,
+                attn_mask=m,
                 scale=scale,
             )
             dq[b.query] = dq[b.query] + gq
-            dk[b.key].add_(_summed(gk, times))
-            dv[b.key].add_(_summed(gv, times))
+            dk[b.key].add_(summed(gk, times))
+            dv[b.key].add_(summed(gv, times))
         coming = ring.start(dkv, tag=1)
     assert coming is not None
     dkv = ring.finish(coming)
@@ -244,15 +285,16 @@ class RingAttention(torch.autograd.Function):
         causal: bool,
         scale: float | None,
         layout: str,
+        mask: torch.Tensor | None,
     ) -> torch.Tensor:
-        out, lse = ring_forward(q, k, v, group, causal, scale, layout)
+        out, lse = ring_forward(q, k, v, group, causal, scale, layout, mask)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.how = (group, causal, scale, layout)
+        ctx.how = (group, causal, scale, layout, mask)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        return (*ring_backward(grad, *ctx.saved_tensors, *ctx.how), None, None, None, None)
+        return (*ring_backward(grad, *ctx.saved_tensors, *ctx.how), None, None, None, None, None)
 
 
 def ring_attention(
@@ -263,9 +305,11 @@ def ring_attention(
     causal: bool = True,
     scale: float | None = None,
     layout: str = "zigzag",
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's part (in ``layout``) of the queries over every rank's keys and
-    values; ``k`` and ``v`` may have fewer heads than ``q`` (a divisor of its heads)."""
+    values; ``k`` and ``v`` may have fewer heads than ``q`` (a divisor of its heads). ``mask``: the
+    rows of this rank's queries (in ``layout``) of a mask over every key (in sequence order)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown sequence layout {layout!r}; use one of {', '.join(LAYOUTS)}")
     if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
@@ -273,5 +317,5 @@ def ring_attention(
             f"ring attention: {q.shape[1]} query heads over {k.shape[1]} key and {v.shape[1]} value heads; the "
             "keys and values need one head count that divides the queries'"
         )
-    out: torch.Tensor = RingAttention.apply(q, k, v, group, causal, scale, layout)
+    out: torch.Tensor = RingAttention.apply(q, k, v, group, causal, scale, layout, mask)
     return out

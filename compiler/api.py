@@ -53,6 +53,7 @@ def parallelize(
     cluster: str | Cluster | None = None,
     memory: int | str | MemoryPolicy | None = None,
     moe: Mapping[str, Any] | None = None,
+    cp: Mapping[str, Any] | str | None = None,
     backend: str = "eager",
     cache_size: int = DEFAULT_CACHE,
     timeout: float | timedelta | None = None,
@@ -87,6 +88,12 @@ def parallelize(
     mesh axes after ETP), the rest of the world (EDP) replicates them, whatever ``plan`` does with
     attention. Invalid mappings raise before anything runs, naming the rule.
 
+    ``cp={"method": "ring"}``: how attention reads a sequence a ``cp`` mesh axis splits (``plan="cp"``):
+    ``"ring"`` keeps it split by sequence (ring attention: keys and values passed round the axis's
+    ranks while each block computes), ``"tokenring"`` too, the queries travelling instead,
+    ``"ulysses"`` splits it by heads or batch through an all-to-all, ``"auto"`` (the default) takes
+    whichever the sharding solve prices cheaper (ring attention, or Ulysses).
+
     Every call is checked on every rank alike before any collective of the program. A call with
     other input shapes or dtypes, in the other mode (``pm.eval()``), or under ``torch.no_grad()``
     (a forward-only program) gets its own program, compiled on first use; the module keeps
@@ -110,6 +117,7 @@ def parallelize(
         mesh=ir_mesh(mesh),
         plan=plan,
         moe=moe,
+        cp=cp,
         cluster=cluster,
         memory=memory,
         pipeline=pipeline,
@@ -191,6 +199,8 @@ def _program(
     assert options.mesh is not None
     # NOTE: every rank compiled the same graph, so all create the same groups in the same order
     rank = groups.rank_context(options.mesh, graph)
+    if options.cp is not None and options.cp.method == "tokenring":
+        rank = dataclasses.replace(rank, cp_method="tokenring")
     # NOTE: only rank 0 shows progress (it alone compiled); every rank lowers its own program
     status = progress() if dist.get_rank() == 0 else quiet
     with status(f"lowering each rank's program ({options.backend})"):

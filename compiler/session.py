@@ -28,10 +28,11 @@ from meshfold import ir
 from meshfold.ir.symbolic import size_hints
 from meshfold.passes import JOINT, PassContext, PassError, PassPipeline, PassTiming, parse_size
 from meshfold.passes.cost.hardware import Cluster, parse_cluster
+from meshfold.passes.cp import CpSpec
 from meshfold.passes.memory.policies import Saved
 from meshfold.passes.moe.spec import MoeSpec, check_spec
 from meshfold.passes.pipeline import Callback
-from meshfold.passes.sharding.plans import Plan, axis_roles, default_preset
+from meshfold.passes.sharding.plans import Plan, axis_roles, default_preset, sequence_axes
 from meshfold.tracer import capture
 
 # NOTE: grows with every pass that lands. Without a mesh, sharding and boxing leave the
@@ -59,6 +60,8 @@ class CompileOptions:
     plan: Plan | None = None
     """None: the preset the mesh's axis names imply (``default_preset``)."""
     moe: MoeSpec | None = None
+    cp: CpSpec | None = None
+    """How attention reads a sequence split over the plan's ``cp`` axes (None: ``CpSpec()``)."""
     cluster: Cluster | None = None
     memory: int | None = None
     """Bytes per rank: the sharding solve's bound and the budget the ``memory`` pass recomputes to meet."""
@@ -83,6 +86,7 @@ class CompileOptions:
         mesh: ir.Mesh | str | None = None,
         plan: PlanSpec | None = None,
         moe: MoeSpec | Mapping[str, Any] | None = None,
+        cp: CpSpec | Mapping[str, Any] | str | None = None,
         cluster: Cluster | str | None = None,
         memory: int | str | MemoryPolicy | None = None,
         pipeline: str = DEFAULT_PIPELINE,
@@ -103,6 +107,7 @@ class CompileOptions:
             mesh=the_mesh,
             plan=the_plan,
             moe=spec,
+            cp=None if cp is None else CpSpec.of(cp),
             cluster=_cluster_of(cluster),
             memory=_memory_bound(memory),
             memory_policy=memory if callable(memory) or memory in MEMORY_POLICIES else None,
@@ -141,6 +146,13 @@ class CompileOptions:
             check_spec(plan, self.moe, self.mesh)
             if "moe-fold" not in names or ("sharding" in names and names.index("moe-fold") > names.index("sharding")):
                 raise PassError(f"moe= needs the moe-fold pass before sharding; pipeline: {passes}")
+        if self.cp is not None and (
+            plan is None or self.mesh is None or not sequence_axes(axis_roles(plan, self.mesh))
+        ):
+            raise PassError(
+                "cp= says how attention reads a sequence split over a cp mesh axis; use plan='cp' (or "
+                "'cp+tp', 'fsdp+cp') on a mesh with a 'cp' axis"
+            )
         return passes
 
     def context(self, status: Callable[[str], AbstractContextManager[object]] | None = None) -> PassContext:
@@ -149,6 +161,7 @@ class CompileOptions:
             mesh=self.mesh,
             plan=self.plan,
             moe=self.moe,
+            cp=self.cp,
             cluster=self.cluster,
             memory=self.memory,
             memory_policy=self.memory_policy,

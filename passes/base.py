@@ -12,6 +12,7 @@ from meshfold.ir import Graph, Mesh
 
 if TYPE_CHECKING:
     from meshfold.passes.cost.hardware import Cluster
+    from meshfold.passes.cp import CpSpec
     from meshfold.passes.memory.policies import Saved
     from meshfold.passes.moe.spec import MoeSpec
     from meshfold.passes.sharding.plans import Plan
@@ -53,6 +54,8 @@ class PassContext:
     """The plan the sharding pass follows (None: the preset the mesh's axis names imply)."""
     moe: MoeSpec | None = None
     """The expert mapping ``moe-fold`` applies and the sharding pass lays the expert weights out by."""
+    cp: CpSpec | None = None
+    """How attention reads a sequence split over the plan's ``cp`` axes (None: ``CpSpec()``)."""
     cluster: Cluster | None = None
     """The cluster the program is planned for (None: gloo ranks on this CPU)."""
     memory: int | None = None

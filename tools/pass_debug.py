@@ -53,6 +53,11 @@ def _arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--mesh", metavar="MESH", help="device mesh, e.g. dp=2,tp=2 (an IR file may declare its own)")
     p.add_argument("--plan", help="preset such as fsdp+tp, or auto; None: the one the mesh's axis names imply")
     p.add_argument("--moe", metavar="SPEC", help="expert mapping for the routed experts, e.g. ep=4 or ep=2,etp=1")
+    p.add_argument(
+        "--cp",
+        metavar="METHOD",
+        help="how attention reads a sequence split over a cp axis: ring, tokenring, ulysses or auto; None: auto",
+    )
     p.add_argument("--cluster", help="cluster the plan is made for, e.g. h100:8x1; None: gloo ranks on this CPU")
     p.add_argument(
         "--memory",
@@ -151,6 +156,7 @@ def options_from(args: argparse.Namespace, graph_mesh: ir.Mesh | None) -> Compil
         mesh=mesh if mesh is not None else graph_mesh,
         plan=args.plan,
         moe=moe_items(args.moe) if args.moe is not None else None,
+        cp=args.cp,
         cluster=args.cluster,
         memory=args.memory,
         pipeline=args.pipeline,
@@ -232,7 +238,9 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
         plan = result.options.effective_plan() if "sharding" in names else None
         for table in moe_tables(result.graph, plan, mesh, result.options.moe):
             out.print(table)
-        for line in (memory_line(result.stats), _overlap_line(result.stats)):
+        attention = result.stats.get("cp.attention")
+        cp = [str(x) for x in attention] if isinstance(attention, tuple) else []
+        for line in (memory_line(result.stats), _overlap_line(result.stats), *cp):
             if line:
                 out.print(line)
         solve = _solve_table(result.stats)

@@ -4,8 +4,8 @@ A layer is laid out op by op on two streams, compute and comm. Tensor-parallel c
 *blocking* in the forward (the next GEMM needs their result) unless ``tp_comm_overlap`` pipelines
 them with their GEMM in ``tp`` chunks (time ``max(G, C) + min(G, C) / tp``); in the backward the
 input re-gather runs beside the data-gradient GEMM and the gradient reduce-scatter beside the
-weight-gradient GEMM (Megatron's async TP). Ring attention (context parallel) sends each K/V block
-while the previous block's attention runs. Expert all-to-alls (over the ep group) and the expert
+weight-gradient GEMM (Megatron's async TP). Context parallelism (ring attention, TokenRing or
+Ulysses) is ``context``'s. Expert all-to-alls (over the ep group) and the expert
 tensor-parallel all-gather / reduce-scatter (over etp) block; where the ep group sits -- inside a
 node or strided over nodes -- follows from the expert mesh (``ParallelConfig.expert_axes``). Whatever
 runs beside compute slows it by the device's ``contention``. Layers are costed once per kind and
@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from meshfold.passes.cost import comm, opcost
 from meshfold.passes.cost.comm import Group
+from meshfold.passes.cost.context import attention_core
 from meshfold.passes.cost.hardware import DTYPE_BYTES, Cluster
 from meshfold.passes.cost.model import Matmul, ModelSpec
 from meshfold.passes.cost.streams import LayerCost, Streams
@@ -42,6 +43,7 @@ class LayerPlan:
     cp_group: Group
     ep_group: Group
     etp_group: Group
+    cp_method: str = "ring"
 
     def dense_view(self) -> LayerPlan:
         """This plan with the expert fields reset: what a layer without experts (or a pipeline
@@ -96,35 +98,7 @@ class LayerBuilder:
 
     # --- attention block ------------------------------------------------------------------------
     def _attn_core(self, s: Streams, backward: bool) -> None:
-        m, p = self.m, self.p
-        heads = m.heads / p.tp
-        kv_heads = heads if m.is_mla else m.n_kv_heads / p.tp
-        # NOTE: with context parallelism each of the cp ring steps is one T x T block; the
-        # load-balanced (zigzag) split makes every causal block half-masked, like the diagonal.
-        # Unfused attention materialises the scores over the whole (gathered) context instead.
-        block = opcost.attention_time(
-            self.dev,
-            self.T,
-            self.T if self.flash else self.T * p.cp,
-            heads,
-            m.qk_head_dim,
-            m.v_dim,
-            causal=self.causal,
-            backward=backward,
-            dtype=self.attn_dtype,
-            fused=self.flash,
-        )
-        if not self.flash:
-            s.compute("attention", block)
-            return
-        if p.cp == 1:
-            s.compute("flash attention", block)
-            return
-        kv_bytes = self.T * kv_heads * (m.qk_head_dim + m.v_dim) * self.a * (2 if backward else 1)
-        send = comm.p2p(self.c, kv_bytes, cross_node=p.cp_group.spans_nodes)
-        s.compute("ring attention block 0", block)
-        for i in range(1, p.cp):
-            s.beside(f"cp kv send {i}", send, f"ring attention block {i}", block, "cp")
+        attention_core(self, s, backward)
 
     def attention_fwd(self, s: Streams) -> None:
         """Norm, (gathered) projections, rope, attention core, output projection, residual."""

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from meshfold.passes.cost.context import METHODS
 from meshfold.passes.cost.hardware import DTYPE_BYTES, Cluster
 from meshfold.passes.cost.model import ModelSpec
 
@@ -105,6 +106,8 @@ class ParallelConfig:
     dp_overlap: bool = True
     order: str = "tp-cp-ep-dp-pp"
     moe_mapping: str = "folded"
+    cp_method: str = "ring"
+    """How attention reads the ``cp`` split: ``ring``, ``tokenring`` or ``ulysses`` (``cost.context``)."""
 
     @property
     def world(self) -> int:
@@ -168,6 +171,8 @@ class ParallelConfig:
         """Short deterministic text, e.g. ``dp48 tp8 pp2 vpp21 mbs1 zero1 sp``."""
         parts = [f"dp{self.dp}", f"tp{self.tp}"]
         parts += [f"{n}{v}" for n, v in (("cp", self.cp), ("pp", self.pp), ("vpp", self.vpp), ("ep", self.ep)) if v > 1]
+        if self.cp > 1 and self.cp_method != "ring":
+            parts.append(self.cp_method)
         if self.etp is not None and self.etp != self.tp:
             parts.append(f"etp{self.etp}")
         if not self.folded:
@@ -220,6 +225,13 @@ class ParallelConfig:
         if self.vpp > 1 and m % self.pp:
             raise ConfigError(
                 f"num_microbatches % pp == 0 violated for the interleaved schedule: {m} micro-batches, pp={self.pp}"
+            )
+        if self.cp_method not in METHODS:
+            raise ConfigError(f"cp_method {self.cp_method!r} must be one of {', '.join(METHODS)}")
+        if self.cp > 1 and self.cp_method == "ulysses" and model.heads % (self.tp * self.cp):
+            raise ConfigError(
+                f"heads % (tp*cp) == 0 violated: {model.heads} heads over tp={self.tp} x cp={self.cp} (Ulysses "
+                "splits the heads over cp)"
             )
         if self.cp > 1 and train.seq_len % (2 * self.cp):
             raise ConfigError(

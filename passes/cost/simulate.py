@@ -67,6 +67,7 @@ def layer_plan(cluster: Cluster, cfg: ParallelConfig) -> LayerPlan:
         comm.place_axes(cluster, attn, ("cp",)),
         comm.place_axes(cluster, expert, ("ep",)),
         comm.place_axes(cluster, expert, ("etp",)),
+        cfg.cp_method,
     )
 
 

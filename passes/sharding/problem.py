@@ -60,6 +60,9 @@ class Problem:
     reads its queries, keys, values (and output gradient) split: by sequence, batch or heads (an
     all-to-all from the sequence split: Ulysses), never whole; and the token ids and labels
     (integers) may be read whole by an op that cannot read them split (the labels' shift by one)."""
+    cp_method: str = "auto"
+    """How attention reads the sequence split on those axes (``passes.cp.CpSpec.method``): by heads
+    or batch (``ulysses``), by sequence as ring attention (``ring``), or as priced (``auto``)."""
 
 
 @dataclass(frozen=True)
@@ -143,9 +146,12 @@ def step_line(stats: Mapping[str, object]) -> str | None:
 
 def solve_report(stats: Mapping[str, object]) -> tuple[str, ...]:
     """The sharding solve of a compile in lines: each mesh axis's program and how far HiGHS got
-    (optimal or stopped at the node limit, and the gap), then ``step_line``; empty if none ran."""
+    (optimal or stopped at the node limit, and the gap), then ``step_line``; then how attention reads
+    a split sequence (``passes.cp.describe``); empty if none of it ran."""
+    attention = stats.get("cp.attention")
+    cp = tuple(str(x) for x in attention) if isinstance(attention, tuple) else ()
     axes = stats.get("sharding.solve")
     if not isinstance(axes, tuple):
-        return ()
+        return cp
     step = step_line(stats)
-    return (*(a.describe() for a in axes if isinstance(a, AxisStats)), *([step] if step else []))
+    return (*(a.describe() for a in axes if isinstance(a, AxisStats)), *([step] if step else []), *cp)

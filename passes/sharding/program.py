@@ -18,7 +18,7 @@ from meshfold.ir.symbolic import divides
 from meshfold.passes.base import PassError
 from meshfold.passes.blocks import op_kinds
 from meshfold.passes.sharding.batch import batch_values
-from meshfold.passes.sharding.cost import nbytes
+from meshfold.passes.sharding.cost import nbytes, own_traffic
 from meshfold.passes.sharding.milp import Columns
 from meshfold.passes.sharding.moves import MoveColumns, Terms, Use
 from meshfold.passes.sharding.opwork import op_bytes, op_flops
@@ -106,7 +106,7 @@ class AxisProgram(MoveColumns):
         copies: dict[tuple[int, int], int] = defaultdict(int)
         for op_i in sorted(range(len(x)), key=lambda i: i in tied):  # NOTE: columns first, then their users
             if id(ss := self.per_op[op_i]) not in priced:
-                priced[id(ss)] = [self._work(works[op_i], _splits(s)) + self._exchange_time(s) for s in ss]
+                priced[id(ss)] = [self._time(works[op_i], s) for s in ss]
             if op_i in tied:
                 x[op_i] = x[tied[op_i]]
                 copies[tied[op_i], id(ss)] += 1  # NOTE: one column stands for the op in every repeated block
@@ -223,12 +223,11 @@ class AxisProgram(MoveColumns):
         self.m.rows.append((dict(row), -math.inf, self.budget - const))
         return spills
 
-    def _exchange_time(self, s: Strategy) -> float:
-        """Time of the traffic an op makes itself under ``s`` (the all-to-all dispatcher): each rank
-        sends its ``1/n`` share of ``s.exchange``."""
-        if not s.exchange or self.n == 1:
-            return 0.0
-        return self.model.collective("all_to_all", s.exchange / self.n)
+    def _time(self, work: tuple[float, float, int], s: Strategy) -> float:
+        """Time of one rank's part of ``work`` under ``s``: its compute and the traffic the op makes
+        itself (``own_traffic``), of the part the earlier axes left it."""
+        compute = self._work(work, _splits(s))
+        return compute + own_traffic(self.model, s, work[2], compute)
 
     def _op_work(self, op_i: int) -> tuple[float, float, int]:
         """The op's FLOPs and bytes, and how many ways the earlier axes' strategies divide them."""

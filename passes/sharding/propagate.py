@@ -10,7 +10,7 @@ layout its parameter is stored in.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping, Sequence
+from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
 
@@ -32,13 +32,13 @@ from meshfold.ir import (
 )
 from meshfold.ir.graph import Arg
 from meshfold.ir.ops import REDISTRIBUTE
-from meshfold.ir.symbolic import divides
+from meshfold.passes import cp
 from meshfold.passes.base import JOINT, Pass, PassContext, PassError
 from meshfold.passes.blocks import op_kinds
 from meshfold.passes.cost.axis import AxisModel, axis_models
 from meshfold.passes.moe.spec import plan_with_experts
 from meshfold.passes.sharding.batch import attention_split, batch_splits
-from meshfold.passes.sharding.cost import nbytes
+from meshfold.passes.sharding.cost import nbytes, own_traffic
 from meshfold.passes.sharding.fit import fitted, spill_prices
 from meshfold.passes.sharding.plans import (
     AUTO,
@@ -52,7 +52,7 @@ from meshfold.passes.sharding.plans import (
 )
 from meshfold.passes.sharding.rules import RuleTable, rule_table, strategies_for
 from meshfold.passes.sharding.solve import Problem, Solution, preset_plan, report, seeded
-from meshfold.passes.sharding.strategy import Strategy
+from meshfold.passes.sharding.strategy import Strategy, fits_axis, keeps_pinned
 
 SHARDED = "sharded"
 
@@ -108,6 +108,7 @@ class Sharding(Pass):
         auto = plan.preset == AUTO
         prop = _Propagator(graph, mesh, seeds, rule_table(), ctx)
         prop.pinned = {i.value: seeds.compute[i.name] for i in graph.inputs if i.name in plan.pinned}
+        cp.check(graph, sequence_axes(seeds.roles), cp.method_of(ctx))
         if self.mode == "solve":
             try:
                 prop.seeds = _solved(graph, mesh, seeds, prop, ctx, auto, self, memory)
@@ -118,6 +119,7 @@ class Sharding(Pass):
                 prop.decided = None
         out = prop.run()
         attention_split(out, sequence_axes(seeds.roles))
+        ctx.stats["cp.attention"] = cp.describe(out, sequence_axes(seeds.roles), cp.method_of(ctx))
         return out
 
 
@@ -158,7 +160,9 @@ def _solved(
         wants[k] = want if want is not None else Layout.replicated(mesh)
 
     def valid(op: Op, s: Strategy, earlier: list[Strategy]) -> bool:
-        return _valid(s, list(op.operands), op.results, mesh, earlier) and _keeps(s, op.operands, prop.pinned, earlier)
+        return fits_axis(s, list(op.operands), op.results, mesh, earlier) and keeps_pinned(
+            s, op.operands, prop.pinned, earlier
+        )
 
     cluster = ctx.cluster
     memory = bound if bound is not None else (cluster.device.hbm_bytes if cluster is not None else None)
@@ -173,6 +177,7 @@ def _solved(
         share_blocks=opts.share_blocks,
         batch_axes=batch_axes,
         sequence_axes=frozenset(sequence_axes(seeds.roles)),
+        cp_method=cp.method_of(ctx),
         keys=keys,
     )
     presets = mesh_presets(mesh) if auto and not prop.pinned else []  # NOTE: presets lay out no expert weights
@@ -311,9 +316,13 @@ class _Propagator:
         best_s = strategies[0]
         for idx, s in enumerate(strategies):
             pinned = {self.vmap.get(v, v): lay for v, lay in self.pinned.items()}
-            if not (_valid(s, operands, op.results, self.mesh, earlier) and _keeps(s, operands, pinned, earlier)):
+            if not (
+                fits_axis(s, operands, op.results, self.mesh, earlier)
+                and keeps_pinned(s, operands, pinned, earlier)
+                and cp.allows(op, s, self.seeds.roles.get(axis, ""), cp.method_of(self.ctx), earlier)
+            ):
                 continue
-            cost = model.collective("all_to_all", s.exchange / model.size) if s.exchange else 0.0
+            cost = own_traffic(model, s)
             for v, want in zip(operands, s.inputs, strict=True):
                 if isinstance(v.type, TensorType):
                     c = _greedy_move(model, self._current(v).placement(axis), want, nbytes(v.type))
@@ -339,44 +348,9 @@ def _greedy_move(model: AxisModel, src: Placement, dst: Placement, size: float) 
     """The time of a move as the greedy choice sees it: the axis model's, except that Replicate →
     Partial, which moves nothing now, is priced as the reduction some later consumer must pay
     (the greedy choice sees only its operands; the solve prices that reduction where it happens)."""
-    if _is_replicate(src) and isinstance(dst, Partial):
+    if not isinstance(src, (Shard, Partial)) and isinstance(dst, Partial):
         return model.redistribute(dst, src, size)
     return model.redistribute(src, dst, size)
-
-
-def _valid(s: Strategy, operands: list[Value], results: tuple[Value, ...], mesh: Mesh, earlier: list[Strategy]) -> bool:
-    """Every Shard divides its dim (with the axes chosen before this one that shard the same dim),
-    non-tensors stay Replicate, and Partial appears only on floating-point tensors."""
-    n = mesh.sizes[len(earlier)]
-    pairs = [*zip(operands, s.inputs, strict=True), *zip(results, s.outputs, strict=True)]
-    for pos, (v, p) in enumerate(pairs):
-        t = v.type
-        if not isinstance(t, TensorType):
-            if not _is_replicate(p):
-                return False
-            continue
-        if isinstance(p, Shard):
-            ways = n
-            for a, e in enumerate(earlier):
-                q = (e.inputs + e.outputs)[pos]
-                if isinstance(q, Shard) and q.dim == p.dim:
-                    ways *= mesh.sizes[a]
-            size = t.shape[p.dim] if p.dim < t.rank else None
-            if size is None or not divides(size, ways):
-                return False
-        if isinstance(p, Partial) and not t.dtype.is_floating_point:
-            return False
-    return True
-
-
-def _keeps(s: Strategy, operands: Sequence[Value], pinned: Mapping[Value, Layout], earlier: list[Strategy]) -> bool:
-    """Whether ``s`` reads every pinned operand in its pinned placement on this axis."""
-    axis = len(earlier)
-    return all(v not in pinned or p == pinned[v].placements[axis] for v, p in zip(operands, s.inputs, strict=False))
-
-
-def _is_replicate(p: Placement) -> bool:
-    return not isinstance(p, (Shard, Partial))
 
 
 def _rebind(op: Op, operands: list[Value]) -> tuple[tuple[Arg, ...], tuple[tuple[str, Arg], ...]]:

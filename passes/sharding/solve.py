@@ -27,8 +27,9 @@ from collections.abc import Hashable
 from dataclasses import replace
 
 from meshfold.ir import Graph, Layout, Mesh, Placement, Value
+from meshfold.passes import cp
 from meshfold.passes.base import PassContext, PassError
-from meshfold.passes.sharding.plans import Plan, data_parallel_axes, resolve, sequence_axes
+from meshfold.passes.sharding.plans import AUTO, Plan, data_parallel_axes, resolve, sequence_axes
 from meshfold.passes.sharding.problem import AxisStart, AxisStats, Problem, Solution
 from meshfold.passes.sharding.program import AxisProgram
 from meshfold.passes.sharding.strategy import Strategy
@@ -48,13 +49,19 @@ def solve(problem: Problem, start: Solution | None = None) -> Solution:
     stats: list[AxisStats] = []
     work: dict[Hashable, tuple[float, float]] = {}
     for k, axis in enumerate(mesh.names):
+        # NOTE: free inputs: ``plan="auto"``, where any axis may split the sequence
+        role = "cp" if axis in problem.sequence_axes else AUTO if problem.free else ""
         per_op = []
         fits: dict[Hashable, list[Strategy]] = {}
         for i, op in enumerate(graph.ops):
             kind = (problem.keys[i], *chosen[i]) if problem.keys else i
             ok = fits.get(kind)
             if ok is None:  # NOTE: ops of one kind share the list (``AxisProgram`` prices it once)
-                ok = fits[kind] = [s for s in problem.candidates[i] if problem.valid(op, s, chosen[i])]
+                ok = fits[kind] = [
+                    s
+                    for s in problem.candidates[i]
+                    if problem.valid(op, s, chosen[i]) and cp.allows(op, s, role, problem.cp_method, chosen[i])
+                ]
             if not ok:
                 raise PassError(f"{op.describe()}: no valid sharding strategy on mesh axis {axis!r}")
             per_op.append(ok)

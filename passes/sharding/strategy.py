@@ -15,11 +15,12 @@ operands Partial (``add``, ``cat``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from meshfold.ir import Partial, Placement, R, Shard
+from meshfold.ir import Layout, Mesh, Partial, Placement, R, Shard, TensorType, Value
 from meshfold.ir.placement import ReduceOp
+from meshfold.ir.symbolic import divides
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +33,10 @@ class Strategy:
     """Bytes the op itself moves among the axis's ranks under this strategy, as if the axis were
     infinitely large (each rank sends its ``1/n`` share, ``(n-1)/n`` of it to others); 0 for the
     ordinary op that communicates only through the collectives boxing inserts."""
+    passed: float = 0.0
+    """Bytes the op passes round a ring of the axis's ranks under this strategy (ring attention's keys
+    and values), whole-tensor bytes: each rank sends its ``1/n`` share ``n - 1`` times, the volume
+    of an all-gather, while it computes; 0 for every other op."""
 
     def __str__(self) -> str:
         ins = ", ".join(map(str, self.inputs))
@@ -112,3 +117,42 @@ def replicate_only(n_in: int, n_out: int) -> list[Strategy]:
 
 def _dedupe(strategies: list[Strategy]) -> list[Strategy]:
     return list(dict.fromkeys(strategies))
+
+
+def fits_axis(
+    s: Strategy, operands: list[Value], results: tuple[Value, ...], mesh: Mesh, earlier: list[Strategy]
+) -> bool:
+    """Every Shard divides its dim (with the axes chosen before this one that shard the same dim),
+    non-tensors stay Replicate, and Partial appears only on floating-point tensors."""
+    n = mesh.sizes[len(earlier)]
+    pairs = [*zip(operands, s.inputs, strict=True), *zip(results, s.outputs, strict=True)]
+    for pos, (v, p) in enumerate(pairs):
+        t = v.type
+        if not isinstance(t, TensorType):
+            if not _is_replicate(p):
+                return False
+            continue
+        if isinstance(p, Shard):
+            ways = n
+            for a, e in enumerate(earlier):
+                q = (e.inputs + e.outputs)[pos]
+                if isinstance(q, Shard) and q.dim == p.dim:
+                    ways *= mesh.sizes[a]
+            size = t.shape[p.dim] if p.dim < t.rank else None
+            if size is None or not divides(size, ways):
+                return False
+        if isinstance(p, Partial) and not t.dtype.is_floating_point:
+            return False
+    return True
+
+
+def keeps_pinned(
+    s: Strategy, operands: Sequence[Value], pinned: Mapping[Value, Layout], earlier: list[Strategy]
+) -> bool:
+    """Whether ``s`` reads every pinned operand in its pinned placement on this axis."""
+    axis = len(earlier)
+    return all(v not in pinned or p == pinned[v].placements[axis] for v, p in zip(operands, s.inputs, strict=False))
+
+
+def _is_replicate(p: Placement) -> bool:
+    return not isinstance(p, (Shard, Partial))

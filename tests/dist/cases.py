@@ -41,6 +41,8 @@ def equivalence(
     keep_module: bool = False,
     pipeline: str | None = None,
     tokens: tuple[int, int] | None = None,
+    cp: str | None = None,
+    double: bool = False,
 ) -> dict[str, Any]:
     """Train ``steps`` AdamW steps compiled (under ``pipeline``, default the default pipeline) and
     single-device side by side; raise on any difference. Also returns the parameters' layouts
@@ -50,9 +52,13 @@ def equivalence(
     mesh = device_mesh(tuple(shape), tuple(names))
     net, inputs = build(model)
     ref, _ = build(model)
+    if double:  # NOTE: float64 leaves only the compiled program's own differences, not rounding
+        net, ref = net.double(), ref.double()
     if tokens is not None:
         inputs = token_inputs(tokens)
-    extra = {} if pipeline is None else {"pipeline": pipeline}
+    extra: dict[str, Any] = {} if pipeline is None else {"pipeline": pipeline}
+    if cp is not None:
+        extra["cp"] = {"method": cp}
     pm = parallelize(net, mesh, inputs, plan=plan, cluster=cluster, memory=memory, moe=moe, **extra)
     stacks = pm.graph().stacks
     names_pm = [n for n, _ in pm.named_parameters()]

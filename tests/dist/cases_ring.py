@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshfold.backends.ring import ring_attention, ring_forward, sequence_shard, sequence_unshard
+from meshfold.backends.tokenring import tokenring_backward, tokenring_forward
 
 
 def ring_equals_attention(
@@ -20,12 +24,16 @@ def ring_equals_attention(
     group_size: int | None = None,
     kv_heads: int | None = None,
     layout: str = "zigzag",
+    window: int | None = None,
+    method: str = "ring",
 ) -> dict[str, Any]:
     """Queries, keys and values (``kv_heads`` of them: grouped-query attention) drawn alike on every
     rank, each rank's part in ``layout`` through ``ring_attention`` over the world (or over groups of
     ``group_size`` consecutive ranks), the output and the gradients of a random cotangent gathered
     back to the whole sequence: their largest differences from ``scaled_dot_product_attention`` on
-    one device."""
+    one device. ``window``: a causal sliding-window mask (each query sees itself and the ``window - 1``
+    keys before it) in place of ``causal``, as an additive mask each rank holds its query rows of.
+    ``method="tokenring"``: ``tokenring_forward`` and ``tokenring_backward`` instead."""
     g = torch.Generator().manual_seed(0)
     kvh = kv_heads or heads
     q, k, v, dout = (
@@ -35,10 +43,23 @@ def ring_equals_attention(
     size = group_size or world
     groups = [dist.new_group(list(range(s, s + size))) for s in range(0, world, size)]
     group, cp, me = groups[rank // size], size, rank % size
+    mask = None
+    if window is not None:
+        i = torch.arange(seq)
+        seen = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < window)
+        mask = torch.zeros(seq, seq, dtype=torch.float64).masked_fill(~seen, float("-inf"))
     parts = [sequence_shard(x, 2, cp, me, layout).clone().requires_grad_(True) for x in (q, k, v)]
-    out = ring_attention(*parts, group=group, causal=causal, layout=layout)
-    out.backward(sequence_shard(dout, 2, cp, me, layout))
-    got = [out.detach(), *(p.grad for p in parts)]
+    rows = None if mask is None else sequence_shard(mask[None, None], 2, cp, me, layout)
+    grad = sequence_shard(dout, 2, cp, me, layout)
+    if method == "ring":
+        out = ring_attention(*parts, group=group, causal=causal, layout=layout, mask=rows)
+        out.backward(grad)
+        got = [out.detach(), *(p.grad for p in parts)]
+        _, lse = ring_forward(*(p.detach() for p in parts), group=group, causal=causal, layout=layout, mask=rows)
+    else:
+        held = [p.detach() for p in parts]
+        out, lse = tokenring_forward(*held, group, causal, None, layout, rows)
+        got = [out, *tokenring_backward(grad, *held, out, lse, group, causal, None, layout, rows)]
     whole = []
     for x in got:
         assert x is not None
@@ -46,17 +67,76 @@ def ring_equals_attention(
         dist.all_gather(pieces, x.contiguous(), group=group)
         whole.append(sequence_unshard(pieces, 2, layout))
     ref = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    want = F.scaled_dot_product_attention(*ref, is_causal=causal, enable_gqa=kvh != heads)
+    want = F.scaled_dot_product_attention(*ref, attn_mask=mask, is_causal=causal, enable_gqa=kvh != heads)
     want.backward(dout)
     expected = [want.detach(), *(t.grad for t in ref)]
     names = ("out", "dq", "dk", "dv")
     errs = {n: float((a - b).abs().max()) for n, a, b in zip(names, whole, expected, strict=True)}
     # NOTE: the log-sum-exp the forward returns (what the backward op reads) is the whole sequence's
-    _, lse = ring_forward(*(p.detach() for p in parts), group=group, causal=causal, layout=layout)
     pieces = [torch.empty_like(lse) for _ in range(cp)]
     dist.all_gather(pieces, lse.contiguous(), group=group)
     reps = heads // kvh
     full_k, full_v = k.repeat_interleave(reps, 1), v.repeat_interleave(reps, 1)
-    _, want_lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, full_k, full_v, 0.0, causal)
+    _, want_lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, full_k, full_v, 0.0, causal, attn_mask=mask
+    )
     errs["lse"] = float((sequence_unshard(pieces, 2, layout) - want_lse).abs().max())
     return errs
+
+
+def compiled_attention(
+    model: str,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    plan: str,
+    cp: str | None,
+    tokens: tuple[int, int],
+    double: bool = False,
+    moe: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """``cases.equivalence`` under ``cp={"method": cp}`` (and ``moe``; loss, every gradient and the
+    parameters after AdamW steps equal single device), and how each forward attention of the
+    compiled program reads its queries on each mesh axis: ``sequence`` (ring attention), ``heads``,
+    ``batch`` or ``whole``."""
+    from meshfold.passes.sharding.rules.attention import RESULT_ROLES
+    from tests.dist.cases import equivalence, token_inputs
+
+    out = equivalence(model, shape, names, plan, tokens=tokens, cp=cp, double=double, moe=moe, keep_module=True)
+    pm = out.pop("module")
+    graph = pm.graph()
+    # NOTE: which modules send point to point in one more step: ring.py (ring attention), tokenring.py
+    # (TokenRing), ring_lowering.py (the move to the zigzag layout)
+    senders: set[str] = set()
+    send = dist.batch_isend_irecv
+
+    def recorded(ops: list[Any]) -> list[Any]:
+        senders.add(os.path.basename(sys._getframe(1).f_code.co_filename))
+        return send(ops)
+
+    with mock.patch.object(dist, "batch_isend_irecv", recorded):
+        ids = token_inputs(tokens)
+        pm(*ids).backward()
+    out["senders"] = sorted(senders)
+    splits = []
+    for op in graph.ops:
+        if op.target in RESULT_ROLES and op.prov.phase == "fwd":
+            q = op.operands[0]
+            rank = q.type.rank
+            kinds = {rank - 2: "sequence", 1: "heads", 0: "batch"}
+            splits.append({a: kinds.get(getattr(q.layout.placement(a), "dim", -1), "whole") for a in graph.mesh.names})
+    out["attention"] = splits
+    return out
+
+
+def zigzag_moves(seq: int, dim: int) -> bool:
+    """Each rank's contiguous part of a tensor moved to the zigzag layout is ``sequence_shard``'s
+    zigzag part, and moved back is the contiguous part again."""
+    from meshfold.backends.ring_lowering import from_zigzag, to_zigzag
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    x = torch.arange(3 * seq * 2, dtype=torch.float64).reshape(3, seq, 2).movedim(1, dim)
+    mine = sequence_shard(x, dim, world, rank, "contiguous")
+    there = to_zigzag(mine, dist.group.WORLD, dim)  # type: ignore[arg-type]
+    assert torch.equal(there, sequence_shard(x, dim, world, rank, "zigzag")), (rank, there)
+    assert torch.equal(from_zigzag(there, dist.group.WORLD, dim), mine)  # type: ignore[arg-type]
+    return True

@@ -4,6 +4,8 @@ single device."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from tests.dist.conftest import RankPools
@@ -30,3 +32,59 @@ def test_context_parallel_equals_single_device(
     for n in shape:
         world *= n
     rank_pools.get(world).run("tests.dist.cases:equivalence", model=model, shape=shape, names=names, plan=plan)
+
+
+# NOTE: (model, mesh shape, axis names, plan, cp method, tokens, float64, moe); one sequence where only the
+# sequence splits: hf-llama (grouped-query, a causal mask tensor) and hf-mistral-window (a sliding-window
+# mask: blocks it hides whole are skipped) run their attention as ring attention; llama-tiny calls the
+# kernel causal (no mask) and, in float32, differs from one device by rounding only, so it runs in
+# float64; ulysses on hf-llama splits the 4 heads over 4 ranks instead, and auto prices ring attention
+# cheaper (no all-to-all); hf-mixtral's experts fold over the ranks the ring runs on (ep=4 over cp, and
+# over fsdp x cp); plan="auto" on one sequence of 2048 chooses the sequence split and ring attention itself; on 8 ranks ring attention over cp=4 beside tp=2; TokenRing with a mask and with the kernel's causal flag
+RING_CASES = [
+    ("hf-llama", (4,), ("cp",), "cp", "ring", (1, 32), False, None),
+    ("hf-llama", (2, 2), ("cp", "tp"), "cp+tp", "ring", (1, 32), False, None),
+    ("hf-llama", (2, 2), ("dp", "cp"), "fsdp+cp", "ring", (2, 32), False, None),
+    ("hf-mistral-window", (4,), ("cp",), "cp", "ring", (1, 32), False, None),
+    ("llama-tiny", (4,), ("cp",), "cp", "ring", (1, 32), True, None),
+    ("hf-llama", (4,), ("cp",), "cp", "ulysses", (1, 32), False, None),
+    ("hf-llama", (4,), ("cp",), "cp", "auto", (1, 32), False, None),
+    ("hf-mixtral", (4,), ("cp",), "cp", "ring", (2, 32), False, {"ep": 4}),
+    ("hf-mixtral", (2, 2), ("dp", "cp"), "fsdp+cp", "ring", (2, 32), False, {"ep": 4}),
+    ("hf-llama", (4,), ("cp",), "auto", None, (1, 2048), False, None),
+    ("hf-llama", (4, 2), ("cp", "tp"), "cp+tp", "ring", (1, 64), False, None),
+    ("hf-llama", (4,), ("cp",), "cp", "tokenring", (1, 32), False, None),
+    ("llama-tiny", (2, 2), ("cp", "tp"), "cp+tp", "tokenring", (1, 32), True, None),
+]
+SPLIT = {"ring": "sequence", "tokenring": "sequence", "auto": "sequence", "ulysses": "heads", None: "sequence"}
+
+
+@pytest.mark.parametrize(
+    "case",
+    RING_CASES,
+    ids=[f"{c[0]}-{c[3]}-{'x'.join(map(str, c[1]))}-{c[4]}" + ("-ep4" if c[7] else "") for c in RING_CASES],
+)
+def test_cp_method_equals_single_device(rank_pools: RankPools, case: tuple[Any, ...]) -> None:
+    """``cp={"method": ...}``: every forward attention reads its queries split the way the method says on
+    the cp axis, the kernel the method names sends the point-to-point messages (none under Ulysses), and the
+    program equals single device."""
+    model, shape, names, plan, method, tokens, double, moe = case
+    world = 1
+    for n in shape:
+        world *= n
+    results = rank_pools.get(world).run(
+        "tests.dist.cases_ring:compiled_attention",
+        model=model,
+        shape=shape,
+        names=names,
+        plan=plan,
+        cp=method,
+        tokens=tokens,
+        double=double,
+        moe=moe,
+    )
+    kernel = {"ulysses": set(), "tokenring": {"tokenring.py"}}.get(method, {"ring.py"})
+    for r in results:
+        assert r["attention"], "no attention in the compiled program"
+        assert all(s["cp"] == SPLIT[method] for s in r["attention"]), r["attention"]
+        assert set(r["senders"]) - {"ring_lowering.py"} == kernel, r["senders"]

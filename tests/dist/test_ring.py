@@ -39,24 +39,41 @@ def test_sequence_layouts_round_trip(layout: str) -> None:
     assert torch.equal(sequence_unshard([sequence_shard(x, 2, 4, r, layout) for r in range(4)], 2, layout), x)
 
 
-# NOTE: (ranks, causal, ranks per ring, key/value heads of 4 query heads, layout)
+# NOTE: (ranks, causal, ranks per ring, key/value heads of 4 query heads, layout, sliding window); a window of
+# 6 over chunks of 4 (contiguous) or 2 (zigzag) leaves blocks it hides whole (skipped) and rows a block hides
+# whole (their log-sum-exp must not count)
 CASES = [
-    (2, True, None, 4, "zigzag"),
-    (4, True, None, 4, "zigzag"),
-    (4, False, None, 4, "zigzag"),
-    (4, True, 2, 4, "zigzag"),
-    (4, True, None, 2, "zigzag"),
-    (4, True, None, 4, "contiguous"),
+    (2, True, None, 4, "zigzag", None),
+    (4, True, None, 4, "zigzag", None),
+    (4, False, None, 4, "zigzag", None),
+    (4, True, 2, 4, "zigzag", None),
+    (4, True, None, 2, "zigzag", None),
+    (4, True, None, 4, "contiguous", None),
+    (4, False, None, 2, "contiguous", 6),
+    (4, False, None, 4, "zigzag", 6),
 ]
+# NOTE: TokenRing on the same blocks (queries travel instead of keys and values)
+TOKENRING = [(2, True, None, 4, "zigzag", None), (4, True, None, 2, "zigzag", None), (4, False, 2, 4, "contiguous", 6)]
+
+
+def _ids(cases: list[tuple[int, bool, int | None, int, str, int | None]], method: str) -> list[str]:
+    return [
+        f"{method}-{w}ranks-{'causal' if c else 'full'}-cp{g or w}-kv{h}-{lay}" + (f"-window{win}" if win else "")
+        for w, c, g, h, lay, win in cases
+    ]
 
 
 @pytest.mark.parametrize(
-    "case", CASES, ids=[f"{w}ranks-{'causal' if c else 'full'}-cp{g or w}-kv{h}-{lay}" for w, c, g, h, lay in CASES]
+    ("method", "case"),
+    [("ring", c) for c in CASES] + [("tokenring", c) for c in TOKENRING],
+    ids=_ids(CASES, "ring") + _ids(TOKENRING, "tokenring"),
 )
-def test_ring_attention_equals_attention(rank_pools: RankPools, case: tuple[int, bool, int | None, int, str]) -> None:
+def test_ring_attention_equals_attention(
+    rank_pools: RankPools, method: str, case: tuple[int, bool, int | None, int, str, int | None]
+) -> None:
     """The output, its log-sum-exp and the query, key and value gradients equal one device's attention (float64),
-    grouped-query keys and values included."""
-    world, causal, group, kv_heads, layout = case
+    grouped-query keys and values and a sliding-window mask included; for ring attention and TokenRing."""
+    world, causal, group, kv_heads, layout, window = case
     results = rank_pools.get(world).run(
         "tests.dist.cases_ring:ring_equals_attention",
         batch=2,
@@ -67,6 +84,15 @@ def test_ring_attention_equals_attention(rank_pools: RankPools, case: tuple[int,
         group_size=group,
         kv_heads=kv_heads,
         layout=layout,
+        window=window,
+        method=method,
     )
     for rank, errs in enumerate(results):
         assert max(errs.values()) < 1e-10, (rank, errs)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_contiguous_parts_move_to_the_zigzag_layout_and_back(rank_pools: RankPools, world: int) -> None:
+    """What the compiled program's ring attention does first under a causal mask (``ring_lowering``)."""
+    for dim in (0, 1):
+        assert all(rank_pools.get(world).run("tests.dist.cases_ring:zigzag_moves", seq=4 * world, dim=dim))

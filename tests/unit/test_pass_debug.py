@@ -442,3 +442,13 @@ def test_the_summary_says_what_the_memory_pass_decided(capsys: pytest.CaptureFix
     want = r"memory: policy full; recomputed layers\.0, layers\.1 \(\+[\d.]+ ms\); predicted peak per rank "
     m = re.fullmatch(want + r"([\d.]+) -> ([\d.]+) MiB", line)
     assert m is not None and float(m[2]) < float(m[1]), line
+
+
+def test_cp_flag_chooses_how_attention_reads_the_split_sequence(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--cp`` is ``parallelize(cp=...)``: the summary says how each attention reads the sequence."""
+    for method, how in (("tokenring", "by sequence (TokenRing)"), ("ulysses", "by heads (Ulysses)")):
+        assert main(["llama-tiny", "--mesh", "cp=4", "--plan", "cp", "--cp", method, "--no-color"]) == 0
+        out = capsys.readouterr().out
+        assert f"context parallel on 'cp': attention split 2 {how}" in out.splitlines()
+    assert main(["llama-tiny", "--mesh", "tp=2", "--plan", "tp", "--cp", "ring"]) == 2
+    assert "cp= says how attention reads a sequence split over a cp mesh axis" in capsys.readouterr().err

@@ -23,6 +23,7 @@ from meshfold.passes.cost import (
 )
 from meshfold.passes.cost.footprint import layer_activation_bytes
 from meshfold.passes.cost.layer import layer_cost
+from meshfold.passes.cost.model import ModelSpec
 from meshfold.passes.cost.simulate import layer_plan
 from meshfold.passes.cost.streams import LayerCost
 from meshfold.tools.bench.simulator_vs_published import ROWS, Row, published_config
@@ -177,3 +178,36 @@ def test_chrome_trace_and_memory_plot(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="timeline"):
         to_chrome_trace(simulate(model, cluster, ParallelConfig(dp=2, tp=2, pp=2), train, timeline=False))
+
+
+def _cp_layer(model: ModelSpec, method: str, cluster: str = "h100:8x2", seq: int = 32768) -> LayerCost:
+    """One layer's cost at cp=16 over two nodes (the ring crosses the inter-node links)."""
+    c = parse_cluster(cluster)
+    cfg = ParallelConfig(dp=1, cp=16, cp_method=method)
+    return layer_cost(model, c, "bf16", "fp32", True, True, seq, layer_plan(c, cfg), "dense")
+
+
+def test_context_parallel_methods_trade_what_they_send() -> None:
+    """Ring attention sends keys and values, TokenRing queries one way and outputs the other, so on a
+    model without grouped-query keys (as many key heads as query heads) TokenRing waits less and
+    with 4 query heads to a key head ring attention does; Ulysses' all-to-alls block the kernel, so
+    they always show."""
+    mha, gqa = GPT_16B, preset("llama3-8b")
+    assert gqa.n_kv_heads * 4 == gqa.heads and GPT_16B.n_kv_heads == GPT_16B.heads
+    short = 8192  # NOTE: short blocks leave the sends exposed
+    mha_ring, mha_token = (_cp_layer(mha, m, seq=short) for m in ("ring", "tokenring"))
+    gqa_ring, gqa_token = (_cp_layer(gqa, m, seq=short) for m in ("ring", "tokenring"))
+    assert mha_token.fwd_exposed_s < mha_ring.fwd_exposed_s
+    assert gqa_ring.fwd_exposed_s < gqa_token.fwd_exposed_s
+    ulysses = _cp_layer(gqa, "ulysses")
+    assert ulysses.fwd_exposed_s > 0 and ulysses.bwd_exposed_s > 0
+
+
+def test_ulysses_needs_the_heads_to_divide_over_tp_and_cp() -> None:
+    model = preset("llama3-8b")  # NOTE: 32 heads
+    cluster = parse_cluster("h100:8x8")
+    with pytest.raises(ConfigError, match=r"heads % \(tp\*cp\) == 0 violated: 32 heads over tp=2 x cp=32"):
+        ParallelConfig(dp=1, tp=2, cp=32, cp_method="ulysses").validate(model, cluster, TrainSpec(131072, 1))
+    with pytest.raises(ConfigError, match="cp_method 'striped' must be one of ring, tokenring, ulysses"):
+        ParallelConfig(dp=1, cp=64, cp_method="striped").validate(model, cluster, TrainSpec(131072, 1))
+    ParallelConfig(dp=2, cp=32, cp_method="ulysses").validate(model, cluster, TrainSpec(131072, 2))

@@ -66,6 +66,15 @@ def _hf_llama() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return _hf_causal_lm(LlamaConfig, LlamaForCausalLM, intermediate_size=128)
 
 
+@register("hf-mistral-window")
+def _hf_mistral_window() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """transformers' MistralForCausalLM attending over a sliding window of 8 tokens (its mask hides
+    every key further back), with random weights."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    return _hf_causal_lm(MistralConfig, MistralForCausalLM, intermediate_size=128, sliding_window=8)
+
+
 @register("hf-mixtral")
 def _hf_mixtral() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Build transformers' MixtralForCausalLM with random weights (needs the transformers extra)."""

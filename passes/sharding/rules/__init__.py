@@ -6,6 +6,7 @@ registries through :mod:`passes.sharding.rules.fallback`, else Replicate only (t
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Literal
 
 from meshfold.ir import Op, Partial, Placement, R, Shard, TensorType
@@ -93,7 +94,7 @@ def _widen(op: Op, s: Strategy) -> Strategy:
     inputs: list[Placement] = [R for _ in op.operands]
     for i, p in zip(tensors, s.inputs, strict=True):
         inputs[i] = p
-    return Strategy(tuple(inputs), s.outputs)
+    return replace(s, inputs=tuple(inputs))
 
 
 def _malformed(op: Op, s: Strategy) -> str | None:

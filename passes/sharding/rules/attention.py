@@ -6,6 +6,13 @@ Attention mixes whole sequences and whole head dims, so only the leading (batch,
 logsumexp ``[*B, ...]``, a mask broadcast to ``[*B, L, S]``) shards alike. RNG state, cumulative
 sequence offsets and debug tensors that do not carry them are Replicate; non-tensor results
 (``max_q``) are Replicate.
+
+One more strategy splits the sequence (``ring_strategy``): queries, keys, values, output, its
+log-sum-exp and every gradient split along their sequence dim, computed as ring attention over the
+axis's ranks (``backends/ring.py``: keys and values passed round the ring, block results merged by
+their log-sum-exp). Only the CPU flash kernel's pair has it (the one the ring runs block by block),
+and only without dropout; a mask splits by its query rows and keeps every key column (each block
+reads its part). Which axes may use it is ``passes.cp``'s to say.
 """
 
 from __future__ import annotations
@@ -17,10 +24,12 @@ from typing import Literal
 import torch
 from torch._ops import OpOverload
 
-from meshfold.ir import Op, Partial, TensorType
+from meshfold.ir import Op, Partial, Placement, R, Shard, TensorType
+from meshfold.passes.sharding.cost import nbytes
 from meshfold.passes.sharding.rules.common import (
     einsum_of,
     letters,
+    op_arg,
     operand_names,
     replicate_non_tensor_results,
     tensor_type_of,
@@ -110,4 +119,46 @@ def attention(op: Op) -> list[Strategy]:
     strategies = replicate_non_tensor_results(op, einsum_strategies(einsum_of(ins, outs)))
     # NOTE: a Partial result can only come from a bias gradient reduced over a broadcast dim; the
     # kernels' reduction there is not documented, so such strategies are dropped.
-    return [s for s in strategies if not any(isinstance(p, Partial) for p in s.outputs)]
+    kept = [s for s in strategies if not any(isinstance(p, Partial) for p in s.outputs)]
+    ring = ring_strategy(op)
+    return kept if ring is None else [*kept, ring]
+
+
+# NOTE: the kernels ring attention runs block by block (the CPU flash pair), forward then backward
+RING_KERNELS = (
+    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default,
+)
+
+
+def ring_blocker(op: Op) -> str | None:
+    """Why attention ``op`` cannot be split by sequence (ring attention), or None when it can."""
+    if op.target not in RING_KERNELS:
+        return f"its kernel {op.target} is not one ring attention runs block by block (the CPU flash kernel)"
+    if op_arg(op, "dropout_p", 0.0) != 0.0:
+        return "it applies dropout, whose mask ring attention does not reproduce"
+    return None
+
+
+def ring_strategy(op: Op) -> Strategy | None:
+    """Every tensor split along its sequence dim (the queries' second-to-last), a mask by its query
+    rows (unless broadcast over them) with every key column whole, priced by the keys and values
+    (and, backward, their gradients) passed once round the ring; None when the op has no ring form
+    (``ring_blocker``)."""
+    if ring_blocker(op) is not None:
+        return None
+    names = operand_names(op)
+    q = tensor_type_of(op.operands[names.index("query")])
+    assert q is not None
+    seq = Shard(q.rank - 2)
+    ins: list[Placement] = []
+    kv = 0.0
+    for name, v in zip(names, op.operands, strict=True):
+        t = tensor_type_of(v)
+        if name == "attn_mask":
+            ins.append(Shard(t.rank - 2) if t is not None and t.rank >= 2 and t.shape[-2] != 1 else R)
+            continue
+        ins.append(seq)
+        kv += nbytes(t) if t is not None and name in ("key", "value") else 0.0
+    backward = op.target == RING_KERNELS[1]
+    return Strategy(tuple(ins), tuple(seq for _ in op.results), passed=kv * (2.0 if backward else 1.0))

@@ -1,0 +1,139 @@
+"""What an attention kernel whose queries, keys and values are split along the sequence (a
+``Shard`` of the sequence dim: ``rules.attention.ring_strategy``) runs on one rank: ring attention
+over the process group of that mesh axis, or TokenRing (``backends/tokenring.py``: the queries
+travel instead of the keys and values), as ``parallelize(cp={"method": ...})`` asks.
+
+A ``Shard`` holds a contiguous part of the sequence: rank ``r`` of ``cp`` holds chunk ``r``. Under a
+causal mask (the kernel's flag, or a mask tensor whose blocks may be hidden whole) that is badly
+balanced: the last rank attends to every chunk, the first to its own. So the kernel first moves
+the tokens to the zigzag layout (``to_zigzag``: cut in ``2 * cp`` half-chunks, rank ``r`` holds
+half-chunks ``r`` and ``2 * cp - 1 - r``, one point-to-point exchange of half of each tensor), runs
+the ring there, where every rank has the same work, and moves the results back (``from_zigzag``).
+A mask's query rows travel with the queries; its key columns stay whole. Attention without any
+mask is balanced as it is and runs on the contiguous parts directly.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from meshfold.backends.ring import ring_backward, ring_forward
+from meshfold.backends.tokenring import tokenring_backward, tokenring_forward
+
+aten = torch.ops.aten
+
+
+def _owner(half: int, cp: int) -> int:
+    """The rank holding half-chunk ``half`` (of ``2 * cp``) in the zigzag layout."""
+    return half if half < cp else 2 * cp - 1 - half
+
+
+def _moved(x: torch.Tensor, group: dist.ProcessGroup, dim: int, forward: bool) -> torch.Tensor:
+    """This rank's part of a sequence along ``dim``, from the contiguous layout to the zigzag one
+    (``forward``) or back."""
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    if cp == 1 or x.shape[dim] == 1:  # NOTE: a mask broadcast over its query rows stays as it is
+        return x
+    zigzag = (r, 2 * cp - 1 - r)
+    contiguous = (2 * r, 2 * r + 1)
+    held, wanted = (contiguous, zigzag) if forward else (zigzag, contiguous)
+    where = (lambda h: _owner(h, cp)) if forward else (lambda h: h // 2)
+    source = (lambda h: h // 2) if forward else (lambda h: _owner(h, cp))
+    parts = dict(zip(held, x.chunk(2, dim), strict=True))
+    got: dict[int, torch.Tensor] = {}
+    ops = []
+    for h, part in parts.items():
+        if where(h) == r:
+            got[h] = part
+        else:
+            ops.append(dist.P2POp(dist.isend, part.contiguous(), dist.get_global_rank(group, where(h)), group, h))
+    for h in wanted:
+        if h not in got:
+            got[h] = torch.empty_like(parts[held[0]].contiguous())
+            ops.append(dist.P2POp(dist.irecv, got[h], dist.get_global_rank(group, source(h)), group, h))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    return torch.cat([got[h] for h in wanted], dim)
+
+
+def to_zigzag(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 2) -> torch.Tensor:
+    """This rank's contiguous part of a sequence (chunk ``r`` of ``cp``) → its zigzag part."""
+    return _moved(x, group, dim, forward=True)
+
+
+def from_zigzag(x: torch.Tensor, group: dist.ProcessGroup, dim: int = 2) -> torch.Tensor:
+    """The inverse of ``to_zigzag``."""
+    return _moved(x, group, dim, forward=False)
+
+
+FORWARD = {"ring": ring_forward, "tokenring": tokenring_forward}
+BACKWARD = {"ring": ring_backward, "tokenring": tokenring_backward}
+
+
+def _balanced(is_causal: bool, attn_mask: torch.Tensor | None) -> bool:
+    """Whether some blocks may be skipped, so the contiguous split would be unbalanced."""
+    return is_causal or attn_mask is not None
+
+
+def kernel_forward(
+    group: str,
+    method: str,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The CPU flash kernel's forward, called as the captured graph calls it, as ring attention (or
+    TokenRing: ``method``) over the process group named ``group`` on this rank's contiguous part of
+    the sequence."""
+    assert dropout_p == 0.0, "the sharding rule gives no ring form to dropout"
+    pg = _resolve_process_group(group)
+    forward = FORWARD[method]
+    if not _balanced(is_causal, attn_mask):
+        return forward(query, key, value, pg, is_causal, scale, "contiguous", attn_mask)
+    q, k, v = (to_zigzag(t, pg) for t in (query, key, value))
+    mask = None if attn_mask is None else to_zigzag(attn_mask, pg, attn_mask.dim() - 2)
+    out, lse = forward(q, k, v, pg, is_causal, scale, "zigzag", mask)
+    return from_zigzag(out, pg), from_zigzag(lse, pg)
+
+
+def kernel_backward(
+    group: str,
+    method: str,
+    grad_out: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    out: torch.Tensor,
+    logsumexp: torch.Tensor,
+    dropout_p: float,
+    is_causal: bool,
+    *,
+    attn_mask: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The CPU flash kernel's backward as ``kernel_forward``'s ring."""
+    assert dropout_p == 0.0, "the sharding rule gives no ring form to dropout"
+    pg = _resolve_process_group(group)
+    backward = BACKWARD[method]
+    if not _balanced(is_causal, attn_mask):
+        return backward(grad_out, query, key, value, out, logsumexp, pg, is_causal, scale, "contiguous", attn_mask)
+    moved = [to_zigzag(t, pg) for t in (grad_out, query, key, value, out, logsumexp)]
+    mask = None if attn_mask is None else to_zigzag(attn_mask, pg, attn_mask.dim() - 2)
+    grads = backward(*moved, pg, is_causal, scale, "zigzag", mask)
+    dq, dk, dv = (from_zigzag(g, pg) for g in grads)
+    return dq, dk, dv
+
+
+KERNELS = {
+    aten._scaled_dot_product_flash_attention_for_cpu.default: kernel_forward,
+    aten._scaled_dot_product_flash_attention_for_cpu_backward.default: kernel_backward,
+}
+"""The attention kernels a sequence-split layout runs as ring attention."""

@@ -1,0 +1,181 @@
+"""TokenRing: context-parallel attention that moves the queries instead of the keys and values.
+
+Each rank keeps its keys and values. At step ``s`` rank ``r`` receives the queries of rank
+``r - s`` (with what the blocks need of them) straight from their owner, attends them to its own
+keys and values, and sends the blocks' output and log-sum-exp straight back, while its own queries
+are at rank ``r + s`` and their results come back from there: queries travel one way and results
+the other, at once, between every pair of ranks (a fully connected topology, as NVLink and HCCS
+give). The owner merges the results by their log-sum-exp as ring attention does. The next step's
+queries are on their way while the current blocks compute. Backward: the queries travel with the
+output, its gradient and log-sum-exp; the key and value gradients stay where the keys are and the
+query gradients go home.
+
+Same layouts, blocks and masks as ``backends/ring.py`` (zigzag or contiguous, grouped-query keys,
+a mask split by its query rows, which travel with the queries). It sends the queries and the
+outputs where ring attention sends keys and values: less with as many key heads as query heads,
+more with grouped-query keys.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from meshfold.backends.ring import (
+    SKIP,
+    Block,
+    chunks_of,
+    hidden,
+    mask_part,
+    merge,
+    repeated,
+    ring_blocks,
+    seq_parts,
+    summed,
+)
+
+aten = torch.ops.aten
+Pending = tuple[list[Any], list[torch.Tensor]]
+
+
+def _start(group: dist.ProcessGroup, send: list[torch.Tensor], to: int, frm: int, tag: int) -> Pending:
+    """Send ``send`` to rank ``to`` of ``group`` and receive tensors like them from rank ``frm``."""
+    got = [torch.empty_like(t) for t in send]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, to), group, tag) for t in send]
+    ops += [dist.P2POp(dist.irecv, x, dist.get_global_rank(group, frm), group, tag) for x in got]
+    return dist.batch_isend_irecv(ops), got
+
+
+def _finish(pending: Pending) -> list[torch.Tensor]:
+    works, got = pending
+    for w in works:
+        w.wait()
+    return got
+
+
+def _steps(
+    travelling: list[torch.Tensor], group: dist.ProcessGroup, causal: bool, layout: str
+) -> Iterator[tuple[int, int, list[Block], list[torch.Tensor]]]:
+    """Per step ``s``: ``s``, the rank whose queries (and what travels with them) are held, the blocks
+    they make with this rank's keys, and the held tensors; the next step's are on the way meanwhile."""
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    held, pending = travelling, None
+    for s in range(cp):
+        if pending is not None:
+            held = _finish(pending)
+        pending = _start(group, travelling, (r + s + 1) % cp, (r - s - 1) % cp, 2 * s) if s + 1 < cp else None
+        src = (r - s) % cp
+        # NOTE: src's queries meet this rank's keys at src's ring step (src - r) % cp
+        yield s, src, ring_blocks(src, cp, causal, layout)[(src - r) % cp], held
+
+
+def _home(group: dist.ProcessGroup, s: int, results: list[torch.Tensor]) -> Pending:
+    """Step ``s``'s results to the queries' owner; this rank's own from where its queries are."""
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    return _start(group, results, (r - s) % cp, (r + s) % cp, 2 * s + 1)
+
+
+def _rows(mask: torch.Tensor | None) -> list[torch.Tensor]:
+    """What of a mask travels with the queries: its query rows, unless broadcast over them."""
+    return [mask] if mask is not None and mask.shape[-2] != 1 else []
+
+
+def tokenring_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    causal: bool = True,
+    scale: float | None = None,
+    layout: str = "zigzag",
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ring.ring_forward``'s output and log-sum-exp, the queries travelling instead of the keys."""
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    n, times = len(chunks_of(r, cp, layout)), q.shape[1] // k.shape[1]
+    keys, values = seq_parts(repeated(k, times), n), seq_parts(repeated(v, times), n)
+    outs: list[torch.Tensor | None] = [None] * n
+    lses: list[torch.Tensor | None] = [None] * n
+    coming = []
+
+    def take(o: torch.Tensor, lo: torch.Tensor) -> None:
+        for i, (x, y) in enumerate(zip(seq_parts(o, n), seq_parts(lo, n), strict=True)):
+            outs[i], lses[i] = merge(outs[i], lses[i], x, y)
+
+    for s, src, blocks, held in _steps([q, *_rows(mask)], group, causal, layout):
+        rows = held[1] if len(held) > 1 else mask
+        queries = seq_parts(held[0], n)
+        o = [torch.zeros(*x.shape[:-1], v.shape[-1], dtype=x.dtype) for x in queries]
+        lo: list[torch.Tensor] = []
+        for x in queries:  # NOTE: a chunk no block reaches sends an empty result: output 0, weight 0
+            lo.append(torch.full(x.shape[:-1], -math.inf, dtype=x.dtype))
+        for b in blocks:
+            m = mask_part(rows, cp, layout, src, r, b)
+            if m is SKIP:
+                continue
+            bo, bl, *_ = aten._scaled_dot_product_flash_attention_for_cpu(
+                queries[b.query], keys[b.key], values[b.key], 0.0, b.causal, attn_mask=m, scale=scale
+            )
+            if m is not None:
+                bl = bl.masked_fill(hidden(m).expand(bl.shape), -math.inf)
+            o[b.query], lo[b.query] = merge(o[b.query], lo[b.query].to(bl.dtype), bo, bl)
+        results = [torch.cat(o, dim=2), torch.cat(lo, dim=2)]
+        if s == 0:
+            take(*results)
+        else:
+            coming.append(_home(group, s, results))
+    for pending in coming:
+        take(*_finish(pending))
+    out = torch.cat([t for t in outs if t is not None], dim=2)
+    lse = torch.cat([t for t in lses if t is not None], dim=2)
+    return out, torch.where(torch.isneginf(lse), 0.0, lse)
+
+
+def tokenring_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    group: dist.ProcessGroup,
+    causal: bool = True,
+    scale: float | None = None,
+    layout: str = "zigzag",
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ring.ring_backward``'s gradients, the queries (with the output, its gradient and its
+    log-sum-exp) travelling and the query gradients coming home."""
+    cp, r = dist.get_world_size(group), dist.get_rank(group)
+    n, times = len(chunks_of(r, cp, layout)), q.shape[1] // k.shape[1]
+    keys, values = seq_parts(repeated(k, times), n), seq_parts(repeated(v, times), n)
+    dks, dvs = [torch.zeros_like(x) for x in keys], [torch.zeros_like(x) for x in values]
+    dq = torch.zeros_like(q)
+    coming = []
+    for s, src, blocks, held in _steps([grad.contiguous(), q, out, lse, *_rows(mask)], group, causal, layout):
+        rows = held[4] if len(held) > 4 else mask
+        grads, queries, outs, lses = (seq_parts(t, n) for t in held[:4])
+        gq = torch.zeros_like(held[1])
+        gqs = seq_parts(gq, n)
+        for b in blocks:
+            m = mask_part(rows, cp, layout, src, r, b)
+            if m is SKIP:
+                continue
+            bq, bk, bv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                grads[b.query], queries[b.query], keys[b.key], values[b.key], outs[b.query], lses[b.query],
+                0.0, b.causal, attn_mask=m, scale=scale,
+            )  # fmt: skip
+            gqs[b.query].add_(bq)
+            dks[b.key].add_(bk)
+            dvs[b.key].add_(bv)
+        if s == 0:
+            dq.add_(gq)
+        else:
+            coming.append(_home(group, s, [gq]))
+    for pending in coming:
+        dq.add_(_finish(pending)[0])
+    return dq, summed(torch.cat(dks, dim=2), times), summed(torch.cat(dvs, dim=2), times)

@@ -1,0 +1,115 @@
+"""Context parallelism: how attention reads a sequence split over a ``cp`` mesh axis.
+
+``parallelize(..., plan="cp", cp={"method": ...})`` splits each input's sequence over the ``cp`` axes
+(``plans.sequence_axes``). Every op but attention follows by sharding propagation; attention has
+two ways to stay split, and ``CpSpec.method`` says which the sharding solve may choose:
+
+* ``"ulysses"``: an all-to-all turns the sequence split into a split by heads (or by batch, where
+  the batch divides) and back after the kernel: each rank attends whole sequences of some heads.
+* ``"ring"``: the attention stays split by sequence and runs as ring attention
+  (``rules.attention.ring_strategy``, lowered by ``backends/ring_lowering.py``): keys and values are
+  passed round the axis's ranks while each block computes.
+* ``"tokenring"``: split by sequence too, run as TokenRing (``backends/tokenring.py``): the queries
+  travel one way and the block results the other, the keys and values stay.
+* ``"auto"`` (the default): whichever the solve prices cheaper for each attention (ring attention's
+  traffic, where it exceeds the blocks it overlaps, or Ulysses' all-to-alls).
+
+``allows`` is the filter the solve and the greedy choice apply on each axis; ``check`` refuses a
+``"ring"`` or ``"tokenring"`` request an attention op of the graph cannot meet, naming it, before anything runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from meshfold.ir import Graph, Op, TensorType
+from meshfold.passes.base import PassContext, PassError
+from meshfold.passes.sharding.plans import AUTO
+from meshfold.passes.sharding.rules.attention import RESULT_ROLES, ring_blocker
+from meshfold.passes.sharding.strategy import Strategy
+
+METHODS = ("auto", "ring", "tokenring", "ulysses")
+SEQUENCE = ("ring", "tokenring")
+"""The methods that keep attention split by sequence (its ring strategy), and nothing else."""
+
+
+@dataclass(frozen=True)
+class CpSpec:
+    """What ``parallelize(cp=...)`` asks of the ``cp`` axes: the attention ``method``."""
+
+    method: str = "auto"
+
+    @staticmethod
+    def of(spec: CpSpec | Mapping[str, Any] | str | None) -> CpSpec:
+        """``{"method": "ring"}``, ``"ring"``, a ``CpSpec`` or None (the default); raises ``PassError``
+        naming an unknown key or method."""
+        if spec is None:
+            return CpSpec()
+        if isinstance(spec, CpSpec):
+            out = spec
+        elif isinstance(spec, str):
+            out = CpSpec(spec)
+        else:
+            unknown = sorted(set(spec) - {"method"})
+            if unknown:
+                raise PassError(f"cp= takes the key 'method'; unknown: {', '.join(unknown)}")
+            out = CpSpec(str(spec.get("method", "auto")))
+        if out.method not in METHODS:
+            raise PassError(f"cp method {out.method!r} is unknown; use one of {', '.join(METHODS)}")
+        return out
+
+
+def method_of(ctx: PassContext) -> str:
+    """The method a compilation's context asks for (``CpSpec()``'s when it says none)."""
+    return (ctx.cp or CpSpec()).method
+
+
+def allows(op: Op, s: Strategy, role: str, method: str, earlier: Sequence[Strategy]) -> bool:
+    """Whether strategy ``s`` of ``op`` may be chosen on a mesh axis with ``role`` in the plan (a
+    preset's, or ``auto``) after the ``earlier`` axes' strategies: a ring strategy on a ``cp`` axis
+    whose method is not ``"ulysses"``, or on any axis under ``plan="auto"`` (which chooses where the
+    sequence splits itself), and on one axis only; with ``"ring"``, an attention on a ``cp`` axis
+    nothing else."""
+    if s.passed > 0:
+        return (role == AUTO or (role == "cp" and method != "ulysses")) and not any(e.passed > 0 for e in earlier)
+    return not (role == "cp" and method in SEQUENCE and op.target in RESULT_ROLES and ring_blocker(op) is None)
+
+
+def check(graph: Graph, axes: Sequence[str], method: str) -> None:
+    """Raise, naming the first attention that cannot run as ring attention and why, when ``method``
+    is ``"ring"`` on the ``cp`` ``axes``."""
+    if method not in SEQUENCE or not axes:
+        return
+    for op in graph.ops:
+        why = ring_blocker(op) if op.target in RESULT_ROLES else None
+        if why is not None:
+            raise PassError(
+                f"{op.describe()}: cp={{'method': {method!r}}} splits every attention by sequence, but {why}; "
+                "use cp={'method': 'ulysses'} (split by heads) for this model"
+            )
+
+
+_HOW = {"ring": "ring attention", "tokenring": "TokenRing", "auto": "ring attention"}
+
+
+def describe(graph: Graph, axes: Sequence[str], method: str) -> tuple[str, ...]:
+    """One line per ``cp`` axis of the laid-out ``graph``: how its forward attentions read the split
+    sequence (by sequence, as ring attention or TokenRing; by heads or batch, through Ulysses'
+    all-to-alls)."""
+    lines = []
+    for axis in axes:
+        ways: dict[str, int] = {}
+        for op in graph.ops:
+            if op.target in RESULT_ROLES and op.prov.phase == "fwd":
+                q = op.operands[0]
+                rank = q.type.rank if isinstance(q.type, TensorType) else 0
+                dim = getattr(q.layout.placement(axis), "dim", None)
+                way = {rank - 2: f"by sequence ({_HOW.get(method, method)})", 1: "by heads (Ulysses)", 0: "by batch"}
+                key = way.get(dim, "whole") if dim is not None else "whole"
+                ways[key] = ways.get(key, 0) + 1
+        if ways:
+            split = ", ".join(f"{n} {how}" for how, n in ways.items())
+            lines.append(f"context parallel on {axis!r}: attention split {split}")
+    return tuple(lines)

@@ -1,0 +1,98 @@
+"""``cp={"method": ...}``: how the sharding solve lets attention read a sequence split over a ``cp``
+mesh axis, and what lowering makes of a sequence-split attention (no ranks needed; the rank tests
+are tests/dist/test_context_parallel.py)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+import torch
+
+from meshfold import CompileOptions, CompileResult, capture, compile_model, ir
+from meshfold.backends.eager import RankContext, lower
+from meshfold.backends.ring_lowering import kernel_backward, kernel_forward
+from meshfold.passes import PassError
+from meshfold.passes.cp import CpSpec
+from meshfold.passes.sharding.problem import solve_report
+from meshfold.tools.zoo import build
+
+
+@cache
+def _one_long_sequence() -> ir.Graph:
+    """llama-tiny (4 query heads over 2 of keys and values, the kernel called causal) on one sequence of 32."""
+    net, _ = build("llama-tiny")
+    ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
+    return capture(net, (ids, ids.clone()))
+
+
+def _compiled(method: str, mesh: str = "cp=4") -> CompileResult:
+    options = CompileOptions.of(mesh=mesh, plan="cp", cp={"method": method})
+    return compile_model(_one_long_sequence(), None, options)
+
+
+def _queries(graph: ir.Graph) -> list[str]:
+    fwd = [op for op in graph.ops if "scaled_dot_product" in op.name and op.prov.phase == "fwd"]
+    return [str(op.operands[0].layout) for op in fwd]
+
+
+def test_cp_spec_reads_every_form_and_refuses_unknown_ones() -> None:
+    assert CpSpec.of(None) == CpSpec("auto") == CpSpec.of({})
+    assert CpSpec.of("ring") == CpSpec.of({"method": "ring"}) == CpSpec("ring")
+    with pytest.raises(PassError, match="cp method 'tokenring!' is unknown; use one of auto, ring, tokenring, ulysses"):
+        CpSpec.of({"method": "tokenring!"})
+    with pytest.raises(PassError, match="cp= takes the key 'method'; unknown: degree"):
+        CpSpec.of({"degree": 2})
+    with pytest.raises(PassError, match="cp= says how attention reads a sequence split over a cp mesh axis"):
+        CompileOptions.of(mesh="tp=2", plan="tp", cp="ring")
+
+
+@pytest.mark.parametrize(
+    ("method", "split", "report"),
+    [
+        ("ring", "{cp: S(2)}", "2 by sequence (ring attention)"),
+        ("tokenring", "{cp: S(2)}", "2 by sequence (TokenRing)"),
+        ("ulysses", "{cp: S(1)}", "2 by heads (Ulysses)"),
+    ],
+)
+def test_the_method_decides_how_every_attention_reads_the_split_sequence(method: str, split: str, report: str) -> None:
+    """``ring`` and ``tokenring``: queries, keys and values stay split along the sequence (dim 2 of
+    ``[B, H, S, D]``), so no all-to-all moves them; ``ulysses``: an all-to-all splits them by heads
+    instead. The plan report says which."""
+    result = _compiled(method)
+    assert solve_report(result.stats)[-1] == f"context parallel on 'cp': attention split {report}"
+    graph = result.graph
+    assert {str(i.value.layout) for i in graph.inputs if i.kind == "input"} == {"{cp: S(1)}"}
+    queries = _queries(graph)
+    assert queries and set(queries) == {split}, queries
+    to_heads = [op for op in graph.ops if op.name == "comm.all_to_all" and op.kwarg("split_dim") == 1]
+    assert bool(to_heads) == (method == "ulysses")
+
+
+def test_a_sequence_split_attention_lowers_to_ring_attention_over_the_cp_group() -> None:
+    """Lowering calls the ring kernels (forward and backward, with the cp axis's process group and the
+    method: ring attention or TokenRing) for each attention whose queries are split along the
+    sequence, and the plain kernel otherwise."""
+    for method, ring in (("ring", True), ("tokenring", True), ("ulysses", False)):
+        graph = _compiled(method, "cp=2").graph
+        assert graph.mesh is not None
+        run = "tokenring" if method == "tokenring" else "ring"
+        lowered = lower(graph, RankContext(graph.mesh, (1,), ("cp-group",), cp_method=run))
+        calls = [n for m in (lowered.forward, lowered.backward) for n in m.graph.nodes if n.op == "call_function"]
+        rings = [n for n in calls if n.target in (kernel_forward, kernel_backward)]
+        attention = [op for op in graph.ops if "scaled_dot_product" in op.name]
+        assert len(rings) == (len(attention) if ring else 0)
+        assert all(n.args[:2] == ("cp-group", run) for n in rings)
+
+
+def test_ring_refuses_an_attention_it_cannot_split_by_name() -> None:
+    """A kernel that applies dropout has no ring form (its mask is drawn for the whole sequence):
+    ``ring`` names the op and its module path and says what to use instead. (On CPU, dropout sends
+    ``scaled_dot_product_attention`` down its math path, so the kernel call is written into the IR.)"""
+    text = ir.print_graph(_one_long_sequence())
+    kernel = "%_unsafe_view_4, 0.0, True)"
+    assert text.count(kernel) == 1
+    graph = ir.parse(text.replace(kernel, "%_unsafe_view_4, 0.1, True)"))
+    options = CompileOptions.of(mesh="cp=2", plan="cp", cp="ring")
+    with pytest.raises(PassError, match=r"scaled_dot_product.* at layers\.0\.self_attn .*dropout.*'ulysses'"):
+        compile_model(graph, None, options)
