@@ -28,12 +28,16 @@ from meshfold.backends.offload import offload, reload, reload_start, reload_wait
 from meshfold.backends.random import is_random, random_site
 from meshfold.backends.ring_lowering import KERNELS as RING_KERNELS
 from meshfold.backends.ring_lowering import kernel_backward as ring_kernel_backward
+from meshfold.backends.scan import cumsum_split, flip_split
 from meshfold.backends.watch import Watch, watch_waits
 from meshfold.ir import Graph, Op, OpDef, TensorType, Value
 from meshfold.ir.graph import Arg
 from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, TOKENS_AND_WEIGHTS
 from meshfold.ir.moe import exchange_axes as exchange_axes_of
 from meshfold.ir.ops import OFFLOAD, REDISTRIBUTE, RELOAD, WAIT
+from meshfold.passes.sharding.rules.common import int_arg, norm_dim, op_arg
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -217,11 +221,11 @@ def _emit(
         node = g.call_function(site, tuple(_load(a, env) for a in op.args), {k: _load(v, env) for k, v in op.kwargs})
         return _unpacked(g, op, node)
     args, kwargs = table.local_args(op, rank.mesh)
-    ring = _ring_group(op, rank)
-    if ring is not None:
+    own = _split_scan(op, rank) or _ring_call(op, rank)
+    if own is not None:  # NOTE: an op that communicates itself along a split dim
+        fn, head = own
         loaded = (_load(a, env) for a in args)
-        call = (ring, rank.cp_method, *loaded)
-        node = g.call_function(RING_KERNELS[op.target], call, {k: _load(v, env) for k, v in kwargs.items()})
+        node = g.call_function(fn, (*head, *loaded), {k: _load(v, env) for k, v in kwargs.items()})
         return _unpacked(g, op, node)
     exchange = _exchange_call(op, rank)
     if exchange is not None:
@@ -281,9 +285,29 @@ def exchange_axes(graph: Graph) -> list[tuple[str, ...]]:
     return out
 
 
-def _ring_group(op: Op, rank: RankContext) -> str | None:
-    """The process group an attention kernel runs as ring attention over: that of the mesh axis its
-    queries are split along their sequence on (``rules.attention.ring_strategy``); None for any other op."""
+def _split_scan(op: Op, rank: RankContext) -> tuple[Any, tuple[Any, ...]] | None:
+    """A running sum or flip along a dim split over mesh axes (``backends/scan.py``): its function and
+    the process group(s) it needs; None for any other op, and for those along whole dims."""
+    if op.target not in (aten.cumsum.default, aten.flip.default):
+        return None
+    x = op.operands[0]
+    assert isinstance(x.type, TensorType)
+    dims = [int_arg(op, "dim", 0)] if op.target == aten.cumsum.default else op_arg(op, "dims")
+    assert isinstance(dims, (list, tuple))
+    along = {norm_dim(int(d), x.type.rank) for d in dims}
+    axes = [a for a in rank.mesh.names if isinstance(p := x.layout.placement(a), ir.Shard) and p.dim in along]
+    if not axes:
+        return None
+    if op.target == aten.flip.default:
+        return flip_split, (tuple(rank.group(a) for a in axes),)
+    assert len(axes) == 1, f"{op.describe()}: a running sum split over several mesh axes"
+    return cumsum_split, (rank.group(axes[0]),)
+
+
+def _ring_call(op: Op, rank: RankContext) -> tuple[Any, tuple[Any, ...]] | None:
+    """An attention kernel run as ring attention (or TokenRing) over the process group of the mesh
+    axis its queries are split along their sequence on (``rules.attention.ring_strategy``): the
+    kernel and its leading arguments (the group and the method); None for any other op."""
     if op.target not in RING_KERNELS:
         return None
     q = op.operands[1 if RING_KERNELS[op.target] is ring_kernel_backward else 0]  # NOTE: after grad_out
@@ -291,7 +315,7 @@ def _ring_group(op: Op, rank: RankContext) -> str | None:
     seq = ir.Shard(q.type.rank - 2)
     axes = [a for a in rank.mesh.names if q.layout.placement(a) == seq]
     assert len(axes) <= 1, f"{op.describe()}: a sequence split over several mesh axes has no ring"
-    return rank.group(axes[0]) if axes else None
+    return (RING_KERNELS[op.target], (rank.group(axes[0]), rank.cp_method)) if axes else None
 
 
 def _exchange_call(op: Op, rank: RankContext) -> tuple[Any, tuple[Any, ...]] | None:

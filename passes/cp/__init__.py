@@ -72,6 +72,8 @@ def allows(op: Op, s: Strategy, role: str, method: str, earlier: Sequence[Strate
     whose method is not ``"ulysses"``, or on any axis under ``plan="auto"`` (which chooses where the
     sequence splits itself), and on one axis only; with ``"ring"``, an attention on a ``cp`` axis
     nothing else."""
+    if s.state > 0:  # NOTE: a running sum along a split dim (LASP-2's memory states): any method, one axis
+        return not any(e.state > 0 for e in earlier)
     if s.passed > 0:
         return (role == AUTO or (role == "cp" and method != "ulysses")) and not any(e.passed > 0 for e in earlier)
     return not (role == "cp" and method in SEQUENCE and op.target in RESULT_ROLES and ring_blocker(op) is None)

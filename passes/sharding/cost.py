@@ -29,10 +29,13 @@ def own_traffic(model: AxisModel, s: Strategy, shrink: int = 1, compute: float =
     """Seconds of the traffic an op makes itself under strategy ``s`` on ``model``'s axis, of the
     ``1/shrink`` part the earlier axes left it: the all-to-all dispatcher's (each rank sends its
     ``1/n`` share of ``s.exchange``) and what ring attention passes beyond the ``compute`` seconds
-    it overlaps (``s.passed``: an all-gather's volume, sent while the blocks compute)."""
+    it overlaps (``s.passed``: an all-gather's volume, sent while the blocks compute), and a scan's
+    all-gather of each rank's state (``s.state``)."""
     if model.size <= 1:
         return 0.0
     t = model.collective("all_to_all", s.exchange / model.size / shrink) if s.exchange else 0.0
     if s.passed:
         t += max(0.0, model.collective("all_gather", s.passed / shrink) - compute)
+    if s.state:
+        t += model.collective("all_gather", s.state * model.size / shrink)
     return t

@@ -37,6 +37,10 @@ class Strategy:
     """Bytes the op passes round a ring of the axis's ranks under this strategy (ring attention's keys
     and values), whole-tensor bytes: each rank sends its ``1/n`` share ``n - 1`` times, the volume
     of an all-gather, while it computes; 0 for every other op."""
+    state: float = 0.0
+    """Bytes of the state each rank contributes to an all-gather the op makes itself under this
+    strategy (a running sum along a split dim: each rank's total, the memory state of linear
+    attention, whose size does not depend on the sequence); 0 for every other op."""
 
     def __str__(self) -> str:
         ins = ", ".join(map(str, self.inputs))

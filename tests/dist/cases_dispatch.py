@@ -94,7 +94,9 @@ def skewed_exchange(pad: bool) -> float:
     return max(diffs)
 
 
-def exchange_working_set(tokens: int, hidden: int, inter: int, n: int, k: int, rows: int) -> tuple[list[int], list[int]]:
+def exchange_working_set(
+    tokens: int, hidden: int, inter: int, n: int, k: int, rows: int
+) -> tuple[list[int], list[int]]:
     """The all-to-all lowering of both experts ops on this rank (``tokens`` split over every rank,
     ``n`` experts too, ``rows`` pairs computed at a time): the allocator's peak while each runs, and
     ``ir.moe_memory.working_set`` plus its results for the same op. Returns (measured, estimated)."""
@@ -108,7 +110,12 @@ def exchange_working_set(tokens: int, hidden: int, inter: int, n: int, k: int, r
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
     group = torch.distributed.group.WORLD.group_name  # type: ignore[union-attr]
     split = "{ep: S(0)}"
-    tensors = [f"f32[{tokens}, {hidden}]", f"f32[{tokens}, {k}]", f"f32[{n}, 2, {inter}, {hidden}]", f"f32[{n}, {hidden}, {inter}]"]
+    tensors = [
+        f"f32[{tokens}, {hidden}]",
+        f"f32[{tokens}, {k}]",
+        f"f32[{n}, 2, {inter}, {hidden}]",
+        f"f32[{n}, {hidden}, {inter}]",
+    ]
     grads = ", ".join(f"{t} {split}" for t in tensors)
     graph = ir.parse(
         f"""graph @moe mesh<ep={world}> {{

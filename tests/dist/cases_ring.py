@@ -93,15 +93,19 @@ def compiled_attention(
     tokens: tuple[int, int],
     double: bool = False,
     moe: dict[str, Any] | None = None,
+    pipeline: str | None = None,
 ) -> dict[str, Any]:
     """``cases.equivalence`` under ``cp={"method": cp}`` (and ``moe``; loss, every gradient and the
     parameters after AdamW steps equal single device), and how each forward attention of the
     compiled program reads its queries on each mesh axis: ``sequence`` (ring attention), ``heads``,
-    ``batch`` or ``whole``."""
+    ``batch`` or ``whole``; and, per running sum (``cumsum``), the dim it scans and its operand's
+    placement on ``cp``."""
     from meshfold.passes.sharding.rules.attention import RESULT_ROLES
     from tests.dist.cases import equivalence, token_inputs
 
-    out = equivalence(model, shape, names, plan, tokens=tokens, cp=cp, double=double, moe=moe, keep_module=True)
+    out = equivalence(
+        model, shape, names, plan, tokens=tokens, cp=cp, double=double, moe=moe, keep_module=True, pipeline=pipeline
+    )
     pm = out.pop("module")
     graph = pm.graph()
     # NOTE: which modules send point to point in one more step: ring.py (ring attention), tokenring.py
@@ -125,6 +129,11 @@ def compiled_attention(
             kinds = {rank - 2: "sequence", 1: "heads", 0: "batch"}
             splits.append({a: kinds.get(getattr(q.layout.placement(a), "dim", -1), "whole") for a in graph.mesh.names})
     out["attention"] = splits
+    out["scans"] = [
+        (op.prov.phase, op.args[1], str(op.operands[0].layout.placement("cp")))
+        for op in graph.ops
+        if op.name == "aten.cumsum"
+    ]
     return out
 
 
@@ -139,4 +148,22 @@ def zigzag_moves(seq: int, dim: int) -> bool:
     there = to_zigzag(mine, dist.group.WORLD, dim)  # type: ignore[arg-type]
     assert torch.equal(there, sequence_shard(x, dim, world, rank, "zigzag")), (rank, there)
     assert torch.equal(from_zigzag(there, dist.group.WORLD, dim), mine)  # type: ignore[arg-type]
+    return True
+
+
+def split_scans(seq: int) -> bool:
+    """A running sum and flips along a dim split over the world (``backends/scan.py``) equal the whole
+    tensor's, on each rank's part."""
+    from meshfold.backends.scan import cumsum_split, flip_split
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    group = dist.group.WORLD
+    assert group is not None
+    x = torch.randn(2, seq, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    mine = sequence_shard(x, 1, world, rank, "contiguous")
+    got = cumsum_split(group.group_name, mine, 1)
+    torch.testing.assert_close(got, sequence_shard(x.cumsum(1), 1, world, rank, "contiguous"), rtol=1e-12, atol=1e-12)
+    for dims in ([1], [0, 1], [2, 1]):
+        flipped = flip_split((group.group_name,), mine, dims)
+        assert torch.equal(flipped, sequence_shard(x.flip(dims), 1, world, rank, "contiguous")), dims
     return True

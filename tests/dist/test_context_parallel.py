@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from meshfold import DEFAULT_PIPELINE
 from tests.dist.conftest import RankPools
 
 # NOTE: (model, mesh shape, axis names, plan); gpt2-tiny's 2 sequences over 4 ranks: attention split
@@ -88,3 +89,29 @@ def test_cp_method_equals_single_device(rank_pools: RankPools, case: tuple[Any, 
         assert r["attention"], "no attention in the compiled program"
         assert all(s["cp"] == SPLIT[method] for s in r["attention"]), r["attention"]
         assert set(r["senders"]) - {"ring_lowering.py"} == kernel, r["senders"]
+
+
+@pytest.mark.parametrize("mode", ["solve", "greedy"])
+def test_hybrid_linear_and_softmax_attention_equal_single_device(rank_pools: RankPools, mode: str) -> None:
+    """hybrid-tiny (a linear-attention layer, its state a running sum along the sequence, then a softmax
+    layer) under cp=4, float64: ring attention for the softmax layer; the solve splits the linear layer's
+    state by its value dim (no traffic; its key normaliser it computes whole), the greedy choice keeps the
+    forward running sums split along the sequence (each rank adds the totals of the ranks before it: one
+    all-gather of the memory states); both equal single device."""
+    pipeline = None if mode == "solve" else DEFAULT_PIPELINE.replace("sharding", "sharding{mode=greedy}")
+    results = rank_pools.get(4).run(
+        "tests.dist.cases_ring:compiled_attention",
+        model="hybrid-tiny",
+        shape=(4,),
+        names=("cp",),
+        plan="cp",
+        cp="ring",
+        tokens=(1, 64),
+        double=True,
+        pipeline=pipeline,
+    )
+    for r in results:
+        assert [s["cp"] for s in r["attention"]] == ["sequence"], r["attention"]
+        forward = [placement for phase, dim, placement in r["scans"] if phase == "fwd"]
+        assert len(forward) == 2, r["scans"]
+        assert ("S(2)" in forward) == (mode == "greedy"), r["scans"]  # NOTE: a running sum along the sequence

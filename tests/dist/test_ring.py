@@ -96,3 +96,10 @@ def test_contiguous_parts_move_to_the_zigzag_layout_and_back(rank_pools: RankPoo
     """What the compiled program's ring attention does first under a causal mask (``ring_lowering``)."""
     for dim in (0, 1):
         assert all(rank_pools.get(world).run("tests.dist.cases_ring:zigzag_moves", seq=4 * world, dim=dim))
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_running_sums_and_flips_along_a_split_dim(rank_pools: RankPools, world: int) -> None:
+    """What a running sum (linear attention's memory state: one all-gather of each rank's total, as
+    LASP-2 has it) and a flip (its backward) run on a split dim."""
+    assert all(rank_pools.get(world).run("tests.dist.cases_ring:split_scans", seq=4 * world))

@@ -81,7 +81,7 @@ def test_every_op_carries_phase_module_and_source(name: str) -> None:
     with_source = [op for op in g.ops if op.prov.source]
     assert len(with_source) >= 0.9 * len(g.ops)
     if name not in HF:
-        ours = ("models.py:", "moe.py:", "base.py:")
+        ours = ("models.py:", "moe.py:", "base.py:", "hybrid.py:")
         assert all(op.prov.source.startswith(ours) for op in with_source if op.prov.phase == "fwd")
 
 

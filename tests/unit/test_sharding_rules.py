@@ -96,9 +96,9 @@ def _check_all(op: Op, env: dict[Value, Any], table: RuleTable, gen: torch.Gener
     strategies, _ = strategies_for(op, table)
     ran, failures = 0, []
     for s in strategies:
-        if s.exchange or s.passed:
-            # NOTE: the op communicates itself under this one (the MoE all-to-all, ring attention): checked on
-            # ranks (tests/dist/test_moe_dispatch.py, test_context_parallel.py)
+        if s.exchange or s.passed or s.state:
+            # NOTE: the op communicates itself under this one (the MoE all-to-all, ring attention, a running sum or
+            # flip along a split dim): checked on ranks (tests/dist/test_moe_dispatch.py, test_context_parallel.py)
             continue
         for n in AXIS_SIZES:
             if not runnable(op, s, n):

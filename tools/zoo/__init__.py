@@ -45,4 +45,4 @@ def build(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 
 
 # NOTE: imported last: the entries register themselves with the registry above.
-from meshfold.tools.zoo import hf, models, moe  # noqa: E402, F401
+from meshfold.tools.zoo import hf, hybrid, models, moe  # noqa: E402, F401

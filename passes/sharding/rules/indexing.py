@@ -13,6 +13,7 @@ import torch
 from meshfold.ir import Op, Partial, R, Shard, TensorType, Value
 from meshfold.ir.placement import ReduceOp
 from meshfold.ir.symbolic import Dim
+from meshfold.passes.sharding.cost import nbytes
 from meshfold.passes.sharding.rules.common import (
     einsum_of,
     int_arg,
@@ -208,12 +209,19 @@ def order(op: Op) -> list[Strategy]:
 
 @RULES.rule(aten.cumsum.default)
 def cumsum(op: Op) -> list[Strategy]:
-    """``a _ -> a _`` along ``dim``: the scanned dim stays whole; linear, so ``P(sum)``/``P(avg)`` pass."""
+    """``a _ -> a _`` along ``dim``: linear, so ``P(sum)``/``P(avg)`` pass. And the scanned dim split:
+    each rank scans its part and adds the totals of the ranks before it, which one all-gather of
+    every rank's total (its last row: the memory state of linear attention, LASP-2's) brings
+    (``backends/scan.py``)."""
     d, names = _along(op)
     g = list(names)
     if g:
         g[d] = "_"
-    return einsum_strategies(einsum_of([g], [g]), linear=(0,))
+    strategies = einsum_strategies(einsum_of([g], [g]), linear=(0,))
+    t = tensor_type_of(op.operands[0])
+    if t is None or t.rank == 0 or not isinstance(t.shape[d], int) or t.shape[d] <= 1:
+        return strategies
+    return [*strategies, Strategy((Shard(d),), (Shard(d),), state=nbytes(t) / t.shape[d])]
 
 
 @RULES.rule(aten.histc.default)

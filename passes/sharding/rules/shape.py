@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from meshfold.ir import Op
+from meshfold.ir import Op, Shard
 from meshfold.ir.placement import ReduceOp
+from meshfold.passes.sharding.cost import nbytes
 from meshfold.passes.sharding.rules.common import (
     einsum_of,
     int_arg,
@@ -249,8 +250,14 @@ def repeat(op: Op) -> list[Strategy]:
 
 @RULES.rule(aten.flip.default)
 def flip(op: Op) -> list[Strategy]:
-    """``a _ -> a _`` for ``flip(dims=[1])``: flipped dims stay whole."""
+    """``a _ -> a _`` for ``flip(dims=[1])``; and a flipped dim split: each rank flips its part and
+    swaps it with the rank mirroring it (``backends/scan.py``; a reversed running sum is a flip, a
+    running sum and a flip)."""
     names = _src(op)
     flipped = set(_dims(op_arg(op, "dims"), max(len(names), 1)))
     g = ["_" if d in flipped else names[d] for d in range(len(names))]
-    return movement(einsum_of([g], [g]))
+    strategies = movement(einsum_of([g], [g]))
+    t = tensor_type_of(op.operands[0])
+    if t is None:
+        return strategies
+    return [*strategies, *(Strategy((Shard(d),), (Shard(d),), exchange=nbytes(t)) for d in sorted(flipped))]

@@ -1,0 +1,74 @@
+"""A hybrid causal LM: linear attention (a running sum of key-value outer products) in the first
+layer, softmax attention in the second, as hybrid linear/softmax models (MiniMax, Qwen3-Next) mix
+them."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from meshfold.tools.zoo import register
+from meshfold.tools.zoo.base import _seeded, _shifted_ce, _small_init, _token_inputs
+from meshfold.tools.zoo.models import DecoderLayer, LlamaMLP, RMSNorm, Rotary
+
+
+class LinearAttention(nn.Module):
+    """Causal linear attention: ``o_t = phi(q_t) . sum_{s <= t} phi(k_s) v_s^T``, the running sum
+    written as a ``cumsum`` along the sequence of the outer products, normalised by the running
+    sum of the keys (``phi``: a softmax over the head dim, positive)."""
+
+    def __init__(self, hidden: int, n_heads: int) -> None:
+        super().__init__()
+        self.n_heads, self.head_dim = n_heads, hidden // n_heads
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
+        self.o_proj = nn.Linear(hidden, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, h = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = q.softmax(-1), k.softmax(-1)
+        state = torch.einsum("bhtd,bhte->bhtde", k, v).cumsum(2)
+        norm = torch.einsum("bhtd,bhtd->bht", q, k.cumsum(2)).unsqueeze(-1)
+        y = torch.einsum("bhtd,bhtde->bhte", q, state) / norm
+        return self.o_proj(y.transpose(1, 2).reshape(b, t, h))
+
+
+class LinearLayer(nn.Module):
+    """Pre-RMSNorm layer: linear attention, then a SwiGLU MLP."""
+
+    def __init__(self, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(hidden)
+        self.linear_attn = LinearAttention(hidden, n_heads=2)
+        self.post_attention_layernorm = RMSNorm(hidden)
+        self.mlp = LlamaMLP(hidden, intermediate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.linear_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class HybridTiny(nn.Module):
+    """A linear-attention layer, then a llama-tiny softmax-attention layer; untied LM head."""
+
+    def __init__(self, vocab: int = 256, hidden: int = 64, intermediate: int = 128) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.rotary = Rotary(hidden // 4)
+        self.linear = LinearLayer(hidden, intermediate)
+        self.softmax = DecoderLayer(hidden, intermediate)
+        self.norm = RMSNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.apply(_small_init)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        cos, sin = self.rotary(input_ids.size(1))
+        x = self.softmax(self.linear(self.embed_tokens(input_ids)), cos, sin, [])
+        return _shifted_ce(self.lm_head(self.norm(x)), labels)
+
+
+@register("hybrid-tiny")
+def _hybrid_tiny() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """A linear-attention layer and a softmax-attention layer (vocab 256, hidden 64) on ``(input_ids, labels)``."""
+    return _seeded(HybridTiny), _token_inputs(256)
+
