@@ -90,7 +90,7 @@ def compiled_attention(
     names: tuple[str, ...],
     plan: str,
     cp: str | None,
-    tokens: tuple[int, int],
+    tokens: tuple[int, int] | None,
     double: bool = False,
     moe: dict[str, Any] | None = None,
     pipeline: str | None = None,
@@ -101,6 +101,7 @@ def compiled_attention(
     ``batch`` or ``whole``; and, per running sum (``cumsum``), the dim it scans and its operand's
     placement on ``cp``."""
     from meshfold.passes.sharding.rules.attention import RESULT_ROLES
+    from meshfold.tools.zoo import build
     from tests.dist.cases import equivalence, token_inputs
 
     out = equivalence(
@@ -118,7 +119,7 @@ def compiled_attention(
         return send(ops)
 
     with mock.patch.object(dist, "batch_isend_irecv", recorded):
-        ids = token_inputs(tokens)
+        ids = token_inputs(tokens) if tokens is not None else build(model)[1]
         pm(*ids).backward()
     out["senders"] = sorted(senders)
     splits = []

@@ -41,7 +41,9 @@ def test_context_parallel_equals_single_device(
 # kernel causal (no mask) and, in float32, differs from one device by rounding only, so it runs in
 # float64; ulysses on hf-llama splits the 4 heads over 4 ranks instead, and auto prices ring attention
 # cheaper (no all-to-all); hf-mixtral's experts fold over the ranks the ring runs on (ep=4 over cp, and
-# over fsdp x cp); plan="auto" on one sequence of 2048 chooses the sequence split and ring attention itself; on 8 ranks ring attention over cp=4 beside tp=2; TokenRing with a mask and with the kernel's causal flag
+# over fsdp x cp); plan="auto" on one sequence of 2048 chooses the sequence split and ring attention itself; on 8 ranks ring attention over cp=4 beside tp=2; TokenRing with a mask and with the kernel's causal flag;
+# hf-llama-padded: a padding mask beside the causal one (a sequence padded on the left: its first rows
+# see no key at all; one on the right), ring attention and TokenRing, float64
 RING_CASES = [
     ("hf-llama", (4,), ("cp",), "cp", "ring", (1, 32), False, None),
     ("hf-llama", (2, 2), ("cp", "tp"), "cp+tp", "ring", (1, 32), False, None),
@@ -56,6 +58,8 @@ RING_CASES = [
     ("hf-llama", (4, 2), ("cp", "tp"), "cp+tp", "ring", (1, 64), False, None),
     ("hf-llama", (4,), ("cp",), "cp", "tokenring", (1, 32), False, None),
     ("llama-tiny", (2, 2), ("cp", "tp"), "cp+tp", "tokenring", (1, 32), True, None),
+    ("hf-llama-padded", (4,), ("cp",), "cp", "ring", None, True, None),
+    ("hf-llama-padded", (4,), ("cp",), "cp", "tokenring", None, True, None),
 ]
 SPLIT = {"ring": "sequence", "tokenring": "sequence", "auto": "sequence", "ulysses": "heads", None: "sequence"}
 

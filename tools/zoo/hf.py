@@ -75,6 +75,37 @@ def _hf_mistral_window() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return _hf_causal_lm(MistralConfig, MistralForCausalLM, intermediate_size=128, sliding_window=8)
 
 
+@register("hf-llama-padded")
+def _hf_llama_padded() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """:func:`_hf_llama` where token id 0 is padding: the attention mask HF builds from it hides those
+    keys (a padding mask beside the causal one)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    padded = _padded_cls(_hf_loss_cls(LlamaForCausalLM))
+    config = LlamaConfig(**_HF_COMMON, intermediate_size=128)
+    ids, _ = _token_inputs(256)
+    ids = ids.clamp(min=1)
+    ids[0, :5] = 0  # NOTE: the first sequence padded on the left, the second on the right
+    ids[1, -3:] = 0
+    return _seeded(lambda: padded(config)), (ids, ids.clone())
+
+
+@functools.cache
+def _padded_cls(base: type[nn.Module]) -> type[nn.Module]:
+    """``base`` (an ``_hf_loss_cls``) whose forward masks the keys at padding tokens (id 0)."""
+
+    class Padded(base):  # type: ignore[misc, valid-type]
+        """HF causal LM over ids where 0 is padding."""
+
+        def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            mask = (input_ids != 0).long()
+            out = super(base, self).forward(input_ids=input_ids, attention_mask=mask, labels=labels, use_cache=False)
+            return out.loss
+
+    Padded.__name__ = Padded.__qualname__ = f"{base.__name__}Padded"
+    return Padded
+
+
 @register("hf-mixtral")
 def _hf_mixtral() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """Build transformers' MixtralForCausalLM with random weights (needs the transformers extra)."""

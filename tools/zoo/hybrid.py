@@ -71,4 +71,3 @@ class HybridTiny(nn.Module):
 def _hybrid_tiny() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """A linear-attention layer and a softmax-attention layer (vocab 256, hidden 64) on ``(input_ids, labels)``."""
     return _seeded(HybridTiny), _token_inputs(256)
-
