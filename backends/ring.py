@@ -33,6 +33,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshfold.backends import p2p
+
 aten = torch.ops.aten
 
 
@@ -92,29 +94,6 @@ def sequence_unshard(parts: list[torch.Tensor], dim: int, layout: str = "zigzag"
     return torch.cat([c for c in chunks if c is not None], dim)
 
 
-class _Ring:
-    """Sends tensors to the next rank of the group and receives the previous rank's, asynchronously."""
-
-    def __init__(self, group: dist.ProcessGroup) -> None:
-        self.group = group
-        rank, size = dist.get_rank(group), dist.get_world_size(group)
-        self.next = dist.get_global_rank(group, (rank + 1) % size)
-        self.prev = dist.get_global_rank(group, (rank - 1) % size)
-
-    def start(self, tensors: list[torch.Tensor], tag: int = 0) -> tuple[list[Any], list[torch.Tensor]]:
-        got = [torch.empty_like(t) for t in tensors]
-        ops = [dist.P2POp(dist.isend, t.contiguous(), self.next, self.group, tag) for t in tensors]
-        ops += [dist.P2POp(dist.irecv, g, self.prev, self.group, tag) for g in got]
-        return dist.batch_isend_irecv(ops), got
-
-    @staticmethod
-    def finish(pending: tuple[list[Any], list[torch.Tensor]]) -> list[torch.Tensor]:
-        works, got = pending
-        for w in works:
-            w.wait()
-        return got
-
-
 def merge(
     out: torch.Tensor | None, lse: torch.Tensor | None, o: torch.Tensor, lo: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -150,14 +129,14 @@ def _around(
     """Per ring step: the rank whose keys are held, the step's blocks, this rank's query chunks, and
     the key and value chunks held then (repeated for the query heads); the next step's keys and
     values are on the way meanwhile."""
-    ring, cp, rank = _Ring(group), dist.get_world_size(group), dist.get_rank(group)
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
     n, times = len(chunks_of(rank, cp, layout)), q.shape[1] // k.shape[1]
     queries, kv = seq_parts(q, n), [k, v]
     for s, step in enumerate(ring_blocks(rank, cp, causal, layout)):
-        pending = ring.start(kv) if s < cp - 1 else None
+        pending = p2p.start(group, kv, (rank + 1) % cp, (rank - 1) % cp) if s < cp - 1 else None
         yield (rank - s) % cp, step, queries, seq_parts(repeated(kv[0], times), n), seq_parts(repeated(kv[1], times), n)
         if pending is not None:
-            kv = ring.finish(pending)
+            kv = p2p.finish(pending)
 
 
 def mask_part(mask: torch.Tensor | None, cp: int, layout: str, queries: int, keys: int, b: Block) -> Any:
@@ -197,10 +176,10 @@ def ring_forward(
     ``layout`` over ``group``: the output and its log-sum-exp ``(batch, heads, seq)``, as the flash
     kernel returns them for the whole sequence. ``mask``: an additive or boolean mask of this
     rank's query rows (or one row for all) over every key column, as the kernel takes it."""
-    n = len(chunks_of(dist.get_rank(group), dist.get_world_size(group), layout))
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    n = len(chunks_of(rank, cp, layout))
     outs: list[torch.Tensor | None] = [None] * n
     lses: list[torch.Tensor | None] = [None] * n
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
     for src, step, queries, keys, values in _around(q, k, v, group, causal, layout):
         for b in step:
             m = mask_part(mask, cp, layout, rank, src, b)
@@ -234,18 +213,17 @@ def ring_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of ``q``, ``k`` and ``v`` (this rank's parts) from the output's ``grad``, given the
     output and log-sum-exp ``ring_forward`` returned (with the same ``mask``)."""
-    ring, times = _Ring(group), q.shape[1] // k.shape[1]
-    n = len(chunks_of(dist.get_rank(group), dist.get_world_size(group), layout))
+    times, cp, rank = q.shape[1] // k.shape[1], dist.get_world_size(group), dist.get_rank(group)
+    n = len(chunks_of(rank, cp, layout))
     outs, lses, grads = seq_parts(out, n), seq_parts(lse, n), seq_parts(grad.contiguous(), n)
     dq = [torch.zeros_like(x) for x in seq_parts(q, n)]
     dkv = [torch.zeros_like(k), torch.zeros_like(v)]
     # NOTE: the key and value gradients go where the keys and values go (what the ranks before added
     # arrives with them), and a last step brings them home
     coming = None
-    cp, rank = dist.get_world_size(group), dist.get_rank(group)
     for src, step, queries, keys, values in _around(q, k, v, group, causal, layout):
         if coming is not None:
-            dkv = ring.finish(coming)
+            dkv = p2p.finish(coming)
         dk, dv = seq_parts(dkv[0], n), seq_parts(dkv[1], n)
         for b in step:
             m = mask_part(mask, cp, layout, rank, src, b)
@@ -266,9 +244,9 @@ def ring_backward(
             dq[b.query] = dq[b.query] + gq
             dk[b.key].add_(summed(gk, times))
             dv[b.key].add_(summed(gv, times))
-        coming = ring.start(dkv, tag=1)
+        coming = p2p.start(group, dkv, (rank + 1) % cp, (rank - 1) % cp, tag=1)
     assert coming is not None
-    dkv = ring.finish(coming)
+    dkv = p2p.finish(coming)
     return torch.cat(dq, dim=2), dkv[0], dkv[1]
 
 

@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
+from meshfold.backends import p2p
+
 
 def cumsum_split(group: str, x: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``torch.cumsum(x, dim)`` of the whole tensor, on this rank's part of ``dim`` split over the
@@ -42,10 +44,5 @@ def flip_split(groups: tuple[str, ...], x: torch.Tensor, dims: list[int]) -> tor
         peer = n - 1 - r
         if peer == r:
             continue
-        got = torch.empty_like(y)
-        there = dist.get_global_rank(pg, peer)
-        ops = [dist.P2POp(dist.isend, y.contiguous(), there, pg), dist.P2POp(dist.irecv, got, there, pg)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-        y = got
+        (y,) = p2p.finish(p2p.start(pg, [y], peer, peer))
     return y

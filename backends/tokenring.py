@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from meshfold.backends import p2p
 from meshfold.backends.ring import (
     SKIP,
     Block,
@@ -39,22 +39,6 @@ from meshfold.backends.ring import (
 )
 
 aten = torch.ops.aten
-Pending = tuple[list[Any], list[torch.Tensor]]
-
-
-def _start(group: dist.ProcessGroup, send: list[torch.Tensor], to: int, frm: int, tag: int) -> Pending:
-    """Send ``send`` to rank ``to`` of ``group`` and receive tensors like them from rank ``frm``."""
-    got = [torch.empty_like(t) for t in send]
-    ops = [dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, to), group, tag) for t in send]
-    ops += [dist.P2POp(dist.irecv, x, dist.get_global_rank(group, frm), group, tag) for x in got]
-    return dist.batch_isend_irecv(ops), got
-
-
-def _finish(pending: Pending) -> list[torch.Tensor]:
-    works, got = pending
-    for w in works:
-        w.wait()
-    return got
 
 
 def _steps(
@@ -66,17 +50,17 @@ def _steps(
     held, pending = travelling, None
     for s in range(cp):
         if pending is not None:
-            held = _finish(pending)
-        pending = _start(group, travelling, (r + s + 1) % cp, (r - s - 1) % cp, 2 * s) if s + 1 < cp else None
+            held = p2p.finish(pending)
+        pending = p2p.start(group, travelling, (r + s + 1) % cp, (r - s - 1) % cp, 2 * s) if s + 1 < cp else None
         src = (r - s) % cp
         # NOTE: src's queries meet this rank's keys at src's ring step (src - r) % cp
         yield s, src, ring_blocks(src, cp, causal, layout)[(src - r) % cp], held
 
 
-def _home(group: dist.ProcessGroup, s: int, results: list[torch.Tensor]) -> Pending:
+def _home(group: dist.ProcessGroup, s: int, results: list[torch.Tensor]) -> p2p.Pending:
     """Step ``s``'s results to the queries' owner; this rank's own from where its queries are."""
     cp, r = dist.get_world_size(group), dist.get_rank(group)
-    return _start(group, results, (r - s) % cp, (r + s) % cp, 2 * s + 1)
+    return p2p.start(group, results, (r - s) % cp, (r + s) % cp, 2 * s + 1)
 
 
 def _rows(mask: torch.Tensor | None) -> list[torch.Tensor]:
@@ -129,7 +113,7 @@ def tokenring_forward(
         else:
             coming.append(_home(group, s, results))
     for pending in coming:
-        take(*_finish(pending))
+        take(*p2p.finish(pending))
     out = torch.cat([t for t in outs if t is not None], dim=2)
     lse = torch.cat([t for t in lses if t is not None], dim=2)
     return out, torch.where(torch.isneginf(lse), 0.0, lse)
@@ -177,5 +161,5 @@ def tokenring_backward(
         else:
             coming.append(_home(group, s, [gq]))
     for pending in coming:
-        dq.add_(_finish(pending)[0])
+        dq.add_(p2p.finish(pending)[0])
     return dq, summed(torch.cat(dks, dim=2), times), summed(torch.cat(dvs, dim=2), times)

@@ -109,13 +109,16 @@ def compiled_attention(
     )
     pm = out.pop("module")
     graph = pm.graph()
-    # NOTE: which modules send point to point in one more step: ring.py (ring attention), tokenring.py
-    # (TokenRing), ring_lowering.py (the move to the zigzag layout)
+    # NOTE: which modules send point to point (through p2p.py or not) in one more step: ring.py (ring
+    # attention), tokenring.py (TokenRing), ring_lowering.py (the move to the zigzag layout)
     senders: set[str] = set()
     send = dist.batch_isend_irecv
 
     def recorded(ops: list[Any]) -> list[Any]:
-        senders.add(os.path.basename(sys._getframe(1).f_code.co_filename))
+        frame = sys._getframe(1)
+        while frame.f_back is not None and os.path.basename(frame.f_code.co_filename) == "p2p.py":
+            frame = frame.f_back  # NOTE: the module that asked for the exchange
+        senders.add(os.path.basename(frame.f_code.co_filename))
         return send(ops)
 
     with mock.patch.object(dist, "batch_isend_irecv", recorded):
