@@ -70,8 +70,9 @@ def allows(op: Op, s: Strategy, role: str, method: str, earlier: Sequence[Strate
     """Whether strategy ``s`` of ``op`` may be chosen on a mesh axis with ``role`` in the plan (a
     preset's, or ``auto``) after the ``earlier`` axes' strategies: a ring strategy on a ``cp`` axis
     whose method is not ``"ulysses"``, or on any axis under ``plan="auto"`` (which chooses where the
-    sequence splits itself), and on one axis only; with ``"ring"``, an attention on a ``cp`` axis
-    nothing else."""
+    sequence splits itself), and on one axis only; with ``"ring"`` or ``"tokenring"``, an attention
+    on a ``cp`` axis nothing else. A running sum along a split dim (``Strategy.state``) on one axis,
+    whatever the method."""
     if s.state > 0:  # NOTE: a running sum along a split dim (LASP-2's memory states): any method, one axis
         return not any(e.state > 0 for e in earlier)
     if s.passed > 0:
@@ -80,8 +81,8 @@ def allows(op: Op, s: Strategy, role: str, method: str, earlier: Sequence[Strate
 
 
 def check(graph: Graph, axes: Sequence[str], method: str) -> None:
-    """Raise, naming the first attention that cannot run as ring attention and why, when ``method``
-    is ``"ring"`` on the ``cp`` ``axes``."""
+    """Raise, naming the first attention that cannot be split by sequence and why, when ``method``
+    is ``"ring"`` or ``"tokenring"`` on the ``cp`` ``axes``."""
     if method not in SEQUENCE or not axes:
         return
     for op in graph.ops:
