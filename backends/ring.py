@@ -19,8 +19,13 @@ while the current pairs compute.
 
 Backward: the same pairs in the same order, each through the flash kernel's backward with the
 *merged* output and log-sum-exp, which is what makes the per-block gradients add up to the whole:
-the query gradients stay, the key and value gradients travel with the keys and values and, after a
-last step, arrive back at their owner.
+the query gradients stay, and so do those of a rank's own keys and values; the gradients of the
+keys and values it is passed travel with them and, after a last step, arrive back at their owner.
+
+Spans (contiguous layout, under a mask): a block travels as the columns some other rank's mask
+rows see (``backends/ring_reach.py``), its gradients likewise, and a block no other rank sees does
+not travel at all: in a batch packed by ``meshfold.packing`` only the chunks of the sequences split
+over the ranks go round.
 """
 
 from __future__ import annotations
@@ -123,34 +128,69 @@ def summed(g: torch.Tensor, times: int) -> torch.Tensor:
     return g.view(b, h // times, times, s, d).sum(2)
 
 
+Span = tuple[int, int]
+"""The ``(start, end)`` columns of a rank's key block that travel round the ring
+(``backends/ring_reach.py``); the whole block when a ring has no spans."""
+
+
+def _span(spans: tuple[Span, ...] | None, rank: int) -> Span | None:
+    return None if spans is None else spans[rank]
+
+
+def _block(like: list[torch.Tensor], span: Span | None) -> list[torch.Tensor]:
+    """Empty tensors for a held block of keys and values shaped ``like`` (whole, or ``span``'s)."""
+    if span is None:
+        return [torch.empty_like(x) for x in like]
+    return [x.new_empty(x.shape[0], x.shape[1], span[1] - span[0], x.shape[3]) for x in like]
+
+
 def _around(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, causal: bool, layout: str
-) -> Iterator[tuple[int, list[Block], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]]:
-    """Per ring step: the rank whose keys are held, the step's blocks, this rank's query chunks, and
-    the key and value chunks held then (repeated for the query heads); the next step's keys and
-    values are on the way meanwhile."""
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: dist.ProcessGroup,
+    causal: bool,
+    layout: str,
+    spans: tuple[Span, ...] | None,
+) -> Iterator[tuple[int, list[Block], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], Any]]:
+    """Per ring step: the rank whose keys are held, the step's blocks, this rank's query chunks, the
+    key and value chunks held then (repeated for the query heads), and which of their block's
+    columns they are (``None``: all; the held keys and values themselves at ``[-1]``); the next
+    step's keys and values are on the way meanwhile. With ``spans`` a rank attends to its own keys
+    whole and sends on its span only."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     n, times = len(chunks_of(rank, cp, layout)), q.shape[1] // k.shape[1]
-    queries, kv = seq_parts(q, n), [k, v]
+    queries, held = seq_parts(q, n), [k, v]
+    mine = _span(spans, rank)
+    travel = held if mine is None else [x[:, :, mine[0] : mine[1]] for x in held]
     for s, step in enumerate(ring_blocks(rank, cp, causal, layout)):
-        pending = p2p.start(group, kv, (rank + 1) % cp, (rank - 1) % cp) if s < cp - 1 else None
-        yield (rank - s) % cp, step, queries, seq_parts(repeated(kv[0], times), n), seq_parts(repeated(kv[1], times), n)
+        pending = None
+        if s < cp - 1:
+            receive = _block(held, _span(spans, (rank - s - 1) % cp)) if spans else None
+            pending = p2p.start(group, travel, (rank + 1) % cp, (rank - 1) % cp, receive=receive)
+        src = (rank - s) % cp
+        keys, values = (seq_parts(repeated(x, times), n) for x in held)
+        yield src, step, queries, keys, values, (None if s == 0 else _span(spans, src), held)
         if pending is not None:
-            kv = p2p.finish(pending)
+            held = travel = p2p.finish(pending)
 
 
-def mask_part(mask: torch.Tensor | None, cp: int, layout: str, queries: int, keys: int, b: Block) -> Any:
+def mask_part(
+    mask: torch.Tensor | None, cp: int, layout: str, queries: int, keys: int, b: Block, span: Span | None = None
+) -> Any:
     """The part of a mask block ``b`` reads, for the query rows of rank ``queries`` (``[*, L/cp or 1,
-    S]``: every key column) against the keys of rank ``keys``: None without a mask, ``SKIP`` for a
-    block it hides whole (never one holding the queries' own positions, so every query chunk
-    attends somewhere)."""
+    S]``: every key column) against the keys of rank ``keys`` (their ``span`` of columns only, where
+    given): None without a mask, ``SKIP`` for a block it hides whole (never one holding the queries'
+    own positions, so every query chunk attends somewhere)."""
     if mask is None:
         return None
     mine = chunks_of(queries, cp, layout)
     rows = mask if mask.shape[-2] == 1 else mask.chunk(len(mine), dim=-2)[b.query]
     key = chunks_of(keys, cp, layout)[b.key]
     m = rows.chunk(len(mine) * cp, dim=-1)[key]
-    return SKIP if key != mine[b.query] and bool(hidden(m).all()) else m
+    if span is not None:
+        m = m[..., span[0] : span[1]]
+    return SKIP if key != mine[b.query] and (m.shape[-1] == 0 or bool(hidden(m).all())) else m
 
 
 def hidden(m: torch.Tensor) -> torch.Tensor:
@@ -171,18 +211,21 @@ def ring_forward(
     scale: float | None = None,
     layout: str = "zigzag",
     mask: torch.Tensor | None = None,
+    spans: tuple[Span, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of ring attention on this rank's part of ``(batch, heads, seq, dim)`` tensors in
     ``layout`` over ``group``: the output and its log-sum-exp ``(batch, heads, seq)``, as the flash
     kernel returns them for the whole sequence. ``mask``: an additive or boolean mask of this
-    rank's query rows (or one row for all) over every key column, as the kernel takes it."""
+    rank's query rows (or one row for all) over every key column, as the kernel takes it.
+    ``spans`` (contiguous layout, with a mask): per rank, the columns of its keys any other rank's
+    mask rows see; only those travel."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     n = len(chunks_of(rank, cp, layout))
     outs: list[torch.Tensor | None] = [None] * n
     lses: list[torch.Tensor | None] = [None] * n
-    for src, step, queries, keys, values in _around(q, k, v, group, causal, layout):
+    for src, step, queries, keys, values, (span, _) in _around(q, k, v, group, causal, layout, spans):
         for b in step:
-            m = mask_part(mask, cp, layout, rank, src, b)
+            m = mask_part(mask, cp, layout, rank, src, b, span)
             if m is SKIP:
                 continue
             o, lo, *_ = aten._scaled_dot_product_flash_attention_for_cpu(
@@ -210,23 +253,30 @@ def ring_backward(
     scale: float | None = None,
     layout: str = "zigzag",
     mask: torch.Tensor | None = None,
+    spans: tuple[Span, ...] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of ``q``, ``k`` and ``v`` (this rank's parts) from the output's ``grad``, given the
-    output and log-sum-exp ``ring_forward`` returned (with the same ``mask``)."""
+    output and log-sum-exp ``ring_forward`` returned (with the same ``mask`` and ``spans``)."""
     times, cp, rank = q.shape[1] // k.shape[1], dist.get_world_size(group), dist.get_rank(group)
     n = len(chunks_of(rank, cp, layout))
     outs, lses, grads = seq_parts(out, n), seq_parts(lse, n), seq_parts(grad.contiguous(), n)
     dq = [torch.zeros_like(x) for x in seq_parts(q, n)]
-    dkv = [torch.zeros_like(k), torch.zeros_like(v)]
-    # NOTE: the key and value gradients go where the keys and values go (what the ranks before added
-    # arrives with them), and a last step brings them home
+    home = [torch.zeros_like(k), torch.zeros_like(v)]
+    # NOTE: a rank's own block's gradients stay home; those of the blocks it is passed travel with
+    # them (what the ranks before added arrives with the keys), and the last step brings them home
     coming = None
-    for src, step, queries, keys, values in _around(q, k, v, group, causal, layout):
-        if coming is not None:
-            dkv = p2p.finish(coming)
-        dk, dv = seq_parts(dkv[0], n), seq_parts(dkv[1], n)
+    for s, (src, step, queries, keys, values, (span, held)) in enumerate(
+        _around(q, k, v, group, causal, layout, spans)
+    ):
+        if s == 0:
+            acc = home
+        elif coming is None:  # NOTE: the first rank a block is passed to starts its gradients
+            acc = [torch.zeros_like(x) for x in held]
+        else:
+            acc = p2p.finish(coming)
+        dk, dv = seq_parts(acc[0], n), seq_parts(acc[1], n)
         for b in step:
-            m = mask_part(mask, cp, layout, rank, src, b)
+            m = mask_part(mask, cp, layout, rank, src, b, span)
             if m is SKIP:
                 continue
             gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
@@ -244,10 +294,15 @@ def ring_backward(
             dq[b.query] = dq[b.query] + gq
             dk[b.key].add_(summed(gk, times))
             dv[b.key].add_(summed(gv, times))
-        coming = p2p.start(group, dkv, (rank + 1) % cp, (rank - 1) % cp, tag=1)
-    assert coming is not None
-    dkv = p2p.finish(coming)
-    return torch.cat(dq, dim=2), dkv[0], dkv[1]
+        if s > 0:
+            after = _block(home, _span(spans, (rank - s - 1) % cp))
+            coming = p2p.start(group, acc, (rank + 1) % cp, (rank - 1) % cp, tag=1, receive=after)
+    if coming is not None:
+        back = p2p.finish(coming)
+        mine = _span(spans, rank)
+        for h, x in zip(home, back, strict=True):
+            (h if mine is None else h[:, :, mine[0] : mine[1]]).add_(x)
+    return torch.cat(dq, dim=2), home[0], home[1]
 
 
 class RingAttention(torch.autograd.Function):
@@ -264,15 +319,16 @@ class RingAttention(torch.autograd.Function):
         scale: float | None,
         layout: str,
         mask: torch.Tensor | None,
+        spans: tuple[Span, ...] | None,
     ) -> torch.Tensor:
-        out, lse = ring_forward(q, k, v, group, causal, scale, layout, mask)
+        out, lse = ring_forward(q, k, v, group, causal, scale, layout, mask, spans)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.how = (group, causal, scale, layout, mask)
+        ctx.how = (group, causal, scale, layout, mask, spans)
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        return (*ring_backward(grad, *ctx.saved_tensors, *ctx.how), None, None, None, None, None)
+        return (*ring_backward(grad, *ctx.saved_tensors, *ctx.how), None, None, None, None, None, None)
 
 
 def ring_attention(
@@ -284,10 +340,12 @@ def ring_attention(
     scale: float | None = None,
     layout: str = "zigzag",
     mask: torch.Tensor | None = None,
+    spans: tuple[Span, ...] | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's part (in ``layout``) of the queries over every rank's keys and
     values; ``k`` and ``v`` may have fewer heads than ``q`` (a divisor of its heads). ``mask``: the
-    rows of this rank's queries (in ``layout``) of a mask over every key (in sequence order)."""
+    rows of this rank's queries (in ``layout``) of a mask over every key (in sequence order);
+    ``spans``: what travels of each rank's keys (``ring_forward``)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown sequence layout {layout!r}; use one of {', '.join(LAYOUTS)}")
     if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
@@ -295,5 +353,5 @@ def ring_attention(
             f"ring attention: {q.shape[1]} query heads over {k.shape[1]} key and {v.shape[1]} value heads; the "
             "keys and values need one head count that divides the queries'"
         )
-    out: torch.Tensor = RingAttention.apply(q, k, v, group, causal, scale, layout, mask)
+    out: torch.Tensor = RingAttention.apply(q, k, v, group, causal, scale, layout, mask, spans)
     return out

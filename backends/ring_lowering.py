@@ -11,6 +11,11 @@ half-chunks ``r`` and ``2 * cp - 1 - r``, one point-to-point exchange of half of
 the ring there, where every rank has the same work, and moves the results back (``from_zigzag``).
 A mask's query rows travel with the queries; its key columns stay whole. Attention without any
 mask is balanced as it is and runs on the contiguous parts directly.
+
+Ring attention under a mask tensor first asks where the mask reaches (``backends/ring_reach.py``,
+one all-gather of a few integers): whether the zigzag layout balances the work better than the
+contiguous one (it does for one long causal sequence; a batch ``meshfold.packing`` packed is
+balanced as it lies), and, staying contiguous, which key columns need to travel at all.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from meshfold.backends.ring import ring_backward, ring_forward
+from meshfold.backends.ring_reach import reach
 from meshfold.backends.tokenring import tokenring_backward, tokenring_forward
 
 aten = torch.ops.aten
@@ -73,9 +79,21 @@ FORWARD = {"ring": ring_forward, "tokenring": tokenring_forward}
 BACKWARD = {"ring": ring_backward, "tokenring": tokenring_backward}
 
 
-def _balanced(is_causal: bool, attn_mask: torch.Tensor | None) -> bool:
-    """Whether some blocks may be skipped, so the contiguous split would be unbalanced."""
-    return is_causal or attn_mask is not None
+def _layout(
+    method: str, is_causal: bool, attn_mask: torch.Tensor | None, pg: dist.ProcessGroup
+) -> tuple[str, tuple[tuple[int, int], ...] | None]:
+    """Where the kernel runs: ``"zigzag"`` (after ``to_zigzag``) or ``"contiguous"`` (as the
+    ``Shard`` lies), and, for ring attention under a mask staying contiguous, the spans of each
+    rank's keys that travel."""
+    if method == "ring" and attn_mask is not None and not is_causal:
+        r = reach(attn_mask, pg)
+        return r.layout, r.spans
+    return ("zigzag" if is_causal or attn_mask is not None else "contiguous"), None
+
+
+def _extra(spans: tuple[tuple[int, int], ...] | None) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """The spans as the ring's last argument (TokenRing takes none)."""
+    return () if spans is None else (spans,)
 
 
 def kernel_forward(
@@ -96,8 +114,9 @@ def kernel_forward(
     assert dropout_p == 0.0, "the sharding rule gives no ring form to dropout"
     pg = _resolve_process_group(group)
     forward = FORWARD[method]
-    if not _balanced(is_causal, attn_mask):
-        return forward(query, key, value, pg, is_causal, scale, "contiguous", attn_mask)
+    layout, spans = _layout(method, is_causal, attn_mask, pg)
+    if layout == "contiguous":
+        return forward(query, key, value, pg, is_causal, scale, layout, attn_mask, *_extra(spans))
     q, k, v = (to_zigzag(t, pg) for t in (query, key, value))
     mask = None if attn_mask is None else to_zigzag(attn_mask, pg, attn_mask.dim() - 2)
     out, lse = forward(q, k, v, pg, is_causal, scale, "zigzag", mask)
@@ -123,8 +142,10 @@ def kernel_backward(
     assert dropout_p == 0.0, "the sharding rule gives no ring form to dropout"
     pg = _resolve_process_group(group)
     backward = BACKWARD[method]
-    if not _balanced(is_causal, attn_mask):
-        return backward(grad_out, query, key, value, out, logsumexp, pg, is_causal, scale, "contiguous", attn_mask)
+    layout, spans = _layout(method, is_causal, attn_mask, pg)
+    if layout == "contiguous":
+        extra = _extra(spans)
+        return backward(grad_out, query, key, value, out, logsumexp, pg, is_causal, scale, layout, attn_mask, *extra)
     moved = [to_zigzag(t, pg) for t in (grad_out, query, key, value, out, logsumexp)]
     mask = None if attn_mask is None else to_zigzag(attn_mask, pg, attn_mask.dim() - 2)
     grads = backward(*moved, pg, is_causal, scale, "zigzag", mask)

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from meshfold.api import parallelize
     from meshfold.backends.watch import CollectiveError
     from meshfold.ir.moe import experts as moe_experts
+    from meshfold.packing import PackedBatch, doc_mask, pack_sequences
     from meshfold.session import DEFAULT_PIPELINE, CompileOptions, CompileResult, compile_model
     from meshfold.signature import CallMismatch
     from meshfold.tracer import CaptureError, capture
@@ -33,6 +34,9 @@ _HOME = {
     "CaptureError": ("meshfold.tracer", "CaptureError"),
     "capture": ("meshfold.tracer", "capture"),
     "moe_experts": ("meshfold.ir.moe", "experts"),
+    "pack_sequences": ("meshfold.packing", "pack_sequences"),
+    "PackedBatch": ("meshfold.packing", "PackedBatch"),
+    "doc_mask": ("meshfold.packing", "doc_mask"),
     "DEFAULT_PIPELINE": ("meshfold.session", "DEFAULT_PIPELINE"),
     "CompileOptions": ("meshfold.session", "CompileOptions"),
     "CompileResult": ("meshfold.session", "CompileResult"),
@@ -57,10 +61,13 @@ __all__ = [
     "CollectiveError",
     "CompileOptions",
     "CompileResult",
+    "PackedBatch",
     "VerificationError",
     "__version__",
     "capture",
     "compile_model",
+    "doc_mask",
     "moe_experts",
+    "pack_sequences",
     "parallelize",
 ]

@@ -43,19 +43,25 @@ def equivalence(
     tokens: tuple[int, int] | None = None,
     cp: str | None = None,
     double: bool = False,
+    inputs: tuple[torch.Tensor, ...] | None = None,
+    ref_inputs: tuple[torch.Tensor, ...] | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` AdamW steps compiled (under ``pipeline``, default the default pipeline) and
     single-device side by side; raise on any difference. Also returns the parameters' layouts
     (``plan="auto"`` chooses them). ``tokens``: (batch, sequence) of fresh token inputs in place of
-    the zoo's, for the zoo's language models."""
+    the zoo's, for the zoo's language models; ``inputs``: the compiled program's in place of the
+    zoo's, and ``ref_inputs`` the single-device model's where they differ (a packed row in another
+    order)."""
     warnings.filterwarnings("ignore")
     mesh = device_mesh(tuple(shape), tuple(names))
-    net, inputs = build(model)
+    net, zoo_inputs = build(model)
     ref, _ = build(model)
+    inputs = zoo_inputs if inputs is None else inputs
     if double:  # NOTE: float64 leaves only the compiled program's own differences, not rounding
         net, ref = net.double(), ref.double()
     if tokens is not None:
         inputs = token_inputs(tokens)
+    ref_inputs = inputs if ref_inputs is None else ref_inputs
     extra: dict[str, Any] = {} if pipeline is None else {"pipeline": pipeline}
     if cp is not None:
         extra["cp"] = {"method": cp}
@@ -76,7 +82,7 @@ def equivalence(
         loss = pm(*inputs)
         loss.backward()
         with _reference_experts(ref, moe):
-            ref_loss = ref(*inputs)
+            ref_loss = ref(*ref_inputs)
         ref_loss.backward()
         torch.testing.assert_close(
             loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL, msg=lambda m, s=step: f"step {s} loss: {m}"

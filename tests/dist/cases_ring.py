@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from meshfold.backends import p2p
 from meshfold.backends.ring import ring_attention, ring_forward, sequence_shard, sequence_unshard
 from meshfold.backends.tokenring import tokenring_backward, tokenring_forward
 
@@ -138,6 +139,56 @@ def compiled_attention(
         for op in graph.ops
         if op.name == "aten.cumsum"
     ]
+    return out
+
+
+def packed_sequences(world_cp: int, split_above: int | None) -> tuple[Any, Any]:
+    """``hf-llama-packed``'s example sequences packed for ``world_cp`` ranks (``split_above`` as
+    ``pack_sequences`` takes it) and in order for one device."""
+    from meshfold.packing import pack_sequences
+    from meshfold.tools.zoo.hf import PACKED_LENGTHS, PACKED_TOKENS
+
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(1, 256, (n,), generator=g) for n in PACKED_LENGTHS]
+    packed = pack_sequences(seqs, ranks=world_cp, tokens=PACKED_TOKENS, split_above=split_above)
+    return packed, pack_sequences(seqs, ranks=1, tokens=PACKED_TOKENS)
+
+
+def packed_attention(
+    shape: tuple[int, ...], names: tuple[str, ...], plan: str, split_above: int | None
+) -> dict[str, Any]:
+    """``hf-llama-packed`` (float64) compiled under ``cp={"method": "ring"}`` on its sequences packed
+    for the ``cp`` axis (each given a degree by ``split_above``), trained beside one device on the
+    same sequences in order (``cases.equivalence``: loss, every gradient and the parameters after
+    AdamW steps equal); then, in one more step, the elements of keys and values each rank's ring
+    attention sends (forward, every layer), the packing's degrees and its ring tokens."""
+    from tests.dist.cases import equivalence
+
+    cp = shape[names.index("cp")]
+    packed, natural = packed_sequences(cp, split_above)
+    out = equivalence(
+        "hf-llama-packed",
+        shape,
+        names,
+        plan,
+        cp="ring",
+        double=True,
+        keep_module=True,
+        inputs=packed.inputs(),
+        ref_inputs=natural.inputs(),
+    )
+    pm = out.pop("module")
+    sent = [0]
+    start = p2p.start
+
+    def counted(group: Any, send: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        if sys._getframe(1).f_code.co_name == "_around":  # NOTE: the keys and values, not their gradients
+            sent[0] += sum(t.numel() for t in send)
+        return start(group, send, *args, **kwargs)
+
+    with mock.patch.object(p2p, "start", counted):
+        pm(*packed.inputs()).backward()
+    out |= {"sent": sent[0], "degrees": packed.degrees, "ring_tokens": packed.ring_tokens()}
     return out
 
 

@@ -119,3 +119,35 @@ def test_hybrid_linear_and_softmax_attention_equal_single_device(rank_pools: Ran
         forward = [placement for phase, dim, placement in r["scans"] if phase == "fwd"]
         assert len(forward) == 2, r["scans"]
         assert ("S(2)" in forward) == (mode == "greedy"), r["scans"]  # NOTE: a running sum along the sequence
+
+
+
+def _packed(rank_pools: RankPools, shape: tuple[int, ...], names: tuple[str, ...], split_above: int | None) -> Any:
+    world = 1
+    for n in shape:
+        world *= n
+    plan = "+".join(n for n in names)
+    return rank_pools.get(world).run(
+        "tests.dist.cases_ring:packed_attention", shape=shape, names=names, plan=plan, split_above=split_above
+    )
+
+
+def test_packed_sequences_equal_single_device(rank_pools: RankPools) -> None:
+    """hf-llama-packed's nine sequences (40 to 2 tokens) packed in one row of 96 for 4 cp ranks
+    (``meshfold.packing``), under ring attention: with per-sequence degrees (the long ones split over
+    the ranks, the short ones whole on one) and with one fixed degree (``split_above=0``: every
+    sequence split), both equal one device given the sequences in order; ring attention sends only
+    what other ranks' queries see, so the per-sequence degrees send less."""
+    per_sequence = _packed(rank_pools, (4,), ("cp",), None)
+    fixed = _packed(rank_pools, (4,), ("cp",), 0)
+    assert set(per_sequence[0]["degrees"]) == {1, 4}, per_sequence[0]["degrees"]
+    assert set(fixed[0]["degrees"]) == {4}, fixed[0]["degrees"]
+    assert all(r["sent"] > 0 for r in per_sequence)
+    mine, theirs = sum(r["sent"] for r in per_sequence), sum(r["sent"] for r in fixed)
+    assert mine < 0.8 * theirs, (mine, theirs)
+
+
+def test_packed_sequences_with_tensor_parallel_equal_single_device(rank_pools: RankPools) -> None:
+    """The packed row for 2 cp ranks beside tp=2 equals one device too."""
+    results = _packed(rank_pools, (2, 2), ("cp", "tp"), None)
+    assert set(results[0]["degrees"]) == {1, 2}, results[0]["degrees"]

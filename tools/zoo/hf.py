@@ -6,6 +6,7 @@ import functools
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from meshfold.tools.zoo import register
@@ -104,6 +105,52 @@ def _padded_cls(base: type[nn.Module]) -> type[nn.Module]:
 
     Padded.__name__ = Padded.__qualname__ = f"{base.__name__}Padded"
     return Padded
+
+
+@register("hf-llama-packed")
+def _hf_llama_packed() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """:func:`_hf_llama` over a packed row of variable-length sequences (``meshfold.packing``): its
+    forward takes ``(input_ids, position_ids, doc_ids, labels)`` and each query sees the keys of its
+    own sequence up to its position (``doc_mask``), whatever order the tokens are in. The example
+    is nine sequences of 40 to 2 tokens in one row of 96, in order (one device's packing)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from meshfold.packing import pack_sequences
+
+    packed = _packed_cls(LlamaForCausalLM)
+    config = LlamaConfig(**_HF_COMMON, intermediate_size=128)
+    g = torch.Generator().manual_seed(0)
+    seqs = [torch.randint(1, 256, (n,), generator=g) for n in PACKED_LENGTHS]
+    return _seeded(lambda: packed(config)), pack_sequences(seqs, ranks=1, tokens=PACKED_TOKENS).inputs()
+
+
+PACKED_LENGTHS = (40, 3, 9, 2, 12, 5, 7, 4, 6)
+PACKED_TOKENS = 96
+"""The lengths of ``hf-llama-packed``'s example sequences, one long and the rest short, and the
+tokens of the row they are packed in."""
+
+
+@functools.cache
+def _packed_cls(base: type[nn.Module]) -> type[nn.Module]:
+    """``base`` (an HF ``*ForCausalLM``) over a packed row: ``doc_mask`` as its attention mask, the
+    given positions, and cross-entropy against labels already shifted within each sequence."""
+
+    class Packed(base):  # type: ignore[misc, valid-type]
+        """HF causal LM over packed variable-length sequences."""
+
+        def forward(  # type: ignore[override]
+            self, input_ids: torch.Tensor, position_ids: torch.Tensor, doc_ids: torch.Tensor, labels: torch.Tensor
+        ) -> torch.Tensor:
+            from meshfold.packing import IGNORE, doc_mask
+
+            mask = doc_mask(doc_ids, position_ids)
+            logits = super().forward(
+                input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
+            ).logits
+            return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE)
+
+    Packed.__name__ = Packed.__qualname__ = f"{base.__name__}Packed"
+    return Packed
 
 
 @register("hf-mixtral")

@@ -1,0 +1,88 @@
+"""How far each rank's queries reach under an attention mask, and what ring attention makes of it:
+which layout balances the work, and which key columns need to travel at all.
+
+Each rank holds its query rows of the mask over every key column (``[*, L/cp, S]``), so it knows,
+for every other rank's contiguous block of keys, the first and last column its own queries see,
+and how many (query, key) pairs each half of its rows sees. One all-gather of those few numbers
+(``measure``, ``2 + 2 * cp`` integers per rank) tells every rank the same ``Reach``:
+
+* the layout: ``"zigzag"`` when moving to it cuts the busiest rank's work by more than a tenth (a
+  causal mask over one long sequence: in the contiguous layout the last rank sees every earlier
+  key), else ``"contiguous"`` (a batch packed by ``meshfold.packing``, whose parts are balanced
+  already; a sliding window);
+* in the contiguous layout, per rank's key block, the span of columns some other rank's queries
+  see (``spans``): only that part of its keys and values goes round the ring, and nothing of a
+  block no other rank sees (sequences kept whole on one rank, padding).
+
+Every rank computes the same answer from the same gathered numbers, so they agree on what each
+ring step sends and receives.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+ZIGZAG_GAIN = 0.9
+"""The zigzag layout is taken when its busiest rank does less than this share of the contiguous
+layout's busiest rank's work."""
+
+
+@dataclass(frozen=True)
+class Reach:
+    """What ring attention does with a mask: its ``layout``, and in the contiguous one the
+    ``(start, end)`` columns of each rank's key block that travel (``None``: whole blocks)."""
+
+    layout: str
+    spans: tuple[tuple[int, int], ...] | None = None
+
+
+def visible(mask: torch.Tensor) -> torch.Tensor:
+    """``[L, S]``: which (query row, key column) pairs a boolean or additive mask lets through for
+    any batch entry and head."""
+    seen = mask if mask.dtype == torch.bool else ~torch.isneginf(mask)
+    return seen.reshape(-1, *seen.shape[-2:]).any(0)
+
+
+def measure(mask: torch.Tensor, cp: int) -> torch.Tensor:
+    """This rank's numbers (see the module doc), from its rows of ``mask``: the pairs seen by each
+    half of its rows, then per key block ``j`` of ``cp`` the first and one past the last column its
+    rows see in it (``(block, 0)`` when none)."""
+    seen = visible(mask)
+    rows = seen.expand(2, -1) if seen.shape[0] == 1 else seen  # NOTE: one row broadcast over every query row
+    halves = [int(h.sum()) for h in rows.chunk(2, 0)]
+    cols = seen.any(0)
+    block = cols.shape[0] // cp
+    spans: list[int] = []
+    for part in cols.chunk(cp):
+        at = torch.nonzero(part).flatten()
+        spans += [int(at[0]), int(at[-1]) + 1] if at.numel() else [block, 0]
+    return torch.tensor(halves + spans, dtype=torch.int64)
+
+
+def decide(numbers: torch.Tensor) -> Reach:
+    """The ``Reach`` from every rank's ``measure`` (``[cp, 2 + 2 * cp]``, in rank order)."""
+    cp = numbers.shape[0]
+    halves = numbers[:, :2].flatten().tolist()  # NOTE: half-chunk h of 2 * cp, in sequence order
+    contiguous = max(halves[2 * r] + halves[2 * r + 1] for r in range(cp))
+    zigzag = max(halves[r] + halves[2 * cp - 1 - r] for r in range(cp))
+    if zigzag < ZIGZAG_GAIN * contiguous:
+        return Reach("zigzag")
+    spans = []
+    for j in range(cp):
+        others = [r for r in range(cp) if r != j]
+        start = min((int(numbers[r, 2 + 2 * j]) for r in others), default=0)
+        end = max((int(numbers[r, 3 + 2 * j]) for r in others), default=0)
+        spans.append((start, end) if end > start else (0, 0))
+    return Reach("contiguous", tuple(spans))
+
+
+def reach(mask: torch.Tensor, group: dist.ProcessGroup) -> Reach:
+    """The ``Reach`` of this rank's mask rows over ``group`` (one all-gather of a few integers)."""
+    cp = dist.get_world_size(group)
+    mine = measure(mask, cp)
+    every = [torch.empty_like(mine) for _ in range(cp)]
+    dist.all_gather(every, mine, group=group)
+    return decide(torch.stack(every))

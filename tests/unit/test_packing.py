@@ -1,0 +1,153 @@
+"""``meshfold.packing``: variable-length sequences packed in one row for the ranks of a ``cp`` axis,
+and ``backends/ring_reach.py``: what ring attention makes of the mask such a row (or any) gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from meshfold.backends.ring_reach import decide, measure
+from meshfold.packing import IGNORE, doc_mask, pack_sequences
+
+
+def _sequences(*lengths: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(1, 256, (n,), generator=g) for n in lengths]
+
+
+LENGTHS = (40, 3, 9, 2, 12, 5, 7, 4, 6)
+
+
+@pytest.mark.parametrize("split_above", [None, 0, 8])
+def test_every_token_once_with_its_label_and_position(split_above: int | None) -> None:
+    seqs = _sequences(*LENGTHS)
+    pb = pack_sequences(seqs, ranks=4, tokens=96, split_above=split_above)
+    ids, pos, docs, labels = (t[0] for t in pb.inputs())
+    assert ids.shape == (96,)
+    for i, s in enumerate(seqs):
+        at = (docs == i).nonzero().flatten()
+        order = pos[at].argsort()
+        assert pos[at][order].tolist() == list(range(len(s)))
+        assert ids[at][order].tolist() == s.tolist()
+        assert labels[at][order].tolist() == [*s[1:].tolist(), IGNORE]
+    pad = docs < 0
+    assert int(pad.sum()) == 96 - sum(LENGTHS)
+    assert (labels[pad] == IGNORE).all()
+    # NOTE: each padding token is a sequence of its own, which sees itself only
+    assert len(set(docs[pad].tolist())) == int(pad.sum())
+
+
+def test_degrees_follow_lengths_and_whole_sequences_stay_on_one_rank() -> None:
+    seqs = _sequences(*LENGTHS)
+    pb = pack_sequences(seqs, ranks=4, tokens=96)  # NOTE: split above half a part of 24: 12 tokens
+    assert pb.degrees == (4, 1, 1, 1, 1, 1, 1, 1, 1)
+    work = pb.attention_work()
+    assert 1.05 < max(work) / (sum(work) / 4) <= 1.2, work
+    # NOTE: held to 5% of the mean, the busiest rank's longest whole sequence (the 12) is split as well
+    even = pack_sequences(seqs, ranks=4, tokens=96, balance=0.05)
+    assert even.degrees == (4, 1, 1, 1, 4, 1, 1, 1, 1)
+    work = even.attention_work()
+    assert max(work) <= 1.05 * sum(work) / 4, work
+    assert even.ring_tokens() == [12, 13, 13, 14]
+    parts = pb.doc_ids[0].chunk(4)
+    for i, d in enumerate(pb.degrees):
+        holders = [r for r, part in enumerate(parts) if (part == i).any()]
+        assert len(holders) == d
+    # NOTE: a split sequence's chunks lead every part, in zigzag order (chunks r and 2 * cp - 1 - r of 8)
+    for r, part in enumerate(pb.position_ids[0].chunk(4)):
+        assert part[:10].tolist() == [*range(5 * r, 5 * r + 5), *range(35 - 5 * r, 40 - 5 * r)]
+    assert pb.ring_tokens() == [10, 10, 10, 10]
+    assert set(pack_sequences(seqs, ranks=4, tokens=96, split_above=0).degrees) == {4}
+
+
+def test_a_sequence_no_part_has_room_for_is_split() -> None:
+    pb = pack_sequences(_sequences(14, 14, 14), ranks=2, tokens=48, split_above=100)
+    assert pb.degrees == (1, 1, 2)  # NOTE: parts of 24: one 14 whole on each, then no room for the third
+
+
+def test_work_is_balanced_over_the_ranks() -> None:
+    """A long-tailed batch: the busiest rank's attention work within 5% of the mean (``balance``), with
+    fewer sequences split than kept whole."""
+    g = torch.Generator().manual_seed(1)
+    lengths = [int(x) for x in (torch.empty(48).log_normal_(3.0, 1.0, generator=g).clamp(2, 600))]
+    seqs = _sequences(*lengths)
+    pb = pack_sequences(seqs, ranks=4, tokens=4 * ((sum(lengths) + 200) // 4), balance=0.05)
+    work = pb.attention_work()
+    assert max(work) <= 1.05 * sum(work) / len(work), work
+    assert 0 < pb.degrees.count(4) < pb.degrees.count(1), pb.degrees
+
+
+def test_bad_batches_are_refused() -> None:
+    with pytest.raises(ValueError, match="do not split into 4 equal parts"):
+        pack_sequences(_sequences(3), ranks=4, tokens=10)
+    with pytest.raises(ValueError, match="do not fit in 16"):
+        pack_sequences(_sequences(10, 10), ranks=2, tokens=16)
+
+
+def test_the_packed_row_trains_as_the_sequences_in_order() -> None:
+    """The model over the packed row (tokens of a sequence apart, out of order) equals one device's row
+    of the same sequences in order: the loss and every gradient."""
+    pytest.importorskip("transformers")
+    from meshfold.tools.zoo import build
+    from meshfold.tools.zoo.hf import PACKED_LENGTHS, PACKED_TOKENS
+
+    seqs = _sequences(*PACKED_LENGTHS)
+    results = []
+    for ranks in (1, 4):
+        net, _ = build("hf-llama-packed")
+        net = net.double()
+        loss = net(*pack_sequences(seqs, ranks=ranks, tokens=PACKED_TOKENS).inputs())
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad for n, p in net.named_parameters()}))
+    (one, grads), (packed, packed_grads) = results
+    torch.testing.assert_close(packed, one)
+    for name, g in grads.items():
+        torch.testing.assert_close(packed_grads[name], g, msg=name)
+
+
+def _reach(mask: torch.Tensor, cp: int) -> object:
+    """``decide`` on every rank's ``measure`` of its rows of the whole ``mask`` ``[T, T]``."""
+    return decide(torch.stack([measure(rows[None, None], cp) for rows in mask.chunk(cp)]))
+
+
+def _seen_by_others(mask: torch.Tensor, cp: int) -> list[set[int]]:
+    """Per rank's key block, the columns (within it) some other rank's rows see."""
+    block = mask.shape[1] // cp
+    out = []
+    for j in range(cp):
+        rows = torch.cat([r for i, r in enumerate(mask.chunk(cp)) if i != j])
+        out.append(set(rows[:, j * block : (j + 1) * block].any(0).nonzero().flatten().tolist()))
+    return out
+
+
+def test_reach_of_a_causal_mask_is_the_zigzag_layout() -> None:
+    i = torch.arange(32)
+    reach = _reach(i[:, None] >= i[None, :], 4)
+    assert reach.layout == "zigzag" and reach.spans is None  # type: ignore[attr-defined]
+
+
+def test_reach_of_a_packed_row_sends_only_what_others_see() -> None:
+    """Each block's span is exactly the columns other ranks' rows see; per-sequence degrees leave
+    less of the row to travel than one fixed degree."""
+    travels = []
+    for split_above in (None, 0):
+        pb = pack_sequences(_sequences(*LENGTHS), ranks=4, tokens=96, split_above=split_above)
+        mask = doc_mask(pb.doc_ids, pb.position_ids)[0, 0]
+        reach = _reach(mask, 4)
+        assert reach.layout == "contiguous"  # type: ignore[attr-defined]
+        for (start, end), seen in zip(reach.spans, _seen_by_others(mask, 4), strict=True):  # type: ignore[attr-defined]
+            assert seen and min(seen) == start and max(seen) == end - 1
+        travels.append(sum(e - s for s, e in reach.spans))  # type: ignore[attr-defined]
+    assert travels[0] < 0.6 * travels[1] and travels[1] <= 96, travels
+
+
+def test_reach_of_a_sliding_window_and_of_blocks_nobody_sees() -> None:
+    i = torch.arange(32)
+    window = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 3)
+    reach = _reach(window, 4)
+    # NOTE: the window reaches two keys back: the next rank sees the last two columns of each block
+    assert reach.layout == "contiguous" and reach.spans == ((6, 8), (6, 8), (6, 8), (0, 0))  # type: ignore[attr-defined]
+    alone = torch.block_diag(*[torch.ones(8, 8, dtype=torch.bool)] * 4)
+    assert _reach(alone, 4).spans == ((0, 0),) * 4  # type: ignore[attr-defined]
+    additive = torch.zeros(32, 32).masked_fill(~window, float("-inf"))
+    assert _reach(additive, 4) == reach
