@@ -36,6 +36,7 @@ from meshfold.capture_errors import (
     source_line,
 )
 from meshfold.fakes import fake_copies, guards_of
+from meshfold.fuse_attention import fuse_attention
 from meshfold.ir import GraphBuilder, Provenance, Value, tensor_type
 from meshfold.ir.constant import CONSTANT, literal
 from meshfold.ir.types import type_of
@@ -83,7 +84,8 @@ def capture(
     ``tangent`` (the seed gradient of each differentiable output); outputs are ``out(i)`` for the
     model's outputs, ``grad(fqn)`` for every parameter gradient and ``update(fqn)`` for the new
     value of every buffer the forward updates in place (e.g. running statistics). Runs on fake
-    tensors. ``decompose`` applies :func:`sharding_decompositions` (numerically the same graph).
+    tensors. ``decompose`` applies :func:`sharding_decompositions` (numerically the same graph);
+    attention written out is captured as one kernel (``meshfold.fuse_attention``).
     Recognized MoE experts become ``meshfold.moe_experts`` ops, with ``moe``'s capacity and
     dispatcher when given (``meshfold.moe``); experts in an ``nn.ModuleList`` become one such op on
     stacked parameters, listed in the graph's ``stacks`` (``meshfold.moe_lists``).
@@ -106,6 +108,7 @@ def capture(
             with reduced(model, runs):
                 gm = _dynamo_capture(model, fake_inputs)
                 stacked, stacks = fold_expert_lists(gm, model, fake_mode, op_options(moe))
+                fuse_attention(gm)
                 fqns = _flat_name_to_fqn(gm, model) | stacked
             with contextlib.ExitStack() as stack:
                 with fake_mode:

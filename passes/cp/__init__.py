@@ -14,20 +14,23 @@ two ways to stay split, and ``CpSpec.method`` says which the sharding solve may 
 * ``"auto"`` (the default): whichever the solve prices cheaper for each attention (ring attention's
   traffic, where it exceeds the blocks it overlaps, or Ulysses' all-to-alls).
 
-``allows`` is the filter the solve and the greedy choice apply on each axis; ``check`` refuses a
+``allows`` is the filter the solve and the greedy choice apply on each axis, ``priced`` what a
+sequence split sends under the method; ``check`` refuses a
 ``"ring"`` or ``"tokenring"`` request an attention op of the graph cannot meet, naming it, before anything runs.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from meshfold.ir import Graph, Op, TensorType
 from meshfold.passes.base import PassContext, PassError
+from meshfold.passes.sharding.cost import nbytes
 from meshfold.passes.sharding.plans import AUTO
-from meshfold.passes.sharding.rules.attention import RESULT_ROLES, ring_blocker
+from meshfold.passes.sharding.rules.attention import RESULT_ROLES, RING_KERNELS, ring_blocker
+from meshfold.passes.sharding.rules.common import operand_names, tensor_type_of
 from meshfold.passes.sharding.strategy import Strategy
 
 METHODS = ("auto", "ring", "tokenring", "ulysses")
@@ -80,18 +83,55 @@ def allows(op: Op, s: Strategy, role: str, method: str, earlier: Sequence[Strate
     return not (role == "cp" and method in SEQUENCE and op.target in RESULT_ROLES and ring_blocker(op) is None)
 
 
-def check(graph: Graph, axes: Sequence[str], method: str) -> None:
+_TRAVEL = {
+    RING_KERNELS[0]: ("query", "attn_mask"),
+    RING_KERNELS[1]: ("grad_out", "query", "out", "logsumexp", "attn_mask"),
+}
+"""What travels from each rank under TokenRing, per kernel: the queries (with their mask rows), and
+backward the output, its gradient and log-sum-exp with them; the results (forward: output and
+log-sum-exp; backward: the query gradients) come back."""
+
+
+def priced(op: Op, s: Strategy, method: str) -> Strategy:
+    """``s`` with what it sends under ``method``: the rule prices ring attention (the keys and values
+    round the ring); TokenRing sends the queries (and what travels with them) and gets the results
+    back instead."""
+    if method != "tokenring" or s.passed <= 0 or op.target not in _TRAVEL:
+        return s
+    names = operand_names(op)
+    out = [tensor_type_of(v) for n, v in zip(names, op.operands, strict=True) if n in _TRAVEL[op.target]]
+    back = op.results[:2] if op.target == RING_KERNELS[0] else op.results[:1]
+    sent = sum(nbytes(t) for t in [*out, *(tensor_type_of(r) for r in back)] if t is not None)
+    return replace(s, passed=sent)
+
+
+def check(graph: Graph, axes: Sequence[str], method: str, sizes: Mapping[str, int] | None = None) -> None:
     """Raise, naming the first attention that cannot be split by sequence and why, when ``method``
-    is ``"ring"`` or ``"tokenring"`` on the ``cp`` ``axes``."""
-    if method not in SEQUENCE or not axes:
+    is ``"ring"`` or ``"tokenring"`` on the ``cp`` ``axes``; with ``"ulysses"``, the first whose
+    heads and batch both do not divide over an axis's ranks (``sizes``)."""
+    if not axes:
         return
     for op in graph.ops:
-        why = ring_blocker(op) if op.target in RESULT_ROLES else None
+        if op.target not in RESULT_ROLES:
+            continue
+        why = ring_blocker(op) if method in SEQUENCE else None
         if why is not None:
             raise PassError(
                 f"{op.describe()}: cp={{'method': {method!r}}} splits every attention by sequence, but {why}; "
                 "use cp={'method': 'ulysses'} (split by heads) for this model"
             )
+        q = op.operands[0].type
+        if method != "ulysses" or sizes is None or not isinstance(q, TensorType) or op.prov.phase != "fwd":
+            continue
+        batch, heads = q.shape[0], q.shape[1]
+        for axis in axes:
+            n = sizes[axis]
+            if all(isinstance(d, int) and d % n for d in (batch, heads)):
+                raise PassError(
+                    f"{op.describe()}: cp={{'method': 'ulysses'}} splits attention by heads (or batch), but its "
+                    f"{heads} heads and batch of {batch} do not divide over the {n} ranks of {axis!r}; use a cp "
+                    "size that divides one of them, or cp={'method': 'ring'} (split by sequence)"
+                )
 
 
 _HOW = {"ring": "ring attention", "tokenring": "TokenRing", "auto": "ring attention"}

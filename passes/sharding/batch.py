@@ -109,5 +109,6 @@ def attention_split(graph: Graph, axes: Sequence[str]) -> None:
                 raise PassError(
                     f"{op.describe()}: on the context-parallel mesh axis {axis!r} ({mesh.size(axis)} ranks) its "
                     f"queries {q.type} split neither by batch nor by heads, so every rank would attend over the "
-                    "whole sequence; use a cp size that divides the batch or the key/value heads"
+                    "whole sequence; use a cp size that divides the batch or the key/value heads, or "
+                    "cp={'method': 'ring'} (attention split by sequence)"
                 )

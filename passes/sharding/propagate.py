@@ -108,7 +108,7 @@ class Sharding(Pass):
         auto = plan.preset == AUTO
         prop = _Propagator(graph, mesh, seeds, rule_table(), ctx)
         prop.pinned = {i.value: seeds.compute[i.name] for i in graph.inputs if i.name in plan.pinned}
-        cp.check(graph, sequence_axes(seeds.roles), cp.method_of(ctx))
+        cp.check(graph, sequence_axes(seeds.roles), cp.method_of(ctx), {a: mesh.size(a) for a in mesh.names})
         if self.mode == "solve":
             try:
                 prop.seeds = _solved(graph, mesh, seeds, prop, ctx, auto, self, memory)
@@ -286,7 +286,8 @@ class _Propagator:
         if source == "replicate" and op.name not in self.warned:
             self.warned.add(op.name)
             self.ctx.warn(f"no sharding rule for {op.name} (first at {op.prov.describe()}); it runs replicated")
-        return strategies
+        method = cp.method_of(self.ctx)
+        return [cp.priced(op, s, method) for s in strategies]
 
     def _op(self, op: Op, decided: list[Strategy] | None) -> None:
         operands = [self.vmap.get(v, v) for v in op.operands]

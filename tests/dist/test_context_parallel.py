@@ -43,7 +43,8 @@ def test_context_parallel_equals_single_device(
 # cheaper (no all-to-all); hf-mixtral's experts fold over the ranks the ring runs on (ep=4 over cp, and
 # over fsdp x cp); plan="auto" on one sequence of 2048 chooses the sequence split and ring attention itself; on 8 ranks ring attention over cp=4 beside tp=2; TokenRing with a mask and with the kernel's causal flag;
 # hf-llama-padded: a padding mask beside the causal one (a sequence padded on the left: its first rows
-# see no key at all; one on the right), ring attention and TokenRing, float64
+# see no key at all; one on the right), ring attention and TokenRing, float64; hf-llama-eager: HF's eager
+# attention (softmax(QKᵀ)V written out), fused at capture and split by sequence like the others
 RING_CASES = [
     ("hf-llama", (4,), ("cp",), "cp", "ring", (1, 32), False, None),
     ("hf-llama", (2, 2), ("cp", "tp"), "cp+tp", "ring", (1, 32), False, None),
@@ -60,6 +61,8 @@ RING_CASES = [
     ("llama-tiny", (2, 2), ("cp", "tp"), "cp+tp", "tokenring", (1, 32), True, None),
     ("hf-llama-padded", (4,), ("cp",), "cp", "ring", None, True, None),
     ("hf-llama-padded", (4,), ("cp",), "cp", "tokenring", None, True, None),
+    ("hf-llama-eager", (4,), ("cp",), "cp", "ring", (1, 32), False, None),
+    ("hf-llama-eager", (2, 2), ("cp", "tp"), "cp+tp", "tokenring", (1, 32), False, None),
 ]
 SPLIT = {"ring": "sequence", "tokenring": "sequence", "auto": "sequence", "ulysses": "heads", None: "sequence"}
 
@@ -95,17 +98,20 @@ def test_cp_method_equals_single_device(rank_pools: RankPools, case: tuple[Any, 
         assert set(r["senders"]) - {"ring_lowering.py"} == kernel, r["senders"]
 
 
+@pytest.mark.parametrize("model", ["hybrid-tiny", "hybrid-gated-tiny"])
 @pytest.mark.parametrize("mode", ["solve", "greedy"])
-def test_hybrid_linear_and_softmax_attention_equal_single_device(rank_pools: RankPools, mode: str) -> None:
+def test_hybrid_linear_and_softmax_attention_equal_single_device(rank_pools: RankPools, mode: str, model: str) -> None:
     """hybrid-tiny (a linear-attention layer, its state a running sum along the sequence, then a softmax
     layer) under cp=4, float64: ring attention for the softmax layer; the solve splits the linear layer's
     state by its value dim (no traffic; its key normaliser it computes whole), the greedy choice keeps the
     forward running sums split along the sequence (each rank adds the totals of the ranks before it: one
-    all-gather of the memory states); both equal single device."""
+    all-gather of the memory states); both equal single device. hybrid-gated-tiny: the memory decays by a
+    gate per head and token, one more running sum (of the log-gates, a few numbers per token: both keep it
+    whole) in the forward; the decayed states split along the sequence the same way."""
     pipeline = None if mode == "solve" else DEFAULT_PIPELINE.replace("sharding", "sharding{mode=greedy}")
     results = rank_pools.get(4).run(
         "tests.dist.cases_ring:compiled_attention",
-        model="hybrid-tiny",
+        model=model,
         shape=(4,),
         names=("cp",),
         plan="cp",
@@ -117,9 +123,8 @@ def test_hybrid_linear_and_softmax_attention_equal_single_device(rank_pools: Ran
     for r in results:
         assert [s["cp"] for s in r["attention"]] == ["sequence"], r["attention"]
         forward = [placement for phase, dim, placement in r["scans"] if phase == "fwd"]
-        assert len(forward) == 2, r["scans"]
+        assert len(forward) == (3 if "gated" in model else 2), r["scans"]
         assert ("S(2)" in forward) == (mode == "greedy"), r["scans"]  # NOTE: a running sum along the sequence
-
 
 
 def _packed(rank_pools: RankPools, shape: tuple[int, ...], names: tuple[str, ...], split_above: int | None) -> Any:

@@ -96,3 +96,31 @@ def test_ring_refuses_an_attention_it_cannot_split_by_name() -> None:
     options = CompileOptions.of(mesh="cp=2", plan="cp", cp="ring")
     with pytest.raises(PassError, match=r"scaled_dot_product.* at layers\.0\.self_attn .*dropout.*'ulysses'"):
         compile_model(graph, None, options)
+
+
+def test_ulysses_refuses_heads_the_axis_does_not_divide_by_name() -> None:
+    """Ulysses splits attention by heads (or batch): 4 query heads and one sequence over 8 ranks leave it
+    no split, and the compile says so, naming the op, before the solve runs."""
+    want = r"scaled_dot_product.* at layers\.0\.self_attn .*4 heads and batch of 1 .*8 ranks"
+    with pytest.raises(PassError, match=want):
+        _compiled("ulysses", mesh="cp=8")
+
+
+def test_tokenring_is_priced_by_what_it_sends() -> None:
+    """The ring strategy's traffic is the keys and values round the ring (their gradients too, backward);
+    under TokenRing it is the queries out and the results back: forward the queries, output and
+    log-sum-exp, backward those with the output's gradient and the queries' gradient."""
+    from meshfold.passes import cp
+    from meshfold.passes.sharding.cost import nbytes
+    from meshfold.passes.sharding.rules.attention import RING_KERNELS, ring_strategy
+
+    graph = _one_long_sequence()
+    fwd, bwd = (next(op for op in graph.ops if op.target == k) for k in RING_KERNELS)
+    size = {name: nbytes(v.type) for name, v in zip("qkv", fwd.operands[:3], strict=True)}
+    out, lse = (nbytes(r.type) for r in fwd.results[:2])
+    ring_fwd, ring_bwd = ring_strategy(fwd), ring_strategy(bwd)
+    assert ring_fwd is not None and ring_bwd is not None
+    assert ring_fwd.passed == size["k"] + size["v"] and ring_bwd.passed == 2 * (size["k"] + size["v"])
+    assert cp.priced(fwd, ring_fwd, "ring") == ring_fwd
+    assert cp.priced(fwd, ring_fwd, "tokenring").passed == size["q"] + out + lse
+    assert cp.priced(bwd, ring_bwd, "tokenring").passed == 2 * size["q"] + 2 * out + lse

@@ -151,3 +151,16 @@ def test_reach_of_a_sliding_window_and_of_blocks_nobody_sees() -> None:
     assert _reach(alone, 4).spans == ((0, 0),) * 4  # type: ignore[attr-defined]
     additive = torch.zeros(32, 32).masked_fill(~window, float("-inf"))
     assert _reach(additive, 4) == reach
+
+
+def test_reach_of_a_mask_hiding_with_the_lowest_value() -> None:
+    """HF's eager masks hide with the dtype's lowest value: a causal one still reads as causal (the
+    zigzag layout); a row hiding every key that way weighs them all, so every block travels."""
+    i = torch.arange(32)
+    low = torch.finfo(torch.float32).min
+    causal = torch.zeros(32, 32).masked_fill(i[None, :] > i[:, None], low)
+    assert _reach(causal, 4) == _reach(i[:, None] >= i[None, :], 4)
+    alone = torch.zeros(32, 32).masked_fill(~torch.block_diag(*[torch.ones(8, 8, dtype=torch.bool)] * 4), low)
+    assert _reach(alone, 4).spans == ((0, 0),) * 4  # type: ignore[attr-defined]
+    alone[9] = low  # NOTE: rank 1's second row hides every key
+    assert _reach(alone, 4).spans == ((0, 8), (0, 0), (0, 8), (0, 8))  # type: ignore[attr-defined]

@@ -76,6 +76,17 @@ def _hf_mistral_window() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return _hf_causal_lm(MistralConfig, MistralForCausalLM, intermediate_size=128, sliding_window=8)
 
 
+@register("hf-llama-eager")
+def _hf_llama_eager() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """:func:`_hf_llama` with HF's "eager" attention: ``softmax(Q Kᵀ · scale + mask) V`` written out
+    (grouped-query keys repeated first, an additive causal mask of the dtype's lowest value)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return _hf_causal_lm(
+        LlamaConfig, LlamaForCausalLM, _HF_COMMON | {"attn_implementation": "eager"}, intermediate_size=128
+    )
+
+
 @register("hf-llama-padded")
 def _hf_llama_padded() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """:func:`_hf_llama` where token id 0 is padding: the attention mask HF builds from it hides those
@@ -144,9 +155,11 @@ def _packed_cls(base: type[nn.Module]) -> type[nn.Module]:
             from meshfold.packing import IGNORE, doc_mask
 
             mask = doc_mask(doc_ids, position_ids)
-            logits = super().forward(
-                input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False
-            ).logits
+            logits = (
+                super()
+                .forward(input_ids=input_ids, attention_mask=mask, position_ids=position_ids, use_cache=False)
+                .logits
+            )
             return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE)
 
     Packed.__name__ = Packed.__qualname__ = f"{base.__name__}Packed"

@@ -1,10 +1,12 @@
 """A hybrid causal LM: linear attention (a running sum of key-value outer products) in the first
 layer, softmax attention in the second, as hybrid linear/softmax models (MiniMax, Qwen3-Next) mix
-them."""
+them; and its gated variant, whose memory decays by a gate computed from each token (the scalar
+decay per head of Mamba-2 and gated linear attention)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from meshfold.tools.zoo import register
@@ -15,18 +17,27 @@ from meshfold.tools.zoo.models import DecoderLayer, LlamaMLP, RMSNorm, Rotary
 class LinearAttention(nn.Module):
     """Causal linear attention: ``o_t = phi(q_t) . sum_{s <= t} phi(k_s) v_s^T``, the running sum
     written as a ``cumsum`` along the sequence of the outer products, normalised by the running
-    sum of the keys (``phi``: a softmax over the head dim, positive)."""
+    sum of the keys (``phi``: a softmax over the head dim, positive).
 
-    def __init__(self, hidden: int, n_heads: int) -> None:
+    ``gated``: the memory decays by ``g_t`` in (0, 1) per head and token (``S_t = g_t S_{t-1} + k_t
+    v_t^T``), written in closed form with running sums only: with ``A_t = sum_{r <= t} log g_r``,
+    ``S_t = exp(A_t) sum_{s <= t} exp(-A_s) k_s v_s^T`` (and the normaliser likewise)."""
+
+    def __init__(self, hidden: int, n_heads: int, gated: bool = False) -> None:
         super().__init__()
         self.n_heads, self.head_dim = n_heads, hidden // n_heads
         self.qkv = nn.Linear(hidden, 3 * hidden, bias=False)
         self.o_proj = nn.Linear(hidden, hidden, bias=False)
+        self.gate = nn.Linear(hidden, n_heads) if gated else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = q.softmax(-1), k.softmax(-1)
+        if self.gate is not None:
+            # NOTE: gates near 1 (a bias of 4): the memory fades over tens of tokens
+            decay = F.logsigmoid(self.gate(x) + 4.0).transpose(1, 2).cumsum(-1).unsqueeze(-1)
+            q, k = q * decay.exp(), k * (-decay).exp()
         state = torch.einsum("bhtd,bhte->bhtde", k, v).cumsum(2)
         norm = torch.einsum("bhtd,bhtd->bht", q, k.cumsum(2)).unsqueeze(-1)
         y = torch.einsum("bhtd,bhtde->bhte", q, state) / norm
@@ -36,10 +47,10 @@ class LinearAttention(nn.Module):
 class LinearLayer(nn.Module):
     """Pre-RMSNorm layer: linear attention, then a SwiGLU MLP."""
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, gated: bool = False) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(hidden)
-        self.linear_attn = LinearAttention(hidden, n_heads=2)
+        self.linear_attn = LinearAttention(hidden, n_heads=2, gated=gated)
         self.post_attention_layernorm = RMSNorm(hidden)
         self.mlp = LlamaMLP(hidden, intermediate)
 
@@ -51,11 +62,11 @@ class LinearLayer(nn.Module):
 class HybridTiny(nn.Module):
     """A linear-attention layer, then a llama-tiny softmax-attention layer; untied LM head."""
 
-    def __init__(self, vocab: int = 256, hidden: int = 64, intermediate: int = 128) -> None:
+    def __init__(self, vocab: int = 256, hidden: int = 64, intermediate: int = 128, gated: bool = False) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(vocab, hidden)
         self.rotary = Rotary(hidden // 4)
-        self.linear = LinearLayer(hidden, intermediate)
+        self.linear = LinearLayer(hidden, intermediate, gated)
         self.softmax = DecoderLayer(hidden, intermediate)
         self.norm = RMSNorm(hidden)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
@@ -71,3 +82,9 @@ class HybridTiny(nn.Module):
 def _hybrid_tiny() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """A linear-attention layer and a softmax-attention layer (vocab 256, hidden 64) on ``(input_ids, labels)``."""
     return _seeded(HybridTiny), _token_inputs(256)
+
+
+@register("hybrid-gated-tiny")
+def _hybrid_gated_tiny() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """``hybrid-tiny`` whose linear attention's memory decays by a gate per head and token."""
+    return _seeded(lambda: HybridTiny(gated=True)), _token_inputs(256)
