@@ -22,10 +22,11 @@ Backward: the same pairs in the same order, each through the flash kernel's back
 the query gradients stay, and so do those of a rank's own keys and values; the gradients of the
 keys and values it is passed travel with them and, after a last step, arrive back at their owner.
 
-Spans (contiguous layout, under a mask): a block travels as the columns some other rank's mask
-rows see (``backends/ring_reach.py``), its gradients likewise, and a block no other rank sees does
-not travel at all: in a batch packed by ``meshfold.packing`` only the chunks of the sequences split
-over the ranks go round.
+A route (contiguous layout, under a mask; ``backends/ring_reach.py``): a block travels as the
+columns some other rank's mask rows see, only as far round the ring as the farthest of them, its
+gradients likewise, and from the last rank it reaches they go straight home; a block no other rank
+sees does not travel at all. In a batch packed by ``meshfold.packing`` only the chunks of the
+sequences split over the ranks go round; under a sliding window, the window's reach, one step.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from meshfold.backends import p2p
+from meshfold.backends.ring_reach import Route, Span
 
 aten = torch.ops.aten
 
@@ -128,13 +130,13 @@ def summed(g: torch.Tensor, times: int) -> torch.Tensor:
     return g.view(b, h // times, times, s, d).sum(2)
 
 
-Span = tuple[int, int]
-"""The ``(start, end)`` columns of a rank's key block that travel round the ring
-(``backends/ring_reach.py``); the whole block when a ring has no spans."""
+def _span(route: Route | None, rank: int) -> Span | None:
+    return None if route is None else route.spans[rank]
 
 
-def _span(spans: tuple[Span, ...] | None, rank: int) -> Span | None:
-    return None if spans is None else spans[rank]
+def _hops(route: Route | None, rank: int, cp: int) -> int:
+    """How far round the ring ``rank``'s keys travel: to every other rank, or as ``route`` says."""
+    return cp - 1 if route is None else route.hops[rank]
 
 
 def _block(like: list[torch.Tensor], span: Span | None) -> list[torch.Tensor]:
@@ -151,28 +153,31 @@ def _around(
     group: dist.ProcessGroup,
     causal: bool,
     layout: str,
-    spans: tuple[Span, ...] | None,
+    route: Route | None,
 ) -> Iterator[tuple[int, list[Block], list[torch.Tensor], list[torch.Tensor], list[torch.Tensor], Any]]:
     """Per ring step: the rank whose keys are held, the step's blocks, this rank's query chunks, the
     key and value chunks held then (repeated for the query heads), and which of their block's
-    columns they are (``None``: all; the held keys and values themselves at ``[-1]``); the next
-    step's keys and values are on the way meanwhile. With ``spans`` a rank attends to its own keys
-    whole and sends on its span only."""
+    columns they are (``None``: all; the held keys and values themselves at ``[-1]``, None when
+    nothing reached this rank at this step: then no blocks); the next step's keys and values are
+    on the way meanwhile. With a ``route`` a rank attends to its own keys whole and sends on its
+    span only, as far as the route's hops."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     n, times = len(chunks_of(rank, cp, layout)), q.shape[1] // k.shape[1]
     queries, held = seq_parts(q, n), [k, v]
-    mine = _span(spans, rank)
+    mine = _span(route, rank)
     travel = held if mine is None else [x[:, :, mine[0] : mine[1]] for x in held]
     for s, step in enumerate(ring_blocks(rank, cp, causal, layout)):
-        pending = None
+        src, nxt, pending = (rank - s) % cp, (rank - s - 1) % cp, None
         if s < cp - 1:
-            receive = _block(held, _span(spans, (rank - s - 1) % cp)) if spans else None
-            pending = p2p.start(group, travel, (rank + 1) % cp, (rank - 1) % cp, receive=receive)
-        src = (rank - s) % cp
-        keys, values = (seq_parts(repeated(x, times), n) for x in held)
-        yield src, step, queries, keys, values, (None if s == 0 else _span(spans, src), held)
-        if pending is not None:
-            held = travel = p2p.finish(pending)
+            send = travel if held and s + 1 <= _hops(route, src, cp) else []
+            receive = _block([k, v], _span(route, nxt)) if s + 1 <= _hops(route, nxt, cp) else []
+            pending = p2p.start(group, send, (rank + 1) % cp, (rank - 1) % cp, receive=receive)
+        if held:
+            keys, values = (seq_parts(repeated(x, times), n) for x in held)
+            yield src, step, queries, keys, values, (None if s == 0 else _span(route, src), held)
+        else:
+            yield src, [], queries, [], [], (None, None)
+        held = travel = p2p.finish(pending) if pending is not None else []
 
 
 def mask_part(
@@ -211,19 +216,19 @@ def ring_forward(
     scale: float | None = None,
     layout: str = "zigzag",
     mask: torch.Tensor | None = None,
-    spans: tuple[Span, ...] | None = None,
+    route: Route | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of ring attention on this rank's part of ``(batch, heads, seq, dim)`` tensors in
     ``layout`` over ``group``: the output and its log-sum-exp ``(batch, heads, seq)``, as the flash
     kernel returns them for the whole sequence. ``mask``: an additive or boolean mask of this
     rank's query rows (or one row for all) over every key column, as the kernel takes it.
-    ``spans`` (contiguous layout, with a mask): per rank, the columns of its keys any other rank's
-    mask rows see; only those travel."""
+    ``route`` (contiguous layout, with a mask): per rank, the columns of its keys other ranks' mask
+    rows see and how far round the ring they must go; only those travel, only that far."""
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     n = len(chunks_of(rank, cp, layout))
     outs: list[torch.Tensor | None] = [None] * n
     lses: list[torch.Tensor | None] = [None] * n
-    for src, step, queries, keys, values, (span, _) in _around(q, k, v, group, causal, layout, spans):
+    for src, step, queries, keys, values, (span, _) in _around(q, k, v, group, causal, layout, route):
         for b in step:
             m = mask_part(mask, cp, layout, rank, src, b, span)
             if m is SKIP:
@@ -253,28 +258,29 @@ def ring_backward(
     scale: float | None = None,
     layout: str = "zigzag",
     mask: torch.Tensor | None = None,
-    spans: tuple[Span, ...] | None = None,
+    route: Route | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of ``q``, ``k`` and ``v`` (this rank's parts) from the output's ``grad``, given the
-    output and log-sum-exp ``ring_forward`` returned (with the same ``mask`` and ``spans``)."""
+    output and log-sum-exp ``ring_forward`` returned (with the same ``mask`` and ``route``)."""
     times, cp, rank = q.shape[1] // k.shape[1], dist.get_world_size(group), dist.get_rank(group)
     n = len(chunks_of(rank, cp, layout))
     outs, lses, grads = seq_parts(out, n), seq_parts(lse, n), seq_parts(grad.contiguous(), n)
     dq = [torch.zeros_like(x) for x in seq_parts(q, n)]
     home = [torch.zeros_like(k), torch.zeros_like(v)]
-    # NOTE: a rank's own block's gradients stay home; those of the blocks it is passed travel with
-    # them (what the ranks before added arrives with the keys), and the last step brings them home
-    coming = None
+    # NOTE: a rank's own block's gradients stay home; those of a block it is passed travel on with
+    # it (what the ranks before added arrives with the keys), and the last rank it reaches sends
+    # them straight home
+    coming, homes = None, []
     for s, (src, step, queries, keys, values, (span, held)) in enumerate(
-        _around(q, k, v, group, causal, layout, spans)
+        _around(q, k, v, group, causal, layout, route)
     ):
-        if s == 0:
+        got = p2p.finish(coming) if coming is not None else []
+        if held is None:
+            acc: list[torch.Tensor] = []
+        elif s == 0:
             acc = home
-        elif coming is None:  # NOTE: the first rank a block is passed to starts its gradients
-            acc = [torch.zeros_like(x) for x in held]
-        else:
-            acc = p2p.finish(coming)
-        dk, dv = seq_parts(acc[0], n), seq_parts(acc[1], n)
+        else:  # NOTE: the first rank a block is passed to starts its gradients
+            acc = got or [torch.zeros_like(x) for x in held]
         for b in step:
             m = mask_part(mask, cp, layout, rank, src, b, span)
             if m is SKIP:
@@ -292,16 +298,26 @@ def ring_backward(
                 scale=scale,
             )
             dq[b.query] = dq[b.query] + gq
-            dk[b.key].add_(summed(gk, times))
-            dv[b.key].add_(summed(gv, times))
-        if s > 0:
-            after = _block(home, _span(spans, (rank - s - 1) % cp))
-            coming = p2p.start(group, acc, (rank + 1) % cp, (rank - 1) % cp, tag=1, receive=after)
+            seq_parts(acc[0], n)[b.key].add_(summed(gk, times))
+            seq_parts(acc[1], n)[b.key].add_(summed(gv, times))
+        nxt, last = (rank - s - 1) % cp, _hops(route, src, cp)
+        on = acc if s > 0 and s < last else []
+        receive = _block(home, _span(route, nxt)) if 0 < s < _hops(route, nxt, cp) else []
+        coming = p2p.start(group, on, (rank + 1) % cp, (rank - 1) % cp, tag=1, receive=receive)
+        if acc and s > 0 and s == last:
+            homes.append(p2p.start(group, acc, src, src, tag=2, receive=[]))
     if coming is not None:
-        back = p2p.finish(coming)
-        mine = _span(spans, rank)
+        p2p.finish(coming)
+    far = _hops(route, rank, cp)
+    if far > 0:
+        back = p2p.finish(
+            p2p.start(group, [], rank, (rank + far) % cp, tag=2, receive=_block(home, _span(route, rank)))
+        )
+        mine = _span(route, rank)
         for h, x in zip(home, back, strict=True):
             (h if mine is None else h[:, :, mine[0] : mine[1]]).add_(x)
+    for pending in homes:
+        p2p.finish(pending)
     return torch.cat(dq, dim=2), home[0], home[1]
 
 
@@ -319,11 +335,11 @@ class RingAttention(torch.autograd.Function):
         scale: float | None,
         layout: str,
         mask: torch.Tensor | None,
-        spans: tuple[Span, ...] | None,
+        route: Route | None,
     ) -> torch.Tensor:
-        out, lse = ring_forward(q, k, v, group, causal, scale, layout, mask, spans)
+        out, lse = ring_forward(q, k, v, group, causal, scale, layout, mask, route)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.how = (group, causal, scale, layout, mask, spans)
+        ctx.how = (group, causal, scale, layout, mask, route)
         return out
 
     @staticmethod
@@ -340,12 +356,12 @@ def ring_attention(
     scale: float | None = None,
     layout: str = "zigzag",
     mask: torch.Tensor | None = None,
-    spans: tuple[Span, ...] | None = None,
+    route: Route | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's part (in ``layout``) of the queries over every rank's keys and
     values; ``k`` and ``v`` may have fewer heads than ``q`` (a divisor of its heads). ``mask``: the
     rows of this rank's queries (in ``layout``) of a mask over every key (in sequence order);
-    ``spans``: what travels of each rank's keys (``ring_forward``)."""
+    ``route``: what travels of each rank's keys, and how far (``ring_forward``)."""
     if layout not in LAYOUTS:
         raise ValueError(f"unknown sequence layout {layout!r}; use one of {', '.join(LAYOUTS)}")
     if q.shape[1] % k.shape[1] or k.shape[1] != v.shape[1]:
@@ -353,5 +369,5 @@ def ring_attention(
             f"ring attention: {q.shape[1]} query heads over {k.shape[1]} key and {v.shape[1]} value heads; the "
             "keys and values need one head count that divides the queries'"
         )
-    out: torch.Tensor = RingAttention.apply(q, k, v, group, causal, scale, layout, mask, spans)
+    out: torch.Tensor = RingAttention.apply(q, k, v, group, causal, scale, layout, mask, route)
     return out

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from meshfold.backends.ring import ring_backward, ring_forward
-from meshfold.backends.ring_reach import reach
+from meshfold.backends.ring_reach import Route, reach
 from meshfold.backends.tokenring import tokenring_backward, tokenring_forward
 
 aten = torch.ops.aten
@@ -81,19 +81,19 @@ BACKWARD = {"ring": ring_backward, "tokenring": tokenring_backward}
 
 def _layout(
     method: str, is_causal: bool, attn_mask: torch.Tensor | None, pg: dist.ProcessGroup
-) -> tuple[str, tuple[tuple[int, int], ...] | None]:
+) -> tuple[str, Route | None]:
     """Where the kernel runs: ``"zigzag"`` (after ``to_zigzag``) or ``"contiguous"`` (as the
-    ``Shard`` lies), and, for ring attention under a mask staying contiguous, the spans of each
-    rank's keys that travel."""
+    ``Shard`` lies), and, for ring attention under a mask staying contiguous, the route of each
+    rank's keys."""
     if method == "ring" and attn_mask is not None and not is_causal:
         r = reach(attn_mask, pg)
-        return r.layout, r.spans
+        return r.layout, r.route
     return ("zigzag" if is_causal or attn_mask is not None else "contiguous"), None
 
 
-def _extra(spans: tuple[tuple[int, int], ...] | None) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """The spans as the ring's last argument (TokenRing takes none)."""
-    return () if spans is None else (spans,)
+def _extra(route: Route | None) -> tuple[Route, ...]:
+    """The route as the ring's last argument (TokenRing takes none)."""
+    return () if route is None else (route,)
 
 
 def kernel_forward(
@@ -114,9 +114,9 @@ def kernel_forward(
     assert dropout_p == 0.0, "the sharding rule gives no ring form to dropout"
     pg = _resolve_process_group(group)
     forward = FORWARD[method]
-    layout, spans = _layout(method, is_causal, attn_mask, pg)
+    layout, route = _layout(method, is_causal, attn_mask, pg)
     if layout == "contiguous":
-        return forward(query, key, value, pg, is_causal, scale, layout, attn_mask, *_extra(spans))
+        return forward(query, key, value, pg, is_causal, scale, layout, attn_mask, *_extra(route))
     q, k, v = (to_zigzag(t, pg) for t in (query, key, value))
     mask = None if attn_mask is None else to_zigzag(attn_mask, pg, attn_mask.dim() - 2)
     out, lse = forward(q, k, v, pg, is_causal, scale, "zigzag", mask)
@@ -142,9 +142,9 @@ def kernel_backward(
     assert dropout_p == 0.0, "the sharding rule gives no ring form to dropout"
     pg = _resolve_process_group(group)
     backward = BACKWARD[method]
-    layout, spans = _layout(method, is_causal, attn_mask, pg)
+    layout, route = _layout(method, is_causal, attn_mask, pg)
     if layout == "contiguous":
-        extra = _extra(spans)
+        extra = _extra(route)
         return backward(grad_out, query, key, value, out, logsumexp, pg, is_causal, scale, layout, attn_mask, *extra)
     moved = [to_zigzag(t, pg) for t in (grad_out, query, key, value, out, logsumexp)]
     mask = None if attn_mask is None else to_zigzag(attn_mask, pg, attn_mask.dim() - 2)

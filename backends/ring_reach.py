@@ -11,8 +11,9 @@ and how many (query, key) pairs each half of its rows sees. One all-gather of th
   key), else ``"contiguous"`` (a batch packed by ``meshfold.packing``, whose parts are balanced
   already; a sliding window);
 * in the contiguous layout, per rank's key block, the span of columns some other rank's queries
-  see (``spans``): only that part of its keys and values goes round the ring, and nothing of a
-  block no other rank sees (sequences kept whole on one rank, padding).
+  see and the farthest such rank round the ring (a ``Route``): only that part of its keys and
+  values goes round, only that far (one step under a sliding window), and nothing of a block no
+  other rank sees (sequences kept whole on one rank, padding).
 
 Every rank computes the same answer from the same gathered numbers, so they agree on what each
 ring step sends and receives.
@@ -30,13 +31,26 @@ ZIGZAG_GAIN = 0.9
 layout's busiest rank's work."""
 
 
+Span = tuple[int, int]
+"""The ``(start, end)`` columns of a rank's key block that travel round the ring."""
+
+
+@dataclass(frozen=True)
+class Route:
+    """Per rank's key block: the ``spans`` of its columns that travel round the ring, and how many
+    ``hops`` they travel (0: none; ``cp - 1``: to every other rank)."""
+
+    spans: tuple[Span, ...]
+    hops: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class Reach:
-    """What ring attention does with a mask: its ``layout``, and in the contiguous one the
-    ``(start, end)`` columns of each rank's key block that travel (``None``: whole blocks)."""
+    """What ring attention does with a mask: its ``layout``, and in the contiguous one the ``route``
+    of each rank's keys (``None``: whole blocks, to every rank)."""
 
     layout: str
-    spans: tuple[tuple[int, int], ...] | None = None
+    route: Route | None = None
 
 
 def visible(mask: torch.Tensor) -> torch.Tensor:
@@ -76,13 +90,14 @@ def decide(numbers: torch.Tensor) -> Reach:
     zigzag = max(halves[r] + halves[2 * cp - 1 - r] for r in range(cp))
     if zigzag < ZIGZAG_GAIN * contiguous:
         return Reach("zigzag")
-    spans = []
+    spans, hops = [], []
     for j in range(cp):
-        others = [r for r in range(cp) if r != j]
-        start = min((int(numbers[r, 2 + 2 * j]) for r in others), default=0)
-        end = max((int(numbers[r, 3 + 2 * j]) for r in others), default=0)
-        spans.append((start, end) if end > start else (0, 0))
-    return Reach("contiguous", tuple(spans))
+        sees = [r for r in range(cp) if r != j and numbers[r, 3 + 2 * j] > numbers[r, 2 + 2 * j]]
+        start = min((int(numbers[r, 2 + 2 * j]) for r in sees), default=0)
+        end = max((int(numbers[r, 3 + 2 * j]) for r in sees), default=0)
+        spans.append((start, end) if sees else (0, 0))
+        hops.append(max(((r - j) % cp for r in sees), default=0))
+    return Reach("contiguous", Route(tuple(spans), tuple(hops)))
 
 
 def reach(mask: torch.Tensor, group: dist.ProcessGroup) -> Reach:

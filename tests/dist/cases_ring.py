@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshfold.backends import p2p
+from meshfold.backends.ring_reach import reach
 from meshfold.backends.ring import ring_attention, ring_forward, sequence_shard, sequence_unshard
 from meshfold.backends.tokenring import tokenring_backward, tokenring_forward
 
@@ -27,6 +28,7 @@ def ring_equals_attention(
     layout: str = "zigzag",
     window: int | None = None,
     method: str = "ring",
+    routed: bool = False,
 ) -> dict[str, Any]:
     """Queries, keys and values (``kv_heads`` of them: grouped-query attention) drawn alike on every
     rank, each rank's part in ``layout`` through ``ring_attention`` over the world (or over groups of
@@ -34,7 +36,10 @@ def ring_equals_attention(
     back to the whole sequence: their largest differences from ``scaled_dot_product_attention`` on
     one device. ``window``: a causal sliding-window mask (each query sees itself and the ``window - 1``
     keys before it) in place of ``causal``, as an additive mask each rank holds its query rows of.
-    ``method="tokenring"``: ``tokenring_forward`` and ``tokenring_backward`` instead."""
+    ``method="tokenring"``: ``tokenring_forward`` and ``tokenring_backward`` instead. ``routed``: ring
+    attention on the route ``ring_reach`` finds for the mask (only the key columns other ranks see
+    travel, only as far as they are seen), and the elements it sent (keys, values and their
+    gradients, forward and backward) beside what the whole blocks to every rank would send."""
     g = torch.Generator().manual_seed(0)
     kvh = kv_heads or heads
     q, k, v, dout = (
@@ -52,11 +57,27 @@ def ring_equals_attention(
     parts = [sequence_shard(x, 2, cp, me, layout).clone().requires_grad_(True) for x in (q, k, v)]
     rows = None if mask is None else sequence_shard(mask[None, None], 2, cp, me, layout)
     grad = sequence_shard(dout, 2, cp, me, layout)
+    sent = [0]
+    start = p2p.start
+
+    def counted(group: Any, send: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        sent[0] += sum(t.numel() for t in send)
+        return start(group, send, *args, **kwargs)
+
+    route = None
+    if routed:
+        assert rows is not None
+        found = reach(rows, group)
+        assert found.layout == layout == "contiguous", found
+        route = found.route
     if method == "ring":
-        out = ring_attention(*parts, group=group, causal=causal, layout=layout, mask=rows)
-        out.backward(grad)
+        with mock.patch.object(p2p, "start", counted):
+            out = ring_attention(*parts, group=group, causal=causal, layout=layout, mask=rows, route=route)
+            out.backward(grad)
         got = [out.detach(), *(p.grad for p in parts)]
-        _, lse = ring_forward(*(p.detach() for p in parts), group=group, causal=causal, layout=layout, mask=rows)
+        _, lse = ring_forward(
+            *(p.detach() for p in parts), group=group, causal=causal, layout=layout, mask=rows, route=route
+        )
     else:
         held = [p.detach() for p in parts]
         out, lse = tokenring_forward(*held, group, causal, None, layout, rows)
@@ -82,7 +103,9 @@ def ring_equals_attention(
         q, full_k, full_v, 0.0, causal, attn_mask=mask
     )
     errs["lse"] = float((sequence_unshard(pieces, 2, layout) - want_lse).abs().max())
-    return errs
+    # NOTE: whole blocks to every rank: keys and values forward and backward, their gradients backward
+    whole_blocks = 3 * (cp - 1) * (parts[1].numel() + parts[2].numel())
+    return errs | {"sent": sent[0], "whole": whole_blocks, "route": route}
 
 
 def compiled_attention(

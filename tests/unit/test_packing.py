@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshfold.backends.ring_reach import decide, measure
+from meshfold.backends.ring_reach import Reach, Route, decide, measure
 from meshfold.packing import IGNORE, doc_mask, pack_sequences
 
 
@@ -105,9 +105,14 @@ def test_the_packed_row_trains_as_the_sequences_in_order() -> None:
         torch.testing.assert_close(packed_grads[name], g, msg=name)
 
 
-def _reach(mask: torch.Tensor, cp: int) -> object:
+def _reach(mask: torch.Tensor, cp: int) -> Reach:
     """``decide`` on every rank's ``measure`` of its rows of the whole ``mask`` ``[T, T]``."""
     return decide(torch.stack([measure(rows[None, None], cp) for rows in mask.chunk(cp)]))
+
+
+def _contiguous(reach: Reach) -> Route:
+    assert reach.layout == "contiguous" and reach.route is not None, reach
+    return reach.route
 
 
 def _seen_by_others(mask: torch.Tensor, cp: int) -> list[set[int]]:
@@ -123,7 +128,7 @@ def _seen_by_others(mask: torch.Tensor, cp: int) -> list[set[int]]:
 def test_reach_of_a_causal_mask_is_the_zigzag_layout() -> None:
     i = torch.arange(32)
     reach = _reach(i[:, None] >= i[None, :], 4)
-    assert reach.layout == "zigzag" and reach.spans is None  # type: ignore[attr-defined]
+    assert reach == Reach("zigzag")
 
 
 def test_reach_of_a_packed_row_sends_only_what_others_see() -> None:
@@ -134,10 +139,11 @@ def test_reach_of_a_packed_row_sends_only_what_others_see() -> None:
         pb = pack_sequences(_sequences(*LENGTHS), ranks=4, tokens=96, split_above=split_above)
         mask = doc_mask(pb.doc_ids, pb.position_ids)[0, 0]
         reach = _reach(mask, 4)
-        assert reach.layout == "contiguous"  # type: ignore[attr-defined]
-        for (start, end), seen in zip(reach.spans, _seen_by_others(mask, 4), strict=True):  # type: ignore[attr-defined]
+        route = _contiguous(reach)
+        for (start, end), seen in zip(route.spans, _seen_by_others(mask, 4), strict=True):
             assert seen and min(seen) == start and max(seen) == end - 1
-        travels.append(sum(e - s for s, e in reach.spans))  # type: ignore[attr-defined]
+        assert route.hops == (3, 3, 3, 3)  # NOTE: a split sequence's chunks are seen all round the ring
+        travels.append(sum(e - s for s, e in route.spans))
     assert travels[0] < 0.6 * travels[1] and travels[1] <= 96, travels
 
 
@@ -145,10 +151,11 @@ def test_reach_of_a_sliding_window_and_of_blocks_nobody_sees() -> None:
     i = torch.arange(32)
     window = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 3)
     reach = _reach(window, 4)
-    # NOTE: the window reaches two keys back: the next rank sees the last two columns of each block
-    assert reach.layout == "contiguous" and reach.spans == ((6, 8), (6, 8), (6, 8), (0, 0))  # type: ignore[attr-defined]
+    # NOTE: the window reaches two keys back: the next rank sees the last two columns of each block, and
+    # only it: they travel one step
+    assert reach == Reach("contiguous", Route(((6, 8), (6, 8), (6, 8), (0, 0)), (1, 1, 1, 0)))
     alone = torch.block_diag(*[torch.ones(8, 8, dtype=torch.bool)] * 4)
-    assert _reach(alone, 4).spans == ((0, 0),) * 4  # type: ignore[attr-defined]
+    assert _reach(alone, 4) == Reach("contiguous", Route(((0, 0),) * 4, (0,) * 4))
     additive = torch.zeros(32, 32).masked_fill(~window, float("-inf"))
     assert _reach(additive, 4) == reach
 
@@ -161,6 +168,6 @@ def test_reach_of_a_mask_hiding_with_the_lowest_value() -> None:
     causal = torch.zeros(32, 32).masked_fill(i[None, :] > i[:, None], low)
     assert _reach(causal, 4) == _reach(i[:, None] >= i[None, :], 4)
     alone = torch.zeros(32, 32).masked_fill(~torch.block_diag(*[torch.ones(8, 8, dtype=torch.bool)] * 4), low)
-    assert _reach(alone, 4).spans == ((0, 0),) * 4  # type: ignore[attr-defined]
-    alone[9] = low  # NOTE: rank 1's second row hides every key
-    assert _reach(alone, 4).spans == ((0, 8), (0, 0), (0, 8), (0, 8))  # type: ignore[attr-defined]
+    assert _contiguous(_reach(alone, 4)).spans == ((0, 0),) * 4
+    alone[9] = low  # NOTE: rank 1's second row hides every key: every other block travels as far as rank 1
+    assert _reach(alone, 4) == Reach("contiguous", Route(((0, 8), (0, 0), (0, 8), (0, 8)), (1, 0, 3, 2)))
