@@ -12,10 +12,11 @@ the ring there, where every rank has the same work, and moves the results back (
 A mask's query rows travel with the queries; its key columns stay whole. Attention without any
 mask is balanced as it is and runs on the contiguous parts directly.
 
-Ring attention under a mask tensor first asks where the mask reaches (``backends/ring_reach.py``,
-one all-gather of a few integers): whether the zigzag layout balances the work better than the
+Under a mask tensor the kernel first asks where the mask reaches (``backends/ring_reach.py``, one
+all-gather of a few integers): whether the zigzag layout balances the work better than the
 contiguous one (it does for one long causal sequence; a batch ``meshfold.packing`` packed is
-balanced as it lies), and, staying contiguous, which key columns need to travel at all.
+balanced as it lies), and, staying contiguous, what needs to travel at all and how far: key columns
+under ring attention, query rows under TokenRing.
 """
 
 from __future__ import annotations
@@ -83,16 +84,16 @@ def _layout(
     method: str, is_causal: bool, attn_mask: torch.Tensor | None, pg: dist.ProcessGroup
 ) -> tuple[str, Route | None]:
     """Where the kernel runs: ``"zigzag"`` (after ``to_zigzag``) or ``"contiguous"`` (as the
-    ``Shard`` lies), and, for ring attention under a mask staying contiguous, the route of each
-    rank's keys."""
-    if method == "ring" and attn_mask is not None and not is_causal:
+    ``Shard`` lies), and, under a mask staying contiguous, the route of each rank's keys (for ring
+    attention) or queries (TokenRing)."""
+    if attn_mask is not None and not is_causal:
         r = reach(attn_mask, pg)
         return r.layout, r.route
     return ("zigzag" if is_causal or attn_mask is not None else "contiguous"), None
 
 
 def _extra(route: Route | None) -> tuple[Route, ...]:
-    """The route as the ring's last argument (TokenRing takes none)."""
+    """The route as the kernel's last argument."""
     return () if route is None else (route,)
 
 

@@ -4,7 +4,7 @@ which layout balances the work, and which key columns need to travel at all.
 Each rank holds its query rows of the mask over every key column (``[*, L/cp, S]``), so it knows,
 for every other rank's contiguous block of keys, the first and last column its own queries see,
 and how many (query, key) pairs each half of its rows sees. One all-gather of those few numbers
-(``measure``, ``2 + 2 * cp`` integers per rank) tells every rank the same ``Reach``:
+(``measure``, ``2 + 4 * cp`` integers per rank) tells every rank the same ``Reach``:
 
 * the layout: ``"zigzag"`` when moving to it cuts the busiest rank's work by more than a tenth (a
   causal mask over one long sequence: in the contiguous layout the last rank sees every earlier
@@ -38,10 +38,13 @@ Span = tuple[int, int]
 @dataclass(frozen=True)
 class Route:
     """Per rank's key block: the ``spans`` of its columns that travel round the ring, and how many
-    ``hops`` they travel (0: none; ``cp - 1``: to every other rank)."""
+    ``hops`` they travel (0: none; ``cp - 1``: to every other rank); and what TokenRing sends
+    instead: ``queries[r][j]``, the span of rank ``r``'s query rows that see rank ``j``'s keys
+    (``None`` where the mask has one row for all: every row)."""
 
     spans: tuple[Span, ...]
     hops: tuple[int, ...]
+    queries: tuple[tuple[Span | None, ...], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -66,24 +69,30 @@ def visible(mask: torch.Tensor) -> torch.Tensor:
     return seen.reshape(-1, *seen.shape[-2:]).any(0)
 
 
+def _first_last(seen: torch.Tensor) -> list[int]:
+    """The first and one past the last True of a 1-D ``seen``; ``(len, 0)`` when none is."""
+    at = torch.nonzero(seen).flatten()
+    return [int(at[0]), int(at[-1]) + 1] if at.numel() else [seen.shape[0], 0]
+
+
 def measure(mask: torch.Tensor, cp: int) -> torch.Tensor:
     """This rank's numbers (see the module doc), from its rows of ``mask``: the pairs seen by each
-    half of its rows, then per key block ``j`` of ``cp`` the first and one past the last column its
-    rows see in it (``(block, 0)`` when none)."""
+    half of its rows; per key block ``j`` of ``cp``, the first and one past the last column its rows
+    see in it; and per key block, the first and one past the last of its rows that see into it
+    (``(n, 0)`` when none; ``(0, -1)`` for a mask of one row for all)."""
     seen = visible(mask)
     rows = seen.expand(2, -1) if seen.shape[0] == 1 else seen  # NOTE: one row broadcast over every query row
     halves = [int(h.sum()) for h in rows.chunk(2, 0)]
-    cols = seen.any(0)
-    block = cols.shape[0] // cp
     spans: list[int] = []
-    for part in cols.chunk(cp):
-        at = torch.nonzero(part).flatten()
-        spans += [int(at[0]), int(at[-1]) + 1] if at.numel() else [block, 0]
+    for part in seen.any(0).chunk(cp):
+        spans += _first_last(part)
+    for part in seen.chunk(cp, dim=1):
+        spans += [0, -1] if seen.shape[0] == 1 else _first_last(part.any(1))
     return torch.tensor(halves + spans, dtype=torch.int64)
 
 
 def decide(numbers: torch.Tensor) -> Reach:
-    """The ``Reach`` from every rank's ``measure`` (``[cp, 2 + 2 * cp]``, in rank order)."""
+    """The ``Reach`` from every rank's ``measure`` (``[cp, 2 + 4 * cp]``, in rank order)."""
     cp = numbers.shape[0]
     halves = numbers[:, :2].flatten().tolist()  # NOTE: half-chunk h of 2 * cp, in sequence order
     contiguous = max(halves[2 * r] + halves[2 * r + 1] for r in range(cp))
@@ -97,7 +106,12 @@ def decide(numbers: torch.Tensor) -> Reach:
         end = max((int(numbers[r, 3 + 2 * j]) for r in sees), default=0)
         spans.append((start, end) if sees else (0, 0))
         hops.append(max(((r - j) % cp for r in sees), default=0))
-    return Reach("contiguous", Route(tuple(spans), tuple(hops)))
+    queries = []
+    for r in range(cp):
+        row = numbers[r, 2 + 2 * cp :].tolist()
+        pairs = [(row[2 * j], row[2 * j + 1]) for j in range(cp)]
+        queries.append(tuple(None if end < 0 else (a, end) if end > a else (0, 0) for a, end in pairs))
+    return Reach("contiguous", Route(tuple(spans), tuple(hops), tuple(queries)))
 
 
 def reach(mask: torch.Tensor, group: dist.ProcessGroup) -> Reach:

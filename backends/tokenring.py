@@ -11,9 +11,11 @@ output, its gradient and log-sum-exp; the key and value gradients stay where the
 query gradients go home.
 
 Same layouts, blocks and masks as ``backends/ring.py`` (zigzag or contiguous, grouped-query keys,
-a mask split by its query rows, which travel with the queries). It sends the queries and the
-outputs where ring attention sends keys and values: less with as many key heads as query heads,
-more with grouped-query keys.
+a mask split by its query rows, which travel with the queries). On a route
+(``backends/ring_reach.py``: a mask on the contiguous layout) a rank's queries go only to the ranks
+whose keys they see, and only the rows that see them; their results come back for those rows. It
+sends the queries and the outputs where ring attention sends keys and values: less with as many
+key heads as query heads, more with grouped-query keys.
 """
 
 from __future__ import annotations
@@ -37,30 +39,61 @@ from meshfold.backends.ring import (
     seq_parts,
     summed,
 )
+from meshfold.backends.ring_reach import Route, Span
 
 aten = torch.ops.aten
 
 
+def _sent(route: Route | None, owner: int, dest: int) -> Span | None:
+    """The rows of ``owner``'s queries that travel to ``dest`` (None: all of them)."""
+    return None if route is None else route.queries[owner][dest]
+
+
+def _cut(ts: list[torch.Tensor], span: Span | None, masked: bool) -> list[torch.Tensor]:
+    """The ``span`` of rows of each travelling tensor: dim 2, and a mask's (the last, when
+    ``masked``) second-to-last."""
+    if span is None:
+        return ts
+    last = len(ts) - 1
+    dims = [t.dim() - 2 if masked and i == last else 2 for i, t in enumerate(ts)]
+    return [t.narrow(d, span[0], span[1] - span[0]) for t, d in zip(ts, dims, strict=True)]
+
+
 def _steps(
-    travelling: list[torch.Tensor], group: dist.ProcessGroup, causal: bool, layout: str
+    travelling: list[torch.Tensor],
+    masked: bool,
+    group: dist.ProcessGroup,
+    causal: bool,
+    layout: str,
+    route: Route | None,
 ) -> Iterator[tuple[int, int, list[Block], list[torch.Tensor]]]:
     """Per step ``s``: ``s``, the rank whose queries (and what travels with them) are held, the blocks
-    they make with this rank's keys, and the held tensors; the next step's are on the way meanwhile."""
+    they make with this rank's keys (none when no row came), and the held tensors; the next step's
+    are on the way meanwhile. With a ``route`` only the rows that see the keys they meet travel."""
     cp, r = dist.get_world_size(group), dist.get_rank(group)
     held, pending = travelling, None
     for s in range(cp):
         if pending is not None:
             held = p2p.finish(pending)
-        pending = p2p.start(group, travelling, (r + s + 1) % cp, (r - s - 1) % cp, 2 * s) if s + 1 < cp else None
+        pending = None
+        if s + 1 < cp:
+            dest, frm = (r + s + 1) % cp, (r - s - 1) % cp
+            send = _cut(travelling, _sent(route, r, dest), masked)
+            receive = [t.new_empty(t.shape) for t in _cut(travelling, _sent(route, frm, r), masked)]
+            pending = p2p.start(group, send, dest, frm, 2 * s, receive=receive)
         src = (r - s) % cp
         # NOTE: src's queries meet this rank's keys at src's ring step (src - r) % cp
-        yield s, src, ring_blocks(src, cp, causal, layout)[(src - r) % cp], held
+        blocks = ring_blocks(src, cp, causal, layout)[(src - r) % cp] if held[0].shape[2] else []
+        yield s, src, blocks, held
 
 
-def _home(group: dist.ProcessGroup, s: int, results: list[torch.Tensor]) -> p2p.Pending:
-    """Step ``s``'s results to the queries' owner; this rank's own from where its queries are."""
+def _home(group: dist.ProcessGroup, s: int, results: list[torch.Tensor], route: Route | None) -> p2p.Pending:
+    """Step ``s``'s results to the queries' owner; this rank's own (for the rows it sent) from where
+    its queries are."""
     cp, r = dist.get_world_size(group), dist.get_rank(group)
-    return p2p.start(group, results, (r - s) % cp, (r + s) % cp, 2 * s + 1)
+    span = _sent(route, r, (r + s) % cp)
+    receive = None if span is None else [x.new_empty(*x.shape[:2], span[1] - span[0], *x.shape[3:]) for x in results]
+    return p2p.start(group, results, (r - s) % cp, (r + s) % cp, 2 * s + 1, receive=receive)
 
 
 def _rows(mask: torch.Tensor | None) -> list[torch.Tensor]:
@@ -77,8 +110,10 @@ def tokenring_forward(
     scale: float | None = None,
     layout: str = "zigzag",
     mask: torch.Tensor | None = None,
+    route: Route | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ring.ring_forward``'s output and log-sum-exp, the queries travelling instead of the keys."""
+    """``ring.ring_forward``'s output and log-sum-exp, the queries travelling instead of the keys
+    (with a ``route``, contiguous layout: only the rows that see the keys they meet)."""
     cp, r = dist.get_world_size(group), dist.get_rank(group)
     n, times = len(chunks_of(r, cp, layout)), q.shape[1] // k.shape[1]
     keys, values = seq_parts(repeated(k, times), n), seq_parts(repeated(v, times), n)
@@ -86,11 +121,18 @@ def tokenring_forward(
     lses: list[torch.Tensor | None] = [None] * n
     coming = []
 
-    def take(o: torch.Tensor, lo: torch.Tensor) -> None:
-        for i, (x, y) in enumerate(zip(seq_parts(o, n), seq_parts(lo, n), strict=True)):
-            outs[i], lses[i] = merge(outs[i], lses[i], x, y)
+    def take(o: torch.Tensor, lo: torch.Tensor, span: Span | None = None) -> None:
+        if span is None:
+            for i, (x, y) in enumerate(zip(seq_parts(o, n), seq_parts(lo, n), strict=True)):
+                outs[i], lses[i] = merge(outs[i], lses[i], x, y)
+            return
+        whole, sums = outs[0], lses[0]  # NOTE: a route: one part, whole after step 0
+        assert whole is not None and sums is not None
+        a, b = span
+        whole[:, :, a:b], sums[:, :, a:b] = merge(whole[:, :, a:b], sums[:, :, a:b], o, lo)
 
-    for s, src, blocks, held in _steps([q, *_rows(mask)], group, causal, layout):
+    rows_of = _rows(mask)
+    for s, src, blocks, held in _steps([q, *rows_of], bool(rows_of), group, causal, layout, route):
         rows = held[1] if len(held) > 1 else mask
         queries = seq_parts(held[0], n)
         o = [torch.zeros(*x.shape[:-1], v.shape[-1], dtype=x.dtype) for x in queries]
@@ -111,9 +153,9 @@ def tokenring_forward(
         if s == 0:
             take(*results)
         else:
-            coming.append(_home(group, s, results))
-    for pending in coming:
-        take(*p2p.finish(pending))
+            coming.append((_home(group, s, results, route), _sent(route, r, (r + s) % cp)))
+    for pending, span in coming:
+        take(*p2p.finish(pending), span)
     out = torch.cat([t for t in outs if t is not None], dim=2)
     lse = torch.cat([t for t in lses if t is not None], dim=2)
     return out, torch.where(torch.isneginf(lse), 0.0, lse)
@@ -131,16 +173,19 @@ def tokenring_backward(
     scale: float | None = None,
     layout: str = "zigzag",
     mask: torch.Tensor | None = None,
+    route: Route | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``ring.ring_backward``'s gradients, the queries (with the output, its gradient and its
-    log-sum-exp) travelling and the query gradients coming home."""
+    log-sum-exp) travelling and the query gradients coming home (with a ``route``: for the rows
+    that see the keys they meet)."""
     cp, r = dist.get_world_size(group), dist.get_rank(group)
     n, times = len(chunks_of(r, cp, layout)), q.shape[1] // k.shape[1]
     keys, values = seq_parts(repeated(k, times), n), seq_parts(repeated(v, times), n)
     dks, dvs = [torch.zeros_like(x) for x in keys], [torch.zeros_like(x) for x in values]
     dq = torch.zeros_like(q)
     coming = []
-    for s, src, blocks, held in _steps([grad.contiguous(), q, out, lse, *_rows(mask)], group, causal, layout):
+    travelling = [grad.contiguous(), q, out, lse, *_rows(mask)]
+    for s, src, blocks, held in _steps(travelling, len(travelling) > 4, group, causal, layout, route):
         rows = held[4] if len(held) > 4 else mask
         grads, queries, outs, lses = (seq_parts(t, n) for t in held[:4])
         gq = torch.zeros_like(held[1])
@@ -159,7 +204,8 @@ def tokenring_backward(
         if s == 0:
             dq.add_(gq)
         else:
-            coming.append(_home(group, s, [gq]))
-    for pending in coming:
-        dq.add_(p2p.finish(pending)[0])
+            coming.append((_home(group, s, [gq], route), _sent(route, r, (r + s) % cp)))
+    for pending, span in coming:
+        back = p2p.finish(pending)[0]
+        (dq if span is None else dq[:, :, span[0] : span[1]]).add_(back)
     return dq, summed(torch.cat(dks, dim=2), times), summed(torch.cat(dvs, dim=2), times)

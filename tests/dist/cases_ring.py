@@ -80,8 +80,9 @@ def ring_equals_attention(
         )
     else:
         held = [p.detach() for p in parts]
-        out, lse = tokenring_forward(*held, group, causal, None, layout, rows)
-        got = [out, *tokenring_backward(grad, *held, out, lse, group, causal, None, layout, rows)]
+        with mock.patch.object(p2p, "start", counted):
+            out, lse = tokenring_forward(*held, group, causal, None, layout, rows, route)
+            got = [out, *tokenring_backward(grad, *held, out, lse, group, causal, None, layout, rows, route)]
     whole = []
     for x in got:
         assert x is not None
@@ -103,9 +104,15 @@ def ring_equals_attention(
         q, full_k, full_v, 0.0, causal, attn_mask=mask
     )
     errs["lse"] = float((sequence_unshard(pieces, 2, layout) - want_lse).abs().max())
-    # NOTE: whole blocks to every rank: keys and values forward and backward, their gradients backward
-    whole_blocks = 3 * (cp - 1) * (parts[1].numel() + parts[2].numel())
-    return errs | {"sent": sent[0], "whole": whole_blocks, "route": route}
+    # NOTE: whole blocks to every rank: ring attention's keys and values forward and backward, their
+    # gradients backward; TokenRing's queries and mask rows out and output and log-sum-exp back forward,
+    # and backward the output's gradient, queries, output, log-sum-exp and mask rows out, query gradients back
+    mask_rows = 0 if rows is None else rows.numel()
+    if method == "ring":
+        whole_blocks = 3 * (cp - 1) * (parts[1].numel() + parts[2].numel())
+    else:
+        whole_blocks = (cp - 1) * (6 * parts[0].numel() + 2 * lse.numel() + 2 * mask_rows)
+    return errs | {"sent": sent[0], "whole": whole_blocks, "route": route, "rank": me}
 
 
 def compiled_attention(
@@ -178,13 +185,14 @@ def packed_sequences(world_cp: int, split_above: int | None) -> tuple[Any, Any]:
 
 
 def packed_attention(
-    shape: tuple[int, ...], names: tuple[str, ...], plan: str, split_above: int | None
+    shape: tuple[int, ...], names: tuple[str, ...], plan: str, split_above: int | None, method: str = "ring"
 ) -> dict[str, Any]:
-    """``hf-llama-packed`` (float64) compiled under ``cp={"method": "ring"}`` on its sequences packed
+    """``hf-llama-packed`` (float64) compiled under ``cp={"method": method}`` on its sequences packed
     for the ``cp`` axis (each given a degree by ``split_above``), trained beside one device on the
     same sequences in order (``cases.equivalence``: loss, every gradient and the parameters after
     AdamW steps equal); then, in one more step, the elements of keys and values each rank's ring
-    attention sends (forward, every layer), the packing's degrees and its ring tokens."""
+    attention sends (TokenRing: of queries and what travels with them; every layer, forward and
+    backward), the packing's degrees and its ring tokens."""
     from tests.dist.cases import equivalence
 
     cp = shape[names.index("cp")]
@@ -194,7 +202,7 @@ def packed_attention(
         shape,
         names,
         plan,
-        cp="ring",
+        cp=method,
         double=True,
         keep_module=True,
         inputs=packed.inputs(),
@@ -205,7 +213,8 @@ def packed_attention(
     start = p2p.start
 
     def counted(group: Any, send: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-        if sys._getframe(1).f_code.co_name == "_around":  # NOTE: the keys and values, not their gradients
+        # NOTE: ring attention's keys and values (not their gradients); TokenRing's queries out
+        if sys._getframe(1).f_code.co_name in ("_around", "_steps"):
             sent[0] += sum(t.numel() for t in send)
         return start(group, send, *args, **kwargs)
 

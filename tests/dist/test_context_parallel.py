@@ -127,13 +127,24 @@ def test_hybrid_linear_and_softmax_attention_equal_single_device(rank_pools: Ran
         assert ("S(2)" in forward) == (mode == "greedy"), r["scans"]  # NOTE: a running sum along the sequence
 
 
-def _packed(rank_pools: RankPools, shape: tuple[int, ...], names: tuple[str, ...], split_above: int | None) -> Any:
+def _packed(
+    rank_pools: RankPools,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    split_above: int | None,
+    method: str = "ring",
+) -> Any:
     world = 1
     for n in shape:
         world *= n
     plan = "+".join(n for n in names)
     return rank_pools.get(world).run(
-        "tests.dist.cases_ring:packed_attention", shape=shape, names=names, plan=plan, split_above=split_above
+        "tests.dist.cases_ring:packed_attention",
+        shape=shape,
+        names=names,
+        plan=plan,
+        split_above=split_above,
+        method=method,
     )
 
 
@@ -156,3 +167,13 @@ def test_packed_sequences_with_tensor_parallel_equal_single_device(rank_pools: R
     """The packed row for 2 cp ranks beside tp=2 equals one device too."""
     results = _packed(rank_pools, (2, 2), ("cp", "tp"), None)
     assert set(results[0]["degrees"]) == {1, 2}, results[0]["degrees"]
+
+
+def test_packed_sequences_under_tokenring_equal_single_device(rank_pools: RankPools) -> None:
+    """The packed row under TokenRing: a rank's query rows travel only to the ranks whose keys they see
+    (the split sequences' rows), so per-sequence degrees send less than one fixed degree here too; both
+    equal one device on the sequences in order."""
+    per_sequence = _packed(rank_pools, (4,), ("cp",), None, "tokenring")
+    fixed = _packed(rank_pools, (4,), ("cp",), 0, "tokenring")
+    mine, theirs = sum(r["sent"] for r in per_sequence), sum(r["sent"] for r in fixed)
+    assert 0 < mine < 0.8 * theirs, (mine, theirs)

@@ -3,6 +3,8 @@ gloo ranks against one device's attention, forward and backward."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -88,7 +90,7 @@ def test_ring_attention_equals_attention(
         method=method,
     )
     for rank, errs in enumerate(results):
-        assert max(v for k, v in errs.items() if k not in ("sent", "whole", "route")) < 1e-10, (rank, errs)
+        assert max(v for k, v in errs.items() if k not in ("sent", "whole", "route", "rank")) < 1e-10, (rank, errs)
 
 
 @pytest.mark.parametrize(("window", "hops"), [(6, (1, 1, 1, 0)), (12, (2, 2, 1, 0))])
@@ -99,6 +101,31 @@ def test_routed_ring_attention_equals_attention(
     block's columns the next ranks see only as far as they are seen (one step for a window of 6, two for
     12 but from the third rank, whose keys only the last one sees; the gradients of the last rank reached
     go straight home) and still equals one device's attention, output, log-sum-exp and gradients."""
+    results = _routed(rank_pools, window, "ring")
+    for errs in results:
+        assert errs["route"].hops == hops, errs["route"]
+    # NOTE: keys and values forward, again backward with their gradients: three times each span, each hop
+    route, whole = results[0]["route"], results[0]["whole"]
+    per_column = whole // (3 * 3 * 8)
+    want = 3 * per_column * sum((end - start) * h for (start, end), h in zip(route.spans, route.hops, strict=True))
+    assert sum(r["sent"] for r in results) == want < 0.6 * 4 * whole, (want, whole)
+
+
+@pytest.mark.parametrize("window", [6, 12])
+def test_routed_tokenring_equals_attention(rank_pools: RankPools, window: int) -> None:
+    """TokenRing on the same routes sends a rank's query rows (with what travels with them) only to the
+    ranks whose keys they see, and only the rows that see them (the first 5 of each part to the rank
+    before under a window of 6; under 12, all 8 to the rank before and the first 3 to the one before
+    that), the results coming back likewise; it still equals one device's attention."""
+    results = _routed(rank_pools, window, "tokenring")
+    route, whole = results[0]["route"], results[0]["whole"]
+    rows = sum(b - a for r, spans in enumerate(route.queries) for j, (a, b) in enumerate(spans) if j != r)
+    assert rows == {6: 3 * 5, 12: 3 * 8 + 2 * 3}[window], route.queries
+    # NOTE: whole: every rank's 8 rows to each of 3 peers, out and back, forward and backward
+    assert sum(r["sent"] for r in results) == rows * whole // (3 * 8), (rows, whole)
+
+
+def _routed(rank_pools: RankPools, window: int, method: str) -> list[dict[str, Any]]:
     results = rank_pools.get(4).run(
         "tests.dist.cases_ring:ring_equals_attention",
         batch=2,
@@ -110,26 +137,8 @@ def test_routed_ring_attention_equals_attention(
         layout="contiguous",
         window=window,
         routed=True,
+        method=method,
     )
     for rank, errs in enumerate(results):
-        assert max(v for k, v in errs.items() if k not in ("sent", "whole", "route")) < 1e-10, (rank, errs)
-        assert errs["route"].hops == hops, errs["route"]
-    # NOTE: keys and values forward, again backward with their gradients: three times each span, each hop
-    route, whole = results[0]["route"], results[0]["whole"]
-    per_column = whole // (3 * 3 * 8)
-    want = 3 * per_column * sum((end - start) * h for (start, end), h in zip(route.spans, route.hops, strict=True))
-    assert sum(r["sent"] for r in results) == want < 0.6 * 4 * whole, (want, whole)
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_contiguous_parts_move_to_the_zigzag_layout_and_back(rank_pools: RankPools, world: int) -> None:
-    """What the compiled program's ring attention does first under a causal mask (``ring_lowering``)."""
-    for dim in (0, 1):
-        assert all(rank_pools.get(world).run("tests.dist.cases_ring:zigzag_moves", seq=4 * world, dim=dim))
-
-
-@pytest.mark.parametrize("world", [2, 4])
-def test_running_sums_and_flips_along_a_split_dim(rank_pools: RankPools, world: int) -> None:
-    """What a running sum (linear attention's memory state: one all-gather of each rank's total, as
-    LASP-2 has it) and a flip (its backward) run on a split dim."""
-    assert all(rank_pools.get(world).run("tests.dist.cases_ring:split_scans", seq=4 * world))
+        assert max(v for k, v in errs.items() if k not in ("sent", "whole", "route", "rank")) < 1e-10, (rank, errs)
+    return results

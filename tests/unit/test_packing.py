@@ -153,9 +153,15 @@ def test_reach_of_a_sliding_window_and_of_blocks_nobody_sees() -> None:
     reach = _reach(window, 4)
     # NOTE: the window reaches two keys back: the next rank sees the last two columns of each block, and
     # only it: they travel one step
-    assert reach == Reach("contiguous", Route(((6, 8), (6, 8), (6, 8), (0, 0)), (1, 1, 1, 0)))
+    route = _contiguous(reach)
+    assert (route.spans, route.hops) == (((6, 8), (6, 8), (6, 8), (0, 0)), (1, 1, 1, 0))
+    # NOTE: what TokenRing sends instead: the first two rows of each part see into the part before
+    for r in range(4):
+        want = [(0, 2) if j == r - 1 else (0, 8) if j == r else (0, 0) for j in range(4)]
+        assert list(route.queries[r]) == want, (r, route.queries[r])
     alone = torch.block_diag(*[torch.ones(8, 8, dtype=torch.bool)] * 4)
-    assert _reach(alone, 4) == Reach("contiguous", Route(((0, 0),) * 4, (0,) * 4))
+    route = _contiguous(_reach(alone, 4))
+    assert (route.spans, route.hops) == (((0, 0),) * 4, (0,) * 4)
     additive = torch.zeros(32, 32).masked_fill(~window, float("-inf"))
     assert _reach(additive, 4) == reach
 
@@ -170,4 +176,6 @@ def test_reach_of_a_mask_hiding_with_the_lowest_value() -> None:
     alone = torch.zeros(32, 32).masked_fill(~torch.block_diag(*[torch.ones(8, 8, dtype=torch.bool)] * 4), low)
     assert _contiguous(_reach(alone, 4)).spans == ((0, 0),) * 4
     alone[9] = low  # NOTE: rank 1's second row hides every key: every other block travels as far as rank 1
-    assert _reach(alone, 4) == Reach("contiguous", Route(((0, 8), (0, 0), (0, 8), (0, 8)), (1, 0, 3, 2)))
+    route = _contiguous(_reach(alone, 4))
+    assert (route.spans, route.hops) == (((0, 8), (0, 0), (0, 8), (0, 8)), (1, 0, 3, 2))
+    assert route.queries[1] == ((1, 2), (0, 8), (1, 2), (1, 2))
