@@ -4,14 +4,16 @@ context-parallel degree by its length, batch by batch (the idea of ByteScale and
 A batch of ``tokens`` tokens is one row ``[1, tokens]`` that a ``cp`` mesh axis of ``ranks`` ranks
 splits into ``ranks`` equal contiguous parts. ``pack_sequences`` decides where each token goes:
 
-* a sequence longer than ``split_above`` tokens is split over every rank, in the zigzag order
-  (cut in ``2 * ranks`` chunks, rank ``r`` holds chunks ``r`` and ``2 * ranks - 1 - r``, so that under
-  the causal mask each rank does the same share of its work): its keys and values must travel
-  round the ring;
-* every other sequence stays whole on one rank (data parallel within the ``cp`` group): the rank
-  with room for it and the least attention work so far, longest sequences first;
+* a sequence's degree is the smallest power of two ``d`` (dividing ``ranks``, or ``ranks`` itself)
+  with ``length <= d * split_above``: the short ones stay whole on one rank (data parallel within
+  the ``cp`` group), a longer one is split over an aligned group of ``d`` consecutive ranks in the
+  zigzag order (cut in ``2 * d`` chunks, member ``k`` holds chunks ``k`` and ``2 * d - 1 - k``, so that
+  under the causal mask each member does the same share of its work);
+* widest first, longest first, each sequence goes to the group with room for it and the least
+  attention work so far;
 * while the busiest rank's attention work exceeds the mean by more than ``balance``, its longest
-  whole sequence is split too, and a sequence no rank has room for whole is split;
+  sequence not split over every rank is split twice as wide, and so is a sequence no group has
+  room for;
 * each rank's part holds its split chunks first, then its whole sequences, then padding (each
   padding token a sequence of its own, which sees itself only).
 
@@ -19,8 +21,9 @@ Attention reads the batch through ``doc_mask``: a query sees the keys of its own
 position or before, so the order of the tokens in the row changes nothing but where they are
 computed, and a compiled model given the packed row equals one device given the sequences in
 order (``pack_sequences(..., ranks=1)``). Ring attention then passes round only the key columns
-another rank's queries see (``backends/ring_reach.py``): the split sequences' chunks, at the front
-of each part, and nothing of the sequences kept whole.
+another rank's queries see, as far as they are seen, and TokenRing sends only the query rows that
+see another rank's keys (``backends/ring_reach.py``): the split sequences' chunks, at the front of
+each part, and nothing of the sequences kept whole.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ IGNORE = -100
 class PackedBatch:
     """One packed row of ``len(degrees)`` sequences for ``ranks`` ranks: token ids, each token's
     position in its sequence, its sequence's index (padding: negative, each token its own), its
-    label (the next token of its sequence, or ``IGNORE``), and each sequence's degree (1: whole on
-    one rank, ``ranks``: split over all)."""
+    label (the next token of its sequence, or ``IGNORE``), and each sequence's degree (how many
+    ranks hold it: 1, whole on one, up to ``ranks``, split over all)."""
 
     input_ids: torch.Tensor
     position_ids: torch.Tensor
@@ -59,7 +62,7 @@ class PackedBatch:
         return [int(part.sum()) for part in seen.chunk(self.ranks)]
 
     def ring_tokens(self) -> list[int]:
-        """Per rank, its tokens of split sequences: the key columns other ranks' queries see."""
+        """Per rank, its tokens of split sequences (degree above 1): what other ranks' queries see."""
         split = torch.tensor([d > 1 for d in self.degrees] + [False])
         docs = self.doc_ids[0].clamp(min=-1)  # NOTE: padding indexes the last (False) entry
         return [int(split[part].sum()) for part in docs.chunk(self.ranks)]
@@ -73,15 +76,18 @@ def doc_mask(doc_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
     return (same & before).unsqueeze(1)
 
 
-def _chunks(length: int, n: int, turn: int) -> list[tuple[int, int]]:
-    """``length`` cut in ``n`` nearly equal ``(start, end)`` chunks, the longer ones starting at
-    chunk ``turn`` (so successive sequences round up on different ranks)."""
-    base, extra = divmod(length, n)
-    sizes = [base + ((k - turn) % n < extra) for k in range(n)]
-    bounds = [0]
-    for s in sizes:
-        bounds.append(bounds[-1] + s)
-    return list(itertools.pairwise(bounds))
+def _pieces(length: int, fill: list[int]) -> list[tuple[tuple[int, int], ...]]:
+    """A sequence of ``length`` over a group whose members hold ``fill`` tokens so far: member ``k`` of
+    ``d`` gets chunks ``k`` and ``2d - 1 - k`` of ``2d`` nearly equal ``(start, end)`` chunks (the whole
+    sequence when ``d == 1``), the longer chunks going to the members that hold least."""
+    d = len(fill)
+    if d == 1:
+        return [((0, length),)]
+    base, extra = divmod(length, 2 * d)
+    chunks = [c for k in sorted(range(d), key=lambda k: (fill[k], k)) for c in (k, 2 * d - 1 - k)]
+    longer = set(chunks[:extra])
+    bounds = list(itertools.accumulate((base + (c in longer) for c in range(2 * d)), initial=0))
+    return [((bounds[k], bounds[k + 1]), (bounds[2 * d - 1 - k], bounds[2 * d - k])) for k in range(d)]
 
 
 def _work(start: int, end: int) -> int:
@@ -99,10 +105,10 @@ def pack_sequences(
     pad_id: int = 0,
 ) -> PackedBatch:
     """Pack 1-D token sequences into one row of ``tokens`` for ``ranks`` ranks (see the module doc).
-    ``split_above``: the length above which a sequence is split over every rank (default half a
-    rank's part; 0 splits every sequence: one fixed degree); ``balance``: how far above the mean the
-    busiest rank's attention work may be before more sequences are split. Raises ``ValueError``
-    when the sequences do not fit in ``tokens``."""
+    ``split_above``: the most tokens a sequence may put on each rank of its group before its degree
+    doubles (default half a rank's part; 0 splits every sequence over every rank: one fixed
+    degree); ``balance``: how far above the mean the busiest rank's attention work may be before
+    sequences are split wider. Raises ``ValueError`` when the sequences do not fit in ``tokens``."""
     if ranks < 1 or tokens % ranks:
         raise ValueError(f"pack_sequences: {tokens} tokens do not split into {ranks} equal parts")
     room = tokens // ranks
@@ -112,23 +118,25 @@ def pack_sequences(
             "pack fewer sequences or raise tokens"
         )
     limit = room // 2 if split_above is None else split_above
-    split = {i for i, s in enumerate(sequences) if ranks > 1 and len(s) > limit}
+    allowed = _degrees(ranks)
+    degree = [next((d for d in allowed if len(s) <= d * limit), ranks) for s in sequences]
     while True:
-        parts, work, left = _place(sequences, split, ranks, room)
-        if left is not None:
-            split.add(left)  # NOTE: it fits no rank whole: split it too, and place the rest again
+        parts, work, left = _place(sequences, degree, ranks, room)
+        if left is not None:  # NOTE: it fits no group whole: split it wider, and place the rest again
+            if degree[left] == ranks:
+                raise ValueError(
+                    f"pack_sequences: sequence {left} ({len(sequences[left])} tokens) split over all {ranks} ranks "
+                    f"finds no room beside the others in parts of {room}; raise tokens"
+                )
+            degree[left] = allowed[allowed.index(degree[left]) + 1]
             continue
         busiest = max(range(ranks), key=lambda r: work[r])
-        whole = [i for i, _, _ in parts[busiest] if i not in split]
-        if not whole or work[busiest] <= (1 + balance) * sum(work) / ranks:
+        wider = [i for i, _, _ in parts[busiest] if degree[i] < ranks]
+        if not wider or work[busiest] <= (1 + balance) * sum(work) / ranks:
             break
-        split.add(max(whole, key=lambda i: len(sequences[i])))
+        i = max(wider, key=lambda i: len(sequences[i]))
+        degree[i] = allowed[allowed.index(degree[i]) + 1]
     filled = [sum(e - b for _, b, e in part) for part in parts]
-    if max(filled) > room:
-        raise ValueError(
-            f"pack_sequences: splitting {len(split)} sequences over {ranks} ranks leaves a part of {max(filled)} "
-            f"tokens, above its {room}; raise tokens"
-        )
     ids, pos, docs, labels = [], [], [], []
     for r, part in enumerate(parts):
         for i, b, e in part:
@@ -143,35 +151,39 @@ def pack_sequences(
         docs.append(-1 - torch.arange(r * room + filled[r], (r + 1) * room))
         labels.append(torch.full((pad,), IGNORE))
     row = [torch.cat(x).unsqueeze(0) for x in (ids, pos, docs, labels)]
-    degrees = tuple(ranks if i in split else 1 for i in range(len(sequences)))
-    return PackedBatch(*row, degrees=degrees, ranks=ranks)
+    return PackedBatch(*row, degrees=tuple(degree), ranks=ranks)
+
+
+def _degrees(ranks: int) -> list[int]:
+    """The degrees a sequence may have on ``ranks``: the powers of two that divide it, and ``ranks``."""
+    return sorted({d for d in (2**k for k in range(ranks.bit_length())) if ranks % d == 0} | {ranks})
 
 
 def _place(
-    sequences: Sequence[torch.Tensor], split: set[int], ranks: int, room: int
+    sequences: Sequence[torch.Tensor], degree: list[int], ranks: int, room: int
 ) -> tuple[list[list[tuple[int, int, int]]], list[int], int | None]:
-    """Each rank's ``(sequence, start, end)`` pieces: the ``split`` sequences' zigzag chunks, then the
-    others whole, longest first, each on the rank with room and the least work; each rank's work;
-    and the first sequence no rank has room for (not placed), if any."""
+    """Each rank's ``(sequence, start, end)`` pieces: widest degree first, longest first, each sequence
+    on the group of ``degree`` consecutive ranks (aligned) with room for it and the least work, in
+    zigzag chunks over the group (whole on one rank at degree 1); each rank's work; and the first
+    sequence no group has room for (not placed), if any."""
     parts: list[list[tuple[int, int, int]]] = [[] for _ in range(ranks)]
     work, filled = [0] * ranks, [0] * ranks
-    for turn, i in enumerate(sorted(split)):
-        cut = _chunks(len(sequences[i]), 2 * ranks, turn)
-        for r in range(ranks):
-            for b, e in (cut[r], cut[2 * ranks - 1 - r]):
+    order = sorted(range(len(sequences)), key=lambda i: (-degree[i], -len(sequences[i]), i))
+    for i in order:
+        d, n = degree[i], len(sequences[i])
+        fits = []
+        for g in range(0, ranks, d):
+            grp = range(g, g + d)
+            pieces = _pieces(n, [filled[r] for r in grp])
+            if all(filled[r] + sum(e - b for b, e in p) <= room for r, p in zip(grp, pieces, strict=True)):
+                fits.append((max(work[r] for r in grp), max(filled[r] for r in grp), g, pieces))
+        if not fits:
+            return parts, work, i
+        _, _, g, pieces = min(fits)
+        for r, p in zip(range(g, g + d), pieces, strict=True):
+            for b, e in p:
                 if e > b:
                     parts[r].append((i, b, e))
                     work[r] += _work(b, e)
                     filled[r] += e - b
-    whole = sorted((i for i in range(len(sequences)) if i not in split), key=lambda i: -len(sequences[i]))
-    for i in whole:
-        n = len(sequences[i])
-        fits = [r for r in range(ranks) if filled[r] + n <= room]
-        if not fits:
-            return parts, work, i
-        r = min(fits, key=lambda r: (work[r], filled[r]))
-        if n:
-            parts[r].append((i, 0, n))
-        work[r] += _work(0, n)
-        filled[r] += n
     return parts, work, None

@@ -18,7 +18,7 @@ def _sequences(*lengths: int) -> list[torch.Tensor]:
 LENGTHS = (40, 3, 9, 2, 12, 5, 7, 4, 6)
 
 
-@pytest.mark.parametrize("split_above", [None, 0, 8])
+@pytest.mark.parametrize("split_above", [None, 0, 8, 3])
 def test_every_token_once_with_its_label_and_position(split_above: int | None) -> None:
     seqs = _sequences(*LENGTHS)
     pb = pack_sequences(seqs, ranks=4, tokens=96, split_above=split_above)
@@ -43,12 +43,13 @@ def test_degrees_follow_lengths_and_whole_sequences_stay_on_one_rank() -> None:
     assert pb.degrees == (4, 1, 1, 1, 1, 1, 1, 1, 1)
     work = pb.attention_work()
     assert 1.05 < max(work) / (sum(work) / 4) <= 1.2, work
-    # NOTE: held to 5% of the mean, the busiest rank's longest whole sequence (the 12) is split as well
+    # NOTE: held to 5% of the mean, the busiest rank's longest whole sequence (the 12) is split as well,
+    # over the two ranks of a pair
     even = pack_sequences(seqs, ranks=4, tokens=96, balance=0.05)
-    assert even.degrees == (4, 1, 1, 1, 4, 1, 1, 1, 1)
+    assert even.degrees == (4, 1, 1, 1, 2, 1, 1, 1, 1)
     work = even.attention_work()
     assert max(work) <= 1.05 * sum(work) / 4, work
-    assert even.ring_tokens() == [12, 13, 13, 14]
+    assert even.ring_tokens() == [16, 16, 10, 10]
     parts = pb.doc_ids[0].chunk(4)
     for i, d in enumerate(pb.degrees):
         holders = [r for r, part in enumerate(parts) if (part == i).any()]
@@ -58,6 +59,19 @@ def test_degrees_follow_lengths_and_whole_sequences_stay_on_one_rank() -> None:
         assert part[:10].tolist() == [*range(5 * r, 5 * r + 5), *range(35 - 5 * r, 40 - 5 * r)]
     assert pb.ring_tokens() == [10, 10, 10, 10]
     assert set(pack_sequences(seqs, ranks=4, tokens=96, split_above=0).degrees) == {4}
+
+
+def test_a_sequence_between_gets_a_degree_between() -> None:
+    """Degrees are powers of two: a sequence longer than half a part but not than a part is split over
+    an aligned pair of ranks, in zigzag chunks within the pair."""
+    pb = pack_sequences(_sequences(20, 30, 20, 5, 3), ranks=4, tokens=96)
+    assert pb.degrees == (2, 4, 2, 1, 1)
+    parts = pb.doc_ids[0].chunk(4)
+    pairs = [[r for r, part in enumerate(parts) if (part == i).any()] for i in (0, 2)]
+    assert sorted(pairs) == [[0, 1], [2, 3]], pairs
+    for i, pair in zip((0, 2), pairs, strict=True):
+        first = pb.position_ids[0].chunk(4)[pair[0]][parts[pair[0]] == i]
+        assert first.tolist() == [*range(5), *range(15, 20)]  # NOTE: chunks 0 and 3 of 4
 
 
 def test_a_sequence_no_part_has_room_for_is_split() -> None:
@@ -74,7 +88,7 @@ def test_work_is_balanced_over_the_ranks() -> None:
     pb = pack_sequences(seqs, ranks=4, tokens=4 * ((sum(lengths) + 200) // 4), balance=0.05)
     work = pb.attention_work()
     assert max(work) <= 1.05 * sum(work) / len(work), work
-    assert 0 < pb.degrees.count(4) < pb.degrees.count(1), pb.degrees
+    assert 0 < len(pb.degrees) - pb.degrees.count(1) < pb.degrees.count(1), pb.degrees
 
 
 def test_bad_batches_are_refused() -> None:

@@ -9,14 +9,15 @@ Each batch draws sequence lengths from a long-tailed (log-normal) distribution u
 degrees (the default ``pack_sequences``: long sequences split over every rank, short ones whole
 on one, balanced by attention work) and with one fixed degree (``split_above=0``: every sequence
 split over every rank, as a plain cp plan has it). HF Llama (``hf-llama-packed``'s model at
-``--hidden`` and ``--layers``) is compiled once under ``plan="cp"``, ``cp={"method": "ring"}``: the
+``--hidden`` and ``--layers``) is compiled once under ``plan="cp"``, ``cp={"method": --method}``: the
 packing is data, so both packings run the same program, alternately, step by step (a paired
 A/B). Printed, never asserted:
 
 * per packing: the median step time (forward + backward, after a warm-up step) over batches and
   repeats, its ratio to the fixed degree's, the load average;
-* the elements of keys and values ring attention sent per step (every rank, forward and backward),
-  and its ratio to the fixed degree's;
+* the elements the attention sent per step (every rank, forward and backward: keys, values and
+  their gradients under ring attention; queries and what travels with them, and their results,
+  under TokenRing), and its ratio to the fixed degree's;
 * the packing's balance: the busiest rank's attention work over the mean;
 * the loss of each against the plain model on one device (one thread, this process) given the
   same sequences in order: the same loss, whichever packing; and that model's median step time.
@@ -105,12 +106,13 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
         cfg = Config(**cfg_dict)
         rows = _packings(cfg, opts, world)
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
-        pm = parallelize(_model(cfg), mesh, rows[0]["per-sequence"].inputs(), plan="cp", cp={"method": "ring"})
+        pm = parallelize(_model(cfg), mesh, rows[0]["per-sequence"].inputs(), plan="cp", cp={"method": opts["method"]})
         sent = [0]
         start = p2p.start
 
         def counted(group: Any, send: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
-            if sys._getframe(1).f_code.co_name == "_around":  # NOTE: keys and values, not gradients
+            # NOTE: what the attention sends, forward and backward (not the zigzag move)
+            if sys._getframe(1).f_code.co_name in ("_around", "ring_backward", "_steps", "_home"):
                 sent[0] += sum(t.numel() for t in send)
             return start(group, send, *args, **kwargs)
 
@@ -145,22 +147,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--balance", type=float, default=0.2, help="pack_sequences' balance (per-sequence degrees)")
+    ap.add_argument("--method", choices=("ring", "tokenring"), default="ring", help="the cp method")
     args = ap.parse_args(argv)
     cfg = Config(hidden=args.hidden, layers=args.layers, heads=8, kv_heads=4, seq=args.tokens, batch=1)
-    opts = {"batches": args.batches, "repeats": args.repeats, "seed": args.seed, "balance": args.balance}
+    opts = {
+        "batches": args.batches,
+        "repeats": args.repeats,
+        "seed": args.seed,
+        "balance": args.balance,
+        "method": args.method,
+    }
     rows = _packings(cfg, opts, args.world)
     print(
         f"model: HF Llama, hidden {cfg.hidden}, {cfg.layers} layers, {cfg.heads} heads ({cfg.kv_heads} of keys/values)"
     )
     print(
-        f"{args.batches} batches of {args.tokens} tokens on {args.world} gloo ranks (cp={args.world}), one thread each"
+        f"{args.batches} batches of {args.tokens} tokens on {args.world} gloo ranks (cp={args.world}, "
+        f"{args.method}), one thread each"
     )
     for i, row in enumerate(rows):
-        lengths = sorted((int(x) for x in torch.bincount(row["one device"].doc_ids[0].clamp(min=0))), reverse=True)
+        docs = row["one device"].doc_ids[0]
+        lengths = sorted((int(x) for x in torch.bincount(docs[docs >= 0])), reverse=True)
         per = row["per-sequence"]
         print(
             f"  batch {i}: {len(lengths)} sequences, longest {lengths[:4]}, median {statistics.median(lengths):.0f}; "
-            f"per-sequence degrees split {per.degrees.count(args.world)}, keep {per.degrees.count(1)} whole"
+            "per-sequence degrees (degree: sequences) "
+            + ", ".join(f"{d}: {per.degrees.count(d)}" for d in sorted(set(per.degrees)))
         )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
