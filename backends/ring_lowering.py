@@ -16,7 +16,9 @@ Under a mask tensor the kernel first asks where the mask reaches (``backends/rin
 all-gather of a few integers): whether the zigzag layout balances the work better than the
 contiguous one (it does for one long causal sequence; a batch ``meshfold.packing`` packed is
 balanced as it lies), and, staying contiguous, what needs to travel at all and how far: key columns
-under ring attention, query rows under TokenRing.
+under ring attention, query rows under TokenRing. A mask that hides with its dtype's lowest value
+(HF's eager masks) hides with ``-inf`` first (``ring_reach.canonical``: the same weights), so the
+blocks it hides whole are skipped too.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from meshfold.backends.ring import ring_backward, ring_forward
-from meshfold.backends.ring_reach import Route, reach
+from meshfold.backends.ring_reach import Route, canonical, reach
 from meshfold.backends.tokenring import tokenring_backward, tokenring_forward
 
 aten = torch.ops.aten
@@ -115,6 +117,7 @@ def kernel_forward(
     assert dropout_p == 0.0, "the sharding rule gives no ring form to dropout"
     pg = _resolve_process_group(group)
     forward = FORWARD[method]
+    attn_mask = None if attn_mask is None else canonical(attn_mask)
     layout, route = _layout(method, is_causal, attn_mask, pg)
     if layout == "contiguous":
         return forward(query, key, value, pg, is_causal, scale, layout, attn_mask, *_extra(route))
@@ -143,6 +146,7 @@ def kernel_backward(
     assert dropout_p == 0.0, "the sharding rule gives no ring form to dropout"
     pg = _resolve_process_group(group)
     backward = BACKWARD[method]
+    attn_mask = None if attn_mask is None else canonical(attn_mask)
     layout, route = _layout(method, is_causal, attn_mask, pg)
     if layout == "contiguous":
         extra = _extra(route)

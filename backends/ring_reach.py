@@ -21,6 +21,7 @@ ring step sends and receives.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -73,6 +74,19 @@ def _first_last(seen: torch.Tensor) -> list[int]:
     """The first and one past the last True of a 1-D ``seen``; ``(len, 0)`` when none is."""
     at = torch.nonzero(seen).flatten()
     return [int(at[0]), int(at[-1]) + 1] if at.numel() else [seen.shape[0], 0]
+
+
+def canonical(mask: torch.Tensor) -> torch.Tensor:
+    """An additive mask that hides with its dtype's lowest value, hiding with ``-inf`` instead wherever
+    its row lets some key through: the same weights (``exp`` of the lowest value beside any real
+    score is exactly 0), and what the ring kernels skip blocks by. A row hiding every key that way
+    keeps it (it weighs all keys alike); boolean masks, and masks without it, are returned as they are."""
+    if mask.dtype == torch.bool:
+        return mask
+    low = mask <= torch.finfo(mask.dtype).min / 2
+    if not bool(low.any()):
+        return mask
+    return mask.masked_fill(low & ~low.all(-1, keepdim=True), -math.inf)
 
 
 def measure(mask: torch.Tensor, cp: int) -> torch.Tensor:

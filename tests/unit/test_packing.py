@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshfold.backends.ring_reach import Reach, Route, decide, measure
+from meshfold.backends.ring_reach import Reach, Route, canonical, decide, measure
 from meshfold.packing import IGNORE, doc_mask, pack_sequences
 
 
@@ -193,3 +193,25 @@ def test_reach_of_a_mask_hiding_with_the_lowest_value() -> None:
     route = _contiguous(_reach(alone, 4))
     assert (route.spans, route.hops) == (((0, 8), (0, 0), (0, 8), (0, 8)), (1, 0, 3, 2))
     assert route.queries[1] == ((1, 2), (0, 8), (1, 2), (1, 2))
+
+
+def test_lowest_value_masks_hide_with_minus_infinity_where_their_row_sees_a_key() -> None:
+    """What the ring kernels skip blocks by: the same weights, -inf for -inf, but a row hiding every key
+    keeps its lowest values (it weighs all keys alike, as one device does)."""
+    i = torch.arange(8)
+    low = torch.finfo(torch.float32).min
+    eager = torch.zeros(8, 8).masked_fill(i[None, :] > i[:, None], low)
+    eager[3] = low
+    got = canonical(eager)
+    want = torch.zeros(8, 8).masked_fill(i[None, :] > i[:, None], float("-inf"))
+    want[3] = low
+    assert torch.equal(got, want)
+    q, k, v = (torch.randn(1, 1, 8, 4, generator=torch.Generator().manual_seed(s)) for s in range(3))
+    for a, b in zip(
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=eager)[:2],
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=got)[:2],
+        strict=True,
+    ):
+        assert torch.equal(a, b)
+    causal = i[:, None] >= i[None, :]
+    assert canonical(causal) is causal
