@@ -23,12 +23,14 @@ blocks it hides whole are skipped too.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from meshfold.backends.ring import ring_backward, ring_forward
-from meshfold.backends.ring_reach import Route, canonical, reach
+from meshfold.backends.ring_reach import Reach, Route, canonical, reach
 from meshfold.backends.tokenring import tokenring_backward, tokenring_forward
 
 aten = torch.ops.aten
@@ -82,14 +84,32 @@ FORWARD = {"ring": ring_forward, "tokenring": tokenring_forward}
 BACKWARD = {"ring": ring_backward, "tokenring": tokenring_backward}
 
 
+_REACHES: dict[int, tuple[weakref.ref[torch.Tensor], int, str, Reach]] = {}
+"""The reach of each mask seen, by its id: the layers of a model read one mask, and the backward
+the forward's, so one all-gather serves them all (every rank sees the same masks in the same order,
+so every rank finds the same entries). Checked by identity and version; dead entries are dropped."""
+
+
+def _reached(mask: torch.Tensor, group: str, pg: dist.ProcessGroup) -> Reach:
+    """``reach(mask, pg)``, from ``_REACHES`` when this mask, unchanged, was seen on ``group``."""
+    hit = _REACHES.get(id(mask))
+    if hit is not None and hit[0]() is mask and hit[1:3] == (mask._version, group):
+        return hit[3]
+    for key in [k for k, v in _REACHES.items() if v[0]() is None]:
+        del _REACHES[key]
+    found = reach(canonical(mask), pg)
+    _REACHES[id(mask)] = (weakref.ref(mask), mask._version, group, found)
+    return found
+
+
 def _layout(
-    method: str, is_causal: bool, attn_mask: torch.Tensor | None, pg: dist.ProcessGroup
+    method: str, is_causal: bool, attn_mask: torch.Tensor | None, group: str, pg: dist.ProcessGroup
 ) -> tuple[str, Route | None]:
     """Where the kernel runs: ``"zigzag"`` (after ``to_zigzag``) or ``"contiguous"`` (as the
     ``Shard`` lies), and, under a mask staying contiguous, the route of each rank's keys (for ring
     attention) or queries (TokenRing)."""
     if attn_mask is not None and not is_causal:
-        r = reach(attn_mask, pg)
+        r = _reached(attn_mask, group, pg)
         return r.layout, r.route
     return ("zigzag" if is_causal or attn_mask is not None else "contiguous"), None
 
@@ -117,8 +137,8 @@ def kernel_forward(
     assert dropout_p == 0.0, "the sharding rule gives no ring form to dropout"
     pg = _resolve_process_group(group)
     forward = FORWARD[method]
+    layout, route = _layout(method, is_causal, attn_mask, group, pg)
     attn_mask = None if attn_mask is None else canonical(attn_mask)
-    layout, route = _layout(method, is_causal, attn_mask, pg)
     if layout == "contiguous":
         return forward(query, key, value, pg, is_causal, scale, layout, attn_mask, *_extra(route))
     q, k, v = (to_zigzag(t, pg) for t in (query, key, value))
@@ -146,8 +166,8 @@ def kernel_backward(
     assert dropout_p == 0.0, "the sharding rule gives no ring form to dropout"
     pg = _resolve_process_group(group)
     backward = BACKWARD[method]
+    layout, route = _layout(method, is_causal, attn_mask, group, pg)
     attn_mask = None if attn_mask is None else canonical(attn_mask)
-    layout, route = _layout(method, is_causal, attn_mask, pg)
     if layout == "contiguous":
         extra = _extra(route)
         return backward(grad_out, query, key, value, out, logsumexp, pg, is_causal, scale, layout, attn_mask, *extra)

@@ -192,7 +192,8 @@ def packed_attention(
     same sequences in order (``cases.equivalence``: loss, every gradient and the parameters after
     AdamW steps equal); then, in one more step, the elements of keys and values each rank's ring
     attention sends (TokenRing: of queries and what travels with them; every layer, forward and
-    backward), the packing's degrees and its ring tokens."""
+    backward), how many times it gathered where the mask reaches, the packing's degrees and its
+    ring tokens."""
     from tests.dist.cases import equivalence
 
     cp = shape[names.index("cp")]
@@ -218,9 +219,18 @@ def packed_attention(
             sent[0] += sum(t.numel() for t in send)
         return start(group, send, *args, **kwargs)
 
-    with mock.patch.object(p2p, "start", counted):
+    from meshfold.backends import ring_lowering
+
+    reaches = [0]
+    measured = ring_lowering.reach
+
+    def reach_counted(*args: Any) -> Any:
+        reaches[0] += 1
+        return measured(*args)
+
+    with mock.patch.object(p2p, "start", counted), mock.patch.object(ring_lowering, "reach", reach_counted):
         pm(*packed.inputs()).backward()
-    out |= {"sent": sent[0], "degrees": packed.degrees, "ring_tokens": packed.ring_tokens()}
+    out |= {"sent": sent[0], "degrees": packed.degrees, "ring_tokens": packed.ring_tokens(), "reaches": reaches[0]}
     return out
 
 

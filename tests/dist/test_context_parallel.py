@@ -161,6 +161,8 @@ def test_packed_sequences_equal_single_device(rank_pools: RankPools) -> None:
     assert all(r["sent"] > 0 for r in per_sequence)
     mine, theirs = sum(r["sent"] for r in per_sequence), sum(r["sent"] for r in fixed)
     assert mine < 0.8 * theirs, (mine, theirs)
+    # NOTE: both layers read one mask, forward and backward: one gather of where it reaches per step
+    assert all(r["reaches"] == 1 for r in per_sequence + fixed), [r["reaches"] for r in per_sequence]
 
 
 def test_packed_sequences_with_tensor_parallel_equal_single_device(rank_pools: RankPools) -> None:
