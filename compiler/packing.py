@@ -57,8 +57,9 @@ class PackedBatch:
         return self.input_ids, self.position_ids, self.doc_ids, self.labels
 
     def attention_work(self) -> list[int]:
-        """Per rank, the (query, key) pairs its queries see under ``doc_mask``: its attention's work."""
-        seen = doc_mask(self.doc_ids, self.position_ids)[0, 0].sum(-1)
+        """Per rank, the (query, key) pairs its queries see under ``doc_mask``: its attention's work
+        (a token sees its position's worth of keys plus itself; a padding token, itself)."""
+        seen = torch.where(self.doc_ids[0] >= 0, self.position_ids[0] + 1, 1)
         return [int(part.sum()) for part in seen.chunk(self.ranks)]
 
     def ring_tokens(self) -> list[int]:
