@@ -97,26 +97,25 @@ def _reached(mask: torch.Tensor, group: str, pg: dist.ProcessGroup) -> Reach:
         return hit[3]
     for key in [k for k, v in _REACHES.items() if v[0]() is None]:
         del _REACHES[key]
-    found = reach(canonical(mask), pg)
+    found = reach(mask, pg)
     _REACHES[id(mask)] = (weakref.ref(mask), mask._version, group, found)
     return found
 
 
-def _layout(
-    method: str, is_causal: bool, attn_mask: torch.Tensor | None, group: str, pg: dist.ProcessGroup
-) -> tuple[str, Route | None]:
-    """Where the kernel runs: ``"zigzag"`` (after ``to_zigzag``) or ``"contiguous"`` (as the
-    ``Shard`` lies), and, under a mask staying contiguous, the route of each rank's keys (for ring
-    attention) or queries (TokenRing)."""
-    if attn_mask is not None and not is_causal:
-        r = _reached(attn_mask, group, pg)
-        return r.layout, r.route
-    return ("zigzag" if is_causal or attn_mask is not None else "contiguous"), None
-
-
-def _extra(route: Route | None) -> tuple[Route, ...]:
-    """The route as the kernel's last argument."""
-    return () if route is None else (route,)
+def _prepared(
+    group: str, is_causal: bool, attn_mask: torch.Tensor | None
+) -> tuple[dist.ProcessGroup, str, Route | None, torch.Tensor | None]:
+    """The process group named ``group``; where the kernel runs: ``"zigzag"`` (after ``to_zigzag``)
+    or ``"contiguous"`` (as the ``Shard`` lies) and, under a mask staying contiguous, the route of
+    each rank's keys (ring attention) or queries (TokenRing); and the mask as the kernels read it
+    (``ring_reach.canonical``)."""
+    pg = _resolve_process_group(group)
+    if attn_mask is None:
+        return pg, ("zigzag" if is_causal else "contiguous"), None, None
+    if is_causal:
+        return pg, "zigzag", None, canonical(attn_mask)
+    r = _reached(attn_mask, group, pg)
+    return pg, r.layout, r.route, canonical(attn_mask)
 
 
 def kernel_forward(
@@ -135,12 +134,10 @@ def kernel_forward(
     TokenRing: ``method``) over the process group named ``group`` on this rank's contiguous part of
     the sequence."""
     assert dropout_p == 0.0, "the sharding rule gives no ring form to dropout"
-    pg = _resolve_process_group(group)
     forward = FORWARD[method]
-    layout, route = _layout(method, is_causal, attn_mask, group, pg)
-    attn_mask = None if attn_mask is None else canonical(attn_mask)
+    pg, layout, route, attn_mask = _prepared(group, is_causal, attn_mask)
     if layout == "contiguous":
-        return forward(query, key, value, pg, is_causal, scale, layout, attn_mask, *_extra(route))
+        return forward(query, key, value, pg, is_causal, scale, layout, attn_mask, route)
     q, k, v = (to_zigzag(t, pg) for t in (query, key, value))
     mask = None if attn_mask is None else to_zigzag(attn_mask, pg, attn_mask.dim() - 2)
     out, lse = forward(q, k, v, pg, is_causal, scale, "zigzag", mask)
@@ -164,13 +161,10 @@ def kernel_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The CPU flash kernel's backward as ``kernel_forward``'s ring."""
     assert dropout_p == 0.0, "the sharding rule gives no ring form to dropout"
-    pg = _resolve_process_group(group)
     backward = BACKWARD[method]
-    layout, route = _layout(method, is_causal, attn_mask, group, pg)
-    attn_mask = None if attn_mask is None else canonical(attn_mask)
+    pg, layout, route, attn_mask = _prepared(group, is_causal, attn_mask)
     if layout == "contiguous":
-        extra = _extra(route)
-        return backward(grad_out, query, key, value, out, logsumexp, pg, is_causal, scale, layout, attn_mask, *extra)
+        return backward(grad_out, query, key, value, out, logsumexp, pg, is_causal, scale, layout, attn_mask, route)
     moved = [to_zigzag(t, pg) for t in (grad_out, query, key, value, out, logsumexp)]
     mask = None if attn_mask is None else to_zigzag(attn_mask, pg, attn_mask.dim() - 2)
     grads = backward(*moved, pg, is_causal, scale, "zigzag", mask)

@@ -60,13 +60,9 @@ class Reach:
 def visible(mask: torch.Tensor) -> torch.Tensor:
     """``[L, S]``: which (query row, key column) pairs a boolean or additive mask lets through for
     any batch entry and head. An additive mask hides with ``-inf`` or with its dtype's lowest value
-    (HF's eager masks), whose weight rounds to 0 beside any key it lets through; a row that hides
-    every key that way weighs them all alike, so it counts as seeing them all."""
-    if mask.dtype == torch.bool:
-        seen = mask
-    else:
-        seen = mask > torch.finfo(mask.dtype).min / 2
-        seen = seen | ~seen.any(-1, keepdim=True)
+    (HF's eager masks) where ``canonical`` does: a row that hides every key with the lowest value
+    weighs them all alike, so it counts as seeing them all."""
+    seen = mask if mask.dtype == torch.bool else ~torch.isneginf(canonical(mask))
     return seen.reshape(-1, *seen.shape[-2:]).any(0)
 
 
