@@ -28,13 +28,14 @@ from meshfold.backends.offload import offload, reload, reload_start, reload_wait
 from meshfold.backends.random import is_random, random_site
 from meshfold.backends.ring_lowering import KERNELS as RING_KERNELS
 from meshfold.backends.ring_lowering import kernel_backward as ring_kernel_backward
-from meshfold.backends.scan import cumsum_split, flip_split
+from meshfold.backends.scan import affine_scan_backward_split, affine_scan_split, cumsum_split, flip_split
 from meshfold.backends.watch import Watch, watch_waits
 from meshfold.ir import Graph, Op, OpDef, TensorType, Value
 from meshfold.ir.graph import Arg
 from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, TOKENS_AND_WEIGHTS
 from meshfold.ir.moe import exchange_axes as exchange_axes_of
 from meshfold.ir.ops import OFFLOAD, REDISTRIBUTE, RELOAD, WAIT
+from meshfold.ir.scan import SCAN, SCAN_BACKWARD
 from meshfold.passes.sharding.rules.common import int_arg, norm_dim, op_arg
 
 aten = torch.ops.aten
@@ -286,8 +287,17 @@ def exchange_axes(graph: Graph) -> list[tuple[str, ...]]:
 
 
 def _split_scan(op: Op, rank: RankContext) -> tuple[Any, tuple[Any, ...]] | None:
-    """A running sum or flip along a dim split over mesh axes (``backends/scan.py``): its function and
-    the process group(s) it needs; None for any other op, and for those along whole dims."""
+    """A running sum, flip or linear recurrence along a dim split over mesh axes (``backends/scan.py``):
+    its function and the process group(s) it needs; None for any other op, and for those along whole
+    dims."""
+    if op.target in (SCAN, SCAN_BACKWARD):
+        m = op.operands[0]
+        assert isinstance(m.type, TensorType)
+        steps = ir.Shard(m.type.rank - 3)
+        axes = [a for a in rank.mesh.names if m.layout.placement(a) == steps]
+        assert len(axes) <= 1, f"{op.describe()}: steps split over several mesh axes"
+        fn = affine_scan_split if op.target == SCAN else affine_scan_backward_split
+        return (fn, (rank.group(axes[0]),)) if axes else None
     if op.target not in (aten.cumsum.default, aten.flip.default):
         return None
     x = op.operands[0]

@@ -6,6 +6,12 @@ them; for linear attention that total is the memory state ``sum_s k_s v_s^T``, w
 depend on the sequence: LASP-2's one all-gather of memory states. The backward of a running sum
 is flip, running sum, flip; a flip along a split dim flips each rank's part and swaps it with the
 rank mirroring it on the axis (point to point).
+
+A linear recurrence (``meshfold.affine_scan``, ``h_{i+1} = m_i h_i + b_i``) split along its steps
+works the same way with a matrix in place of the sum: each rank folds its steps into one
+``(p, c)`` pair, one all-gather brings every rank's pair (the state's size, whatever the sequence),
+each composes the pairs of the ranks before it onto the first state and runs its own steps from
+there. The backward runs the transposed recurrence from the last rank down.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from meshfold.backends import p2p
+from meshfold.ir.scan import composite, scan, scan_back
 
 
 def cumsum_split(group: str, x: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -46,3 +53,41 @@ def flip_split(groups: tuple[str, ...], x: torch.Tensor, dims: list[int]) -> tor
             continue
         (y,) = p2p.finish(p2p.start(pg, [y], peer, peer))
     return y
+
+
+def _pairs(pg: dist.ProcessGroup, p: torch.Tensor, c: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every rank's ``(p, c)`` in rank order, by one all-gather."""
+    k = p.shape[-1]
+    mine = torch.cat([p, c], -1).contiguous()
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size(pg))]
+    dist.all_gather(every, mine, group=pg)
+    return [(t[..., :k], t[..., k:]) for t in every]
+
+
+def affine_scan_split(group: str, m: torch.Tensor, b: torch.Tensor, s0: torch.Tensor) -> torch.Tensor:
+    """``affine_scan(m, b, s0)`` on this rank's steps, the steps split over the process group named
+    ``group`` in rank order."""
+    pg = _resolve_process_group(group)
+    pairs = _pairs(pg, *composite(m, b))
+    s = s0
+    for p, c in pairs[: dist.get_rank(pg)]:
+        s = p @ s + c
+    return scan(m, b, s)
+
+
+def affine_scan_backward_split(
+    group: str, m: torch.Tensor, h: torch.Tensor, grad: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``affine_scan_backward`` on this rank's steps: the gradient of the state after them comes
+    from the ranks after this one (the transposed recurrence, folded the same way); ``ds0`` is the
+    first rank's, zero on the others (their sum is the whole)."""
+    pg = _resolve_process_group(group)
+    zero = torch.zeros_like(h[..., 0, :, :])
+    p, _ = composite(m, h)
+    _, _, c = scan_back(m, h, grad, zero)
+    pairs = _pairs(pg, p, c)
+    g = zero
+    for p_after, c_after in reversed(pairs[dist.get_rank(pg) + 1 :]):
+        g = p_after.mT @ g + c_after
+    dm, db, ds0 = scan_back(m, h, grad, g)
+    return dm, db, ds0 if dist.get_rank(pg) == 0 else torch.zeros_like(ds0)

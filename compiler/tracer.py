@@ -1,10 +1,9 @@
 """Capture a single-device model as one joint forward+backward ``ir.Graph``.
 
-Dynamo captures the model's forward (``_dynamo_graph_capture_for_export``), AOTAutograd traces the
-joint forward+backward ATen graph on fake tensors (``aot_export_joint_with_descriptors``), and this
-module lifts that fx graph into the IR: inputs and gradient outputs are named by the model's own
-FQNs, every op carries its module path, phase and source line. No weight is ever allocated when the
-model lives on the meta device or under a ``FakeTensorMode``.
+Dynamo captures the model's forward, AOTAutograd traces the joint forward+backward ATen graph on
+fake tensors (``aot_export_joint_with_descriptors``), and this module lifts that fx graph into the
+IR: inputs and gradient outputs are named by the model's own FQNs, every op carries its module path,
+phase and source line. No weight is allocated for a model on the meta device or in a fake mode.
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from meshfold.capture_errors import (
     source_line,
 )
 from meshfold.fakes import fake_copies, guards_of
+from meshfold.fold_scan import fold_scans
 from meshfold.fuse_attention import fuse_attention
 from meshfold.ir import GraphBuilder, Provenance, Value, tensor_type
 from meshfold.ir.constant import CONSTANT, literal
@@ -85,10 +85,10 @@ def capture(
     model's outputs, ``grad(fqn)`` for every parameter gradient and ``update(fqn)`` for the new
     value of every buffer the forward updates in place (e.g. running statistics). Runs on fake
     tensors. ``decompose`` applies :func:`sharding_decompositions` (numerically the same graph);
-    attention written out is captured as one kernel (``meshfold.fuse_attention``).
-    Recognized MoE experts become ``meshfold.moe_experts`` ops, with ``moe``'s capacity and
-    dispatcher when given (``meshfold.moe``); experts in an ``nn.ModuleList`` become one such op on
-    stacked parameters, listed in the graph's ``stacks`` (``meshfold.moe_lists``).
+    attention written out is one kernel (``meshfold.fuse_attention``), a loop over chunks carrying
+    a linear state one scan (``meshfold.fold_scan``). MoE experts become ``meshfold.moe_experts``
+    ops, with ``moe``'s capacity and dispatcher (``meshfold.moe``); experts in an ``nn.ModuleList``
+    are one such op on stacked parameters, in the graph's ``stacks`` (``meshfold.moe_lists``).
 
     ``dynamic``: ``(input index, dim)`` pairs captured as symbolic sizes (a sequence length): shapes
     and shape arguments then hold sympy expressions of them, and ``guards`` (when given) receives
@@ -109,6 +109,7 @@ def capture(
                 gm = _dynamo_capture(model, fake_inputs)
                 stacked, stacks = fold_expert_lists(gm, model, fake_mode, op_options(moe))
                 fuse_attention(gm)
+                fold_scans(gm)
                 fqns = _flat_name_to_fqn(gm, model) | stacked
             with contextlib.ExitStack() as stack:
                 with fake_mode:
@@ -251,10 +252,9 @@ class _Lifter:
                 f"graph input {node.name} ({desc!r}) is a symbolic Python value ({type(val).__name__}); "
                 "pass tensors, or plain Python values the model may treat as constants"
             )
-        if kind_name == "ParamAOTInput":
-            v = self.b.add_input("param", self._fqn(desc.target), tensor_type(val))
-        elif kind_name == "BufferAOTInput":
-            v = self.b.add_input("buffer", self._fqn(desc.target), tensor_type(val))
+        if kind_name in ("ParamAOTInput", "BufferAOTInput"):
+            kind = "param" if kind_name == "ParamAOTInput" else "buffer"
+            v = self.b.add_input(kind, self._fqn(desc.target), tensor_type(val))
         elif kind_name == "PlainAOTInput":
             v = self.b.add_input("input", self.arg_names[desc.idx], tensor_type(val))
         elif kind_name == "TangentAOTInput":

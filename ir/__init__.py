@@ -6,6 +6,7 @@
 from meshfold.ir import (
     constant,  # NOTE: registers meshfold.constant, so graphs with it parse
     moe,  # NOTE: registers the meshfold.moe_experts ops, so graphs with them parse
+    scan,  # NOTE: registers meshfold.affine_scan and its backward
 )
 from meshfold.ir.graph import (
     Arg,
@@ -45,6 +46,7 @@ __all__ = [
     "constant",
     "specialize",
     "moe",
+    "scan",
     "Arg",
     "Graph",
     "GraphBuilder",

@@ -54,6 +54,11 @@ def op_flops(op: Op) -> float:
     name = str(packet or "")
     if name.startswith("meshfold.moe_experts"):
         return _experts_flops(op, backward=name.endswith("backward"))
+    if name.startswith("meshfold.affine_scan"):
+        states = op.results[0].type if not name.endswith("backward") else op.operands[1].type
+        assert isinstance(states, TensorType)
+        fwd = 2.0 * size_hint(states.numel()) * size_hint(states.shape[-2])  # NOTE: one k x k by k x v product a step
+        return 3 * fwd if name.endswith("backward") else fwd
     if "attention" in name:
         q, k = (v.type for v in op.operands[:2])
         assert isinstance(q, TensorType) and isinstance(k, TensorType)

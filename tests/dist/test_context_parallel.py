@@ -179,3 +179,58 @@ def test_packed_sequences_under_tokenring_equal_single_device(rank_pools: RankPo
     fixed = _packed(rank_pools, (4,), ("cp",), 0, "tokenring")
     mine, theirs = sum(r["sent"] for r in per_sequence), sum(r["sent"] for r in fixed)
     assert 0 < mine < 0.8 * theirs, (mine, theirs)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_recurrence_split_by_steps_equals_the_whole_scan(rank_pools: RankPools, world: int) -> None:
+    """``affine_scan`` with its 8 steps split over 2 and 4 ranks (one all-gather of each rank's
+    composite step; the backward from the last rank down): every rank's states, ``dm`` and ``db``
+    are the whole scan's, and the ranks' ``ds0`` add up to its."""
+    for r in rank_pools.get(world).run("tests.dist.cases_ring:split_recurrence", steps=8):
+        assert r["scale"] > 1.0, r
+        assert max(r["h"], r["dm"], r["db"], r["ds0"]) < 1e-10, r
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize(("world", "mode"), [(2, "solve"), (4, "greedy")])
+def test_qwen3_next_gated_deltanet_equals_single_device(rank_pools: RankPools, world: int, mode: str) -> None:
+    """hf-qwen3-next (a gated DeltaNet layer, its chunked delta rule captured as one linear recurrence
+    over chunks, then a softmax-attention layer) under cp, float64, one sequence of 64 tokens per rank:
+    the softmax layer runs ring attention, the recurrence is split as the sharding chooses (by heads
+    or state columns: no traffic); loss, every gradient and the parameters after AdamW steps equal
+    single device."""
+    pipeline = None if mode == "solve" else DEFAULT_PIPELINE.replace("sharding", "sharding{mode=greedy}")
+    results = rank_pools.get(world).run(
+        "tests.dist.cases_ring:compiled_attention",
+        model="hf-qwen3-next",
+        shape=(world,),
+        names=("cp",),
+        plan="cp",
+        cp="ring",
+        tokens=(1, 64 * world),
+        double=True,
+        pipeline=pipeline,
+    )
+    for r in results:
+        assert [s["cp"] for s in r["attention"]] == ["sequence"], r["attention"]
+        assert [phase for phase, _ in r["recurrences"]] == ["fwd", "bwd"], r["recurrences"]
+
+
+def test_chunked_delta_rule_split_by_chunks_equals_single_device(rank_pools: RankPools) -> None:
+    """delta-tiny (a chunked gated delta rule, one head, value dim 6: nothing but the chunks to split on
+    4 ranks) under cp=4 with the greedy choice, float64: the recurrence's steps split over ``cp`` (one
+    all-gather of each rank's composite step, forward and backward); loss, every gradient and the
+    parameters after AdamW steps equal single device."""
+    results = rank_pools.get(4).run(
+        "tests.dist.cases_ring:compiled_attention",
+        model="delta-tiny",
+        shape=(4,),
+        names=("cp",),
+        plan="cp",
+        cp="ring",
+        tokens=(1, 32),
+        double=True,
+        pipeline=DEFAULT_PIPELINE.replace("sharding", "sharding{mode=greedy}"),
+    )
+    for r in results:
+        assert r["recurrences"] == [("fwd", {"cp": "S(1)"}), ("bwd", {"cp": "S(1)"})], r["recurrences"]

@@ -249,3 +249,27 @@ def _hf_lfm2_moe() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
         num_experts_per_tok=2,
         layer_types=["conv", "full_attention"],
     )
+
+
+@register("hf-qwen3-next")
+def _hf_qwen3_next() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """transformers' Qwen3NextForCausalLM: a gated DeltaNet layer (a short causal convolution, then the
+    gated delta rule run chunk by chunk over the sequence, its state carried from chunk to chunk), then
+    a gated softmax-attention layer; dense MLPs; random weights. The example is one sequence of 128
+    tokens: two of HF's 64-token chunks, so the loop over them is there to capture."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    model, _ = _hf_causal_lm(
+        Qwen3NextConfig,
+        Qwen3NextForCausalLM,
+        head_dim=16,
+        intermediate_size=128,
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+        mlp_only_layers=[0, 1],
+    )
+    ids = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(0))
+    return model, (ids, ids.clone())

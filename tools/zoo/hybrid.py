@@ -88,3 +88,55 @@ def _hybrid_tiny() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 def _hybrid_gated_tiny() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """``hybrid-tiny`` whose linear attention's memory decays by a gate per head and token."""
     return _seeded(lambda: HybridTiny(gated=True)), _token_inputs(256)
+
+
+class ChunkedDeltaRule(nn.Module):
+    """One head of a gated delta rule run chunk by chunk, as HF's fallback for Qwen3-Next writes it: per
+    chunk the new values less what the state already predicts, the output read from the state plus
+    the chunk's own causal attention, then the state decayed by a gate and updated (a Python loop over
+    chunks; ``meshfold.fold_scan`` captures it as one recurrence). Value dim 6: no mesh axis of 4
+    splits the state's columns."""
+
+    def __init__(self, hidden: int, k: int = 8, v: int = 6, chunk: int = 4) -> None:
+        super().__init__()
+        self.k, self.v, self.chunk = k, v, chunk
+        self.proj = nn.Linear(hidden, 2 * k + v + 2, bias=False)
+        self.out = nn.Linear(v, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        n, c = t // self.chunk, self.chunk
+        q, key, val, beta, gate = self.proj(x).split([self.k, self.k, self.v, 1, 1], -1)
+        q, key, val = (y.reshape(b, n, c, -1) for y in (q.softmax(-1), key.softmax(-1), val))
+        k_beta = key * beta.sigmoid().reshape(b, n, c, 1)
+        decay = torch.sigmoid(gate.reshape(b, n, c).mean(-1) + 2.0)[..., None, None]
+        attn = (q @ key.transpose(-1, -2)).tril()
+        state = torch.zeros(b, self.k, self.v, dtype=x.dtype)
+        out = torch.zeros(b, n, c, self.v, dtype=x.dtype)
+        for i in range(n):
+            v_new = val[:, i] - k_beta[:, i] @ state
+            out[:, i] = q[:, i] @ state + attn[:, i] @ v_new
+            state = state * decay[:, i] + key[:, i].transpose(-1, -2) @ v_new
+        return self.out(out.reshape(b, t, self.v))
+
+
+class DeltaTiny(nn.Module):
+    """Embedding, a chunked gated delta rule with a residual, an RMSNorm and an untied LM head."""
+
+    def __init__(self, vocab: int = 256, hidden: int = 32) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.delta = ChunkedDeltaRule(hidden)
+        self.norm = RMSNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+        self.apply(_small_init)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        return _shifted_ce(self.lm_head(self.norm(x + self.delta(x))), labels)
+
+
+@register("delta-tiny")
+def _delta_tiny() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """A chunked gated delta rule (4-token chunks, one head, key dim 8, value dim 6) on ``(input_ids, labels)``."""
+    return _seeded(DeltaTiny), _token_inputs(256)

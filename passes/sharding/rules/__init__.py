@@ -20,6 +20,7 @@ from meshfold.passes.sharding.rules import (
     norm,
     pointwise,
     reduction,
+    scan,
     shape,
     softmax,
 )
@@ -41,6 +42,7 @@ FAMILIES: tuple[RuleSet, ...] = (
     indexing.RULES,
     creation.RULES,
     moe.RULES,
+    scan.RULES,
 )
 
 Source = Literal["rule", "dtensor", "replicate"]
