@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from meshfold.backends import p2p
-from meshfold.ir.scan import composite, scan, scan_back
+from meshfold.ir.scan import composite, scan, scan_back, step
 
 
 def cumsum_split(group: str, x: torch.Tensor, dim: int, *, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -64,30 +64,32 @@ def _pairs(pg: dist.ProcessGroup, p: torch.Tensor, c: torch.Tensor) -> list[tupl
     return [(t[..., :k], t[..., k:]) for t in every]
 
 
-def affine_scan_split(group: str, m: torch.Tensor, b: torch.Tensor, s0: torch.Tensor) -> torch.Tensor:
-    """``affine_scan(m, b, s0)`` on this rank's steps, the steps split over the process group named
-    ``group`` in rank order."""
+def affine_scan_split(
+    group: str, m: torch.Tensor, b: torch.Tensor, s0: torch.Tensor, diagonal: bool = False
+) -> torch.Tensor:
+    """``affine_scan(m, b, s0, diagonal)`` on this rank's steps, the steps split over the process
+    group named ``group`` in rank order."""
     pg = _resolve_process_group(group)
-    pairs = _pairs(pg, *composite(m, b))
+    p, c = composite(m, b, diagonal)
+    assert c is not None
     s = s0
-    for p, c in pairs[: dist.get_rank(pg)]:
-        s = p @ s + c
-    return scan(m, b, s)
+    for p_before, c_before in _pairs(pg, p, c)[: dist.get_rank(pg)]:
+        s = step(p_before, s, diagonal) + c_before
+    return scan(m, b, s, diagonal)
 
 
 def affine_scan_backward_split(
-    group: str, m: torch.Tensor, h: torch.Tensor, grad: torch.Tensor
+    group: str, m: torch.Tensor, h: torch.Tensor, grad: torch.Tensor, diagonal: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``affine_scan_backward`` on this rank's steps: the gradient of the state after them comes
     from the ranks after this one (the transposed recurrence, folded the same way); ``ds0`` is the
     first rank's, zero on the others (their sum is the whole)."""
     pg = _resolve_process_group(group)
     zero = torch.zeros_like(h[..., 0, :, :])
-    p, _ = composite(m, h)
-    _, _, c = scan_back(m, h, grad, zero)
-    pairs = _pairs(pg, p, c)
+    p, _ = composite(m, None, diagonal)
+    _, _, c = scan_back(m, h, grad, zero, diagonal)
     g = zero
-    for p_after, c_after in reversed(pairs[dist.get_rank(pg) + 1 :]):
-        g = p_after.mT @ g + c_after
-    dm, db, ds0 = scan_back(m, h, grad, g)
+    for p_after, c_after in reversed(_pairs(pg, p, c)[dist.get_rank(pg) + 1 :]):
+        g = step(p_after if diagonal else p_after.mT, g, diagonal) + c_after
+    dm, db, ds0 = scan_back(m, h, grad, g, diagonal)
     return dm, db, ds0 if dist.get_rank(pg) == 0 else torch.zeros_like(ds0)

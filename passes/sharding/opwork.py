@@ -57,7 +57,9 @@ def op_flops(op: Op) -> float:
     if name.startswith("meshfold.affine_scan"):
         states = op.results[0].type if not name.endswith("backward") else op.operands[1].type
         assert isinstance(states, TensorType)
-        fwd = 2.0 * size_hint(states.numel()) * size_hint(states.shape[-2])  # NOTE: one k x k by k x v product a step
+        # NOTE: a step is one k x k by k x v product, or (diagonal) k x v products
+        diagonal = True in op.args or dict(op.kwargs).get("diagonal") is True
+        fwd = 2.0 * size_hint(states.numel()) * (1 if diagonal else size_hint(states.shape[-2]))
         return 3 * fwd if name.endswith("backward") else fwd
     if "attention" in name:
         q, k = (v.type for v in op.operands[:2])

@@ -271,26 +271,26 @@ def split_scans(seq: int) -> bool:
     return True
 
 
-def split_recurrence(steps: int) -> dict[str, float]:
-    """``meshfold.affine_scan`` of ``steps`` steps (drawn alike on every rank, float64) with the steps
-    split over the world in rank order (``affine_scan_split`` and its backward): the largest
-    differences of this rank's states and gradients from the whole scan's on one device, ``ds0``
-    summed over the ranks."""
+def split_recurrence(steps: int, diagonal: bool) -> dict[str, float]:
+    """``meshfold.affine_scan`` of ``steps`` steps (drawn alike on every rank, float64; ``diagonal``:
+    element by element) with the steps split over the world in rank order (``affine_scan_split`` and
+    its backward): the largest differences of this rank's states and gradients from the whole scan's
+    on one device, ``ds0`` summed over the ranks."""
     from meshfold.backends.scan import affine_scan_backward_split, affine_scan_split
     from meshfold.ir.scan import affine_scan_backward, scan
 
     g = torch.Generator().manual_seed(0)
-    m = 0.5 * torch.randn(2, 3, steps, 4, 4, generator=g, dtype=torch.float64)
+    m = 0.5 * torch.randn(2, 3, steps, 4, 5 if diagonal else 4, generator=g, dtype=torch.float64)
     b = torch.randn(2, 3, steps, 4, 5, generator=g, dtype=torch.float64)
     s0 = torch.randn(2, 3, 4, 5, generator=g, dtype=torch.float64)
     grad = torch.randn(2, 3, steps, 4, 5, generator=g, dtype=torch.float64)
-    h = scan(m, b, s0)
-    dm, db, ds0 = affine_scan_backward(m, h, grad)
+    h = scan(m, b, s0, diagonal)
+    dm, db, ds0 = affine_scan_backward(m, h, grad, diagonal)
     n, r = dist.get_world_size(), dist.get_rank()
     part = slice(r * steps // n, (r + 1) * steps // n)
     group = dist.group.WORLD.group_name
-    mine = affine_scan_split(group, m[:, :, part], b[:, :, part], s0)
-    dm_r, db_r, ds0_r = affine_scan_backward_split(group, m[:, :, part], mine, grad[:, :, part])
+    mine = affine_scan_split(group, m[:, :, part], b[:, :, part], s0, diagonal)
+    dm_r, db_r, ds0_r = affine_scan_backward_split(group, m[:, :, part], mine, grad[:, :, part], diagonal)
     dist.all_reduce(ds0_r)
     return {
         "h": (mine - h[:, :, part]).abs().max().item(),

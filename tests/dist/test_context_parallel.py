@@ -181,12 +181,13 @@ def test_packed_sequences_under_tokenring_equal_single_device(rank_pools: RankPo
     assert 0 < mine < 0.8 * theirs, (mine, theirs)
 
 
+@pytest.mark.parametrize("diagonal", [False, True])
 @pytest.mark.parametrize("world", [2, 4])
-def test_recurrence_split_by_steps_equals_the_whole_scan(rank_pools: RankPools, world: int) -> None:
-    """``affine_scan`` with its 8 steps split over 2 and 4 ranks (one all-gather of each rank's
-    composite step; the backward from the last rank down): every rank's states, ``dm`` and ``db``
-    are the whole scan's, and the ranks' ``ds0`` add up to its."""
-    for r in rank_pools.get(world).run("tests.dist.cases_ring:split_recurrence", steps=8):
+def test_recurrence_split_by_steps_equals_the_whole_scan(rank_pools: RankPools, world: int, diagonal: bool) -> None:
+    """``affine_scan`` (a matrix on the left, or element by element) with its 8 steps split over 2 and 4
+    ranks (one all-gather of each rank's composite step; the backward from the last rank down): every
+    rank's states, ``dm`` and ``db`` are the whole scan's, and the ranks' ``ds0`` add up to its."""
+    for r in rank_pools.get(world).run("tests.dist.cases_ring:split_recurrence", steps=8, diagonal=diagonal):
         assert r["scale"] > 1.0, r
         assert max(r["h"], r["dm"], r["db"], r["ds0"]) < 1e-10, r
 
@@ -234,3 +235,24 @@ def test_chunked_delta_rule_split_by_chunks_equals_single_device(rank_pools: Ran
     )
     for r in results:
         assert r["recurrences"] == [("fwd", {"cp": "S(1)"}), ("bwd", {"cp": "S(1)"})], r["recurrences"]
+
+
+@pytest.mark.hf
+def test_mamba_selective_scan_equals_single_device(rank_pools: RankPools) -> None:
+    """hf-mamba (two layers, each a selective state-space scan HF runs token by token, captured as one
+    element-by-element recurrence over the tokens) under cp=4 with the greedy choice, float64: loss,
+    every gradient and the parameters after AdamW steps equal single device, with both layers' scans
+    folded, forward and backward."""
+    results = rank_pools.get(4).run(
+        "tests.dist.cases_ring:compiled_attention",
+        model="hf-mamba",
+        shape=(4,),
+        names=("cp",),
+        plan="cp",
+        cp="ring",
+        tokens=(1, 32),
+        double=True,
+        pipeline=DEFAULT_PIPELINE.replace("sharding", "sharding{mode=greedy}"),
+    )
+    for r in results:
+        assert [phase for phase, _ in r["recurrences"]] == ["fwd", "fwd", "bwd", "bwd"], r["recurrences"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from meshfold import capture
@@ -20,7 +21,10 @@ class Chunked(nn.Module):
     new values less what the state already predicts, the output read from the state plus the
     chunk's own (masked) attention, the state decayed and updated. ``step`` picks a variant:
     ``"delta"``, ``"decay"`` (the scalar-decay linear attention: no delta correction), ``"right"``
-    (the state multiplied from the right: not a left-affine update), ``"tanh"`` (nonlinear)."""
+    (the state multiplied from the right: not a left-affine update), ``"tanh"`` (nonlinear),
+    ``"selective"`` (a state-space scan token by token, as HF's Mamba runs it without its kernels:
+    every state entry decays by its own factor, the output reads the state from the right, stacked
+    after the loop)."""
 
     def __init__(self, step: str = "delta", chunk: int = 4, k: int = 4, v: int = 6) -> None:
         super().__init__()
@@ -37,6 +41,14 @@ class Chunked(nn.Module):
         attn = (q @ key.transpose(-1, -2)).tril()
         state = torch.zeros(b, k, self.v) if self.step != "right" else torch.zeros(b, k, k)
         out = torch.zeros(b, n, c, self.v)
+        if self.step == "selective":
+            d_a = torch.exp(-F.softplus(val.reshape(b, t, self.v)))[..., None].expand(b, t, self.v, k)
+            d_bu = val.reshape(b, t, self.v)[..., None] * key.reshape(b, t, k)[:, :, None, :]
+            s, ys, q = torch.zeros(b, self.v, k), [], q.reshape(b, t, k)
+            for i in range(t):
+                s = d_a[:, i] * s + d_bu[:, i]
+                ys.append((s @ q[:, i, :, None])[:, :, 0])
+            return torch.stack(ys, dim=-1).square().mean()
         for i in range(n):
             if self.step == "delta":
                 v_new = val[:, i] - (key[:, i] * beta[:, i]) @ state
@@ -59,14 +71,19 @@ def _built(step: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return Chunked(step), (torch.randn(2, 16, 8),)
 
 
-@pytest.mark.parametrize("step", ["delta", "decay"])
+@pytest.mark.parametrize("step", ["delta", "decay", "selective"])
 def test_affine_loop_is_one_scan_and_computes_the_same(step: str) -> None:
     model, inputs = _built(step)
     g = capture(model, inputs)
     names = [op.name for op in g.ops]
     assert names.count("meshfold.affine_scan") == 1 and names.count("meshfold.affine_scan_backward") == 1
-    # NOTE: the four bodies are gone: no op reads a chunk by index any more
-    assert not [op for op in g.ops if op.name == "aten.select.int" and op.prov.phase == "fwd"]
+    scans = [op for op in g.ops if op.name.startswith("meshfold.affine_scan")]
+    # NOTE: the delta rule's update is a matrix on the left; a scalar decay and the selective scan's
+    # element-by-element decay are diagonal (the cheaper form)
+    assert all((True in op.args) == (step != "delta") for op in scans), scans
+    # NOTE: the bodies are gone: no op reads a chunk (or token) by index any more, only size-1 dims
+    picks = [op for op in g.ops if op.name == "aten.select.int" and op.prov.phase == "fwd"]
+    assert all(op.operands[0].type.shape[op.args[1]] == 1 for op in picks), picks
     scan_op = next(op for op in g.ops if op.name == "meshfold.affine_scan")
     assert scan_op.prov.source.startswith("test_fold_scan.py:") and scan_op.prov.phase == "fwd"
     assert_graph_matches_eager(g, *_built(step))

@@ -273,3 +273,14 @@ def _hf_qwen3_next() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     )
     ids = torch.randint(0, 256, (1, 128), generator=torch.Generator().manual_seed(0))
     return model, (ids, ids.clone())
+
+
+@register("hf-mamba")
+def _hf_mamba() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """transformers' MambaForCausalLM (two layers; each a short causal convolution, then the selective
+    state-space scan HF runs token by token without its kernels: every state entry decays by its own
+    factor), with random weights."""
+    from transformers import MambaConfig, MambaForCausalLM
+
+    config = {"vocab_size": 256, "hidden_size": 32, "state_size": 8, "num_hidden_layers": 2}
+    return _hf_causal_lm(MambaConfig, MambaForCausalLM, config, intermediate_size=64, use_mambapy=False)

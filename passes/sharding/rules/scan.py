@@ -6,7 +6,8 @@ the same ``m`` on its own: ``m`` whole, no traffic). The steps ``n`` split over 
 scans its own steps after one all-gather of every rank's composite step (``k x (k + v)`` numbers
 per leading index; ``backends/scan.py``). The state's rows ``k`` are mixed by ``m`` and stay whole.
 The backward is linear in the incoming gradient; with the steps split, ``ds0`` is the first rank's
-(zero on the others): ``P(sum)``.
+(zero on the others): ``P(sum)``. A diagonal scan (``m [*, n, k, v]`` scaling each state entry)
+mixes nothing: its ``k`` rides along too.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 from meshfold.ir import Op, Partial, R, Shard, TensorType
 from meshfold.ir.scan import SCAN, SCAN_BACKWARD
 from meshfold.passes.sharding.cost import nbytes
-from meshfold.passes.sharding.rules.common import einsum_of, letters
+from meshfold.passes.sharding.rules.common import einsum_of, letters, op_arg
 from meshfold.passes.sharding.rules.registry import RuleSet
 from meshfold.passes.sharding.strategy import Strategy, einsum_strategies
 
@@ -40,22 +41,23 @@ def _state_bytes(op: Op) -> float:
 
 @RULES.rule(SCAN)
 def affine_scan(op: Op) -> list[Strategy]:
-    """``L _ _ _, L _ _ v, L _ v -> L _ _ v``; and the steps split (module docstring)."""
+    """``L _ _ _, L _ _ v, L _ v -> L _ _ v`` (diagonal: ``L _ k v, L _ k v, L k v -> L _ k v``); and
+    the steps split (module docstring)."""
     _, d = _shapes(op)
-    lead = letters(d, skip="v")
-    out = einsum_strategies(
-        einsum_of([[*lead, "_", "_", "_"], [*lead, "_", "_", "v"], [*lead, "_", "v"]], [[*lead, "_", "_", "v"]])
-    )
+    lead, k = letters(d, skip="kv"), "k" if op_arg(op, "diagonal", False) else "_"
+    cols = [*lead, "_", k, "v"]
+    out = einsum_strategies(einsum_of([[*lead, "_", k, "v" if k == "k" else "_"], cols, [*lead, k, "v"]], [cols]))
     return [*out, Strategy((Shard(d), Shard(d), R), (Shard(d),), state=_state_bytes(op))]
 
 
 @RULES.rule(SCAN_BACKWARD)
 def affine_scan_backward(op: Op) -> list[Strategy]:
     """``(m, h, grad) -> (dm, db, ds0)``: ``L _ _ _, L _ _ v, L _ _ v -> L _ _ _, L _ _ v, L _ v``
-    (``dm`` sums over ``v``: ``P(sum)``); linear in ``grad``; the steps split."""
+    (``dm`` sums over ``v``: ``P(sum)``; diagonal: ``k`` and ``v`` ride along everywhere); linear in
+    ``grad``; the steps split."""
     _, d = _shapes(op)
-    lead = letters(d, skip="v")
-    whole, cols = [*lead, "_", "_", "_"], [*lead, "_", "_", "v"]
-    out = einsum_strategies(einsum_of([whole, cols, cols], [whole, cols, [*lead, "_", "v"]]), linear=(2,))
+    lead, k = letters(d, skip="kv"), "k" if op_arg(op, "diagonal", False) else "_"
+    m, cols = [*lead, "_", k, "v" if k == "k" else "_"], [*lead, "_", k, "v"]
+    out = einsum_strategies(einsum_of([m, cols, cols], [m, cols, [*lead, k, "v"]]), linear=(2,))
     split = Strategy((Shard(d),) * 3, (Shard(d), Shard(d), P), state=_state_bytes(op))
     return [*out, split]
