@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from meshfold import ir
 from meshfold.backends.comm import Issued, issue, local_shapes
+from meshfold.backends.halo import causal_conv1d_backward_split, causal_conv1d_split
 from meshfold.backends.interpret import runnable_target
 from meshfold.backends.local import LOCAL, LocalForms
 from meshfold.backends.moe import exchange_backward, exchange_forward
@@ -31,6 +32,7 @@ from meshfold.backends.ring_lowering import kernel_backward as ring_kernel_backw
 from meshfold.backends.scan import affine_scan_backward_split, affine_scan_split, cumsum_split, flip_split
 from meshfold.backends.watch import Watch, watch_waits
 from meshfold.ir import Graph, Op, OpDef, TensorType, Value
+from meshfold.ir.conv import CONV, CONV_BACKWARD
 from meshfold.ir.graph import Arg
 from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, TOKENS_AND_WEIGHTS
 from meshfold.ir.moe import exchange_axes as exchange_axes_of
@@ -286,17 +288,25 @@ def exchange_axes(graph: Graph) -> list[tuple[str, ...]]:
     return out
 
 
+_SPLIT: dict[Any, Any] = {
+    SCAN: affine_scan_split,
+    SCAN_BACKWARD: affine_scan_backward_split,
+    CONV: causal_conv1d_split,
+    CONV_BACKWARD: causal_conv1d_backward_split,
+}
+
+
 def _split_scan(op: Op, rank: RankContext) -> tuple[Any, tuple[Any, ...]] | None:
-    """A running sum, flip or linear recurrence along a dim split over mesh axes (``backends/scan.py``):
+    """A running sum, flip, linear recurrence or causal convolution along a dim split over mesh axes:
     its function and the process group(s) it needs; None for any other op, and for those along whole
     dims."""
-    if op.target in (SCAN, SCAN_BACKWARD):
-        m = op.operands[0]
-        assert isinstance(m.type, TensorType)
-        steps = ir.Shard(m.type.rank - 3)
-        axes = [a for a in rank.mesh.names if m.layout.placement(a) == steps]
-        assert len(axes) <= 1, f"{op.describe()}: steps split over several mesh axes"
-        fn = affine_scan_split if op.target == SCAN else affine_scan_backward_split
+    if op.target in (SCAN, SCAN_BACKWARD, CONV, CONV_BACKWARD):
+        x = op.operands[0 if op.target in (SCAN, SCAN_BACKWARD, CONV) else 1]
+        assert isinstance(x.type, TensorType)
+        steps = ir.Shard(x.type.rank - 3 if op.target in (SCAN, SCAN_BACKWARD) else 2)
+        axes = [a for a in rank.mesh.names if x.layout.placement(a) == steps]
+        assert len(axes) <= 1, f"{op.describe()}: split over several mesh axes along one dim"
+        fn = _SPLIT[op.target]
         return (fn, (rank.group(axes[0]),)) if axes else None
     if op.target not in (aten.cumsum.default, aten.flip.default):
         return None

@@ -37,6 +37,7 @@ from meshfold.capture_errors import (
 from meshfold.fakes import fake_copies, guards_of
 from meshfold.fold_scan import fold_scans
 from meshfold.fuse_attention import fuse_attention
+from meshfold.fuse_conv import fuse_causal_convs
 from meshfold.ir import GraphBuilder, Provenance, Value, tensor_type
 from meshfold.ir.constant import CONSTANT, literal
 from meshfold.ir.types import type_of
@@ -85,10 +86,10 @@ def capture(
     model's outputs, ``grad(fqn)`` for every parameter gradient and ``update(fqn)`` for the new
     value of every buffer the forward updates in place (e.g. running statistics). Runs on fake
     tensors. ``decompose`` applies :func:`sharding_decompositions` (numerically the same graph);
-    attention written out is one kernel (``meshfold.fuse_attention``), a loop over chunks carrying
-    a linear state one scan (``meshfold.fold_scan``). MoE experts become ``meshfold.moe_experts``
-    ops, with ``moe``'s capacity and dispatcher (``meshfold.moe``); experts in an ``nn.ModuleList``
-    are one such op on stacked parameters, in the graph's ``stacks`` (``meshfold.moe_lists``).
+    written-out attention and causal convolutions are one op each (``meshfold.fuse_attention``,
+    ``fuse_conv``), a loop carrying a linear state one scan (``fold_scan``). MoE experts become
+    ``meshfold.moe_experts`` ops with ``moe``'s capacity and dispatcher (``meshfold.moe``); experts
+    in an ``nn.ModuleList`` are one op on stacked parameters, in ``stacks`` (``meshfold.moe_lists``).
 
     ``dynamic``: ``(input index, dim)`` pairs captured as symbolic sizes (a sequence length): shapes
     and shape arguments then hold sympy expressions of them, and ``guards`` (when given) receives
@@ -108,8 +109,8 @@ def capture(
             with reduced(model, runs):
                 gm = _dynamo_capture(model, fake_inputs)
                 stacked, stacks = fold_expert_lists(gm, model, fake_mode, op_options(moe))
-                fuse_attention(gm)
-                fold_scans(gm)
+                for rewrite in (fuse_attention, fuse_causal_convs, fold_scans):
+                    rewrite(gm)
                 fqns = _flat_name_to_fqn(gm, model) | stacked
             with contextlib.ExitStack() as stack:
                 with fake_mode:
@@ -301,9 +302,8 @@ class _Lifter:
             self.env[node] = vals[idx]  # type: ignore[index]
             return
         if not isinstance(node.target, torch._ops.OpOverload):
-            prov = self._prov(node)
             raise CaptureError(
-                f"op {node.target} at {prov.describe()} is not an ATen op overload; meshfold cannot lift it "
+                f"op {node.target} at {self._prov(node).describe()} is not an ATen op overload; meshfold can't lift it "
                 "(higher-order ops and Python callables in the joint graph are not supported yet)"
             )
         args = tuple(self._arg(a) for a in node.args)

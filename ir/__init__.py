@@ -5,6 +5,7 @@
 
 from meshfold.ir import (
     constant,  # NOTE: registers meshfold.constant, so graphs with it parse
+    conv,  # NOTE: registers meshfold.causal_conv1d and its backward
     moe,  # NOTE: registers the meshfold.moe_experts ops, so graphs with them parse
     scan,  # NOTE: registers meshfold.affine_scan and its backward
 )
@@ -44,6 +45,7 @@ from meshfold.ir.verifier import VerifyError, verify
 
 __all__ = [
     "constant",
+    "conv",
     "specialize",
     "moe",
     "scan",

@@ -174,6 +174,11 @@ def compiled_attention(
         for op in graph.ops
         if op.name.startswith("meshfold.affine_scan")
     ]
+    out["convolutions"] = [
+        (op.prov.phase, {a: str(op.operands[int(op.prov.phase == "bwd")].layout.placement(a)) for a in graph.mesh.names})
+        for op in graph.ops
+        if op.name.startswith("meshfold.causal_conv1d")
+    ]
     return out
 
 
@@ -298,4 +303,33 @@ def split_recurrence(steps: int, diagonal: bool) -> dict[str, float]:
         "db": (db_r - db[:, :, part]).abs().max().item(),
         "ds0": (ds0_r - ds0).abs().max().item(),
         "scale": h.abs().max().item(),
+    }
+
+
+def split_conv(length: int) -> dict[str, float]:
+    """``meshfold.causal_conv1d`` (filters of 4) with the sequence of ``length`` split over the world in
+    rank order (``causal_conv1d_split`` and its backward): the largest differences of this rank's
+    output and input gradient from one device's, and of ``dw``, ``dbias`` summed over the ranks."""
+    from meshfold.backends.halo import causal_conv1d_backward_split, causal_conv1d_split
+    from meshfold.ir.conv import causal_conv1d_backward, conv
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, length, generator=g, dtype=torch.float64)
+    w = torch.randn(3, 1, 4, generator=g, dtype=torch.float64)
+    bias = torch.randn(3, generator=g, dtype=torch.float64)
+    grad = torch.randn(2, 3, length, generator=g, dtype=torch.float64)
+    y = conv(x, w, bias, x.new_zeros(2, 3, 3))
+    dx, dw, db = causal_conv1d_backward(grad, x, w)
+    n, r = dist.get_world_size(), dist.get_rank()
+    part = slice(r * length // n, (r + 1) * length // n)
+    group = dist.group.WORLD.group_name
+    mine = causal_conv1d_split(group, x[..., part], w, bias)
+    dx_r, dw_r, db_r = causal_conv1d_backward_split(group, grad[..., part], x[..., part], w)
+    dist.all_reduce(dw_r)
+    dist.all_reduce(db_r)
+    return {
+        "y": (mine - y[..., part]).abs().max().item(),
+        "dx": (dx_r - dx[..., part]).abs().max().item(),
+        "dw": (dw_r - dw).abs().max().item(),
+        "db": (db_r - db).abs().max().item(),
     }

@@ -192,6 +192,24 @@ def test_recurrence_split_by_steps_equals_the_whole_scan(rank_pools: RankPools, 
         assert max(r["h"], r["dm"], r["db"], r["ds0"]) < 1e-10, r
 
 
+def _on_cp(rank_pools: RankPools, model: str, world: int, tokens: int, mode: str) -> list[dict[str, Any]]:
+    """``cases_ring.compiled_attention`` of ``model`` on one sequence of ``tokens`` split over ``cp`` of
+    ``world`` ranks, float64, under the solve or the greedy choice (``mode``)."""
+    pipeline = None if mode == "solve" else DEFAULT_PIPELINE.replace("sharding", "sharding{mode=greedy}")
+    results: list[dict[str, Any]] = rank_pools.get(world).run(
+        "tests.dist.cases_ring:compiled_attention",
+        model=model,
+        shape=(world,),
+        names=("cp",),
+        plan="cp",
+        cp="ring",
+        tokens=(1, tokens),
+        double=True,
+        pipeline=pipeline,
+    )
+    return results
+
+
 @pytest.mark.hf
 @pytest.mark.parametrize(("world", "mode"), [(2, "solve"), (4, "greedy")])
 def test_qwen3_next_gated_deltanet_equals_single_device(rank_pools: RankPools, world: int, mode: str) -> None:
@@ -200,18 +218,7 @@ def test_qwen3_next_gated_deltanet_equals_single_device(rank_pools: RankPools, w
     the softmax layer runs ring attention, the recurrence is split as the sharding chooses (by heads
     or state columns: no traffic); loss, every gradient and the parameters after AdamW steps equal
     single device."""
-    pipeline = None if mode == "solve" else DEFAULT_PIPELINE.replace("sharding", "sharding{mode=greedy}")
-    results = rank_pools.get(world).run(
-        "tests.dist.cases_ring:compiled_attention",
-        model="hf-qwen3-next",
-        shape=(world,),
-        names=("cp",),
-        plan="cp",
-        cp="ring",
-        tokens=(1, 64 * world),
-        double=True,
-        pipeline=pipeline,
-    )
+    results = _on_cp(rank_pools, "hf-qwen3-next", world, 64 * world, mode)
     for r in results:
         assert [s["cp"] for s in r["attention"]] == ["sequence"], r["attention"]
         assert [phase for phase, _ in r["recurrences"]] == ["fwd", "bwd"], r["recurrences"]
@@ -222,37 +229,29 @@ def test_chunked_delta_rule_split_by_chunks_equals_single_device(rank_pools: Ran
     4 ranks) under cp=4 with the greedy choice, float64: the recurrence's steps split over ``cp`` (one
     all-gather of each rank's composite step, forward and backward); loss, every gradient and the
     parameters after AdamW steps equal single device."""
-    results = rank_pools.get(4).run(
-        "tests.dist.cases_ring:compiled_attention",
-        model="delta-tiny",
-        shape=(4,),
-        names=("cp",),
-        plan="cp",
-        cp="ring",
-        tokens=(1, 32),
-        double=True,
-        pipeline=DEFAULT_PIPELINE.replace("sharding", "sharding{mode=greedy}"),
-    )
+    results = _on_cp(rank_pools, "delta-tiny", 4, 32, "greedy")
     for r in results:
         assert r["recurrences"] == [("fwd", {"cp": "S(1)"}), ("bwd", {"cp": "S(1)"})], r["recurrences"]
 
 
 @pytest.mark.hf
 def test_mamba_selective_scan_equals_single_device(rank_pools: RankPools) -> None:
-    """hf-mamba (two layers, each a selective state-space scan HF runs token by token, captured as one
-    element-by-element recurrence over the tokens) under cp=4 with the greedy choice, float64: loss,
-    every gradient and the parameters after AdamW steps equal single device, with both layers' scans
-    folded, forward and backward."""
-    results = rank_pools.get(4).run(
-        "tests.dist.cases_ring:compiled_attention",
-        model="hf-mamba",
-        shape=(4,),
-        names=("cp",),
-        plan="cp",
-        cp="ring",
-        tokens=(1, 32),
-        double=True,
-        pipeline=DEFAULT_PIPELINE.replace("sharding", "sharding{mode=greedy}"),
-    )
+    """hf-mamba (two layers, each a short causal convolution, then a selective state-space scan HF runs
+    token by token, captured as one element-by-element recurrence over the tokens) under cp=4 with the
+    greedy choice, float64: the sequence stays split through both (each convolution takes 3 positions
+    from the rank before, each scan one all-gather of the ranks' composite steps), forward and
+    backward; loss, every gradient and the parameters after AdamW steps equal single device."""
+    results = _on_cp(rank_pools, "hf-mamba", 4, 32, "greedy")
     for r in results:
-        assert [phase for phase, _ in r["recurrences"]] == ["fwd", "fwd", "bwd", "bwd"], r["recurrences"]
+        assert r["recurrences"] == [(p, {"cp": "S(1)"}) for p in ("fwd", "fwd", "bwd", "bwd")], r["recurrences"]
+        assert r["convolutions"] == [(p, {"cp": "S(2)"}) for p in ("fwd", "fwd", "bwd", "bwd")], r["convolutions"]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_causal_conv_split_by_sequence_equals_one_device(rank_pools: RankPools, world: int) -> None:
+    """``causal_conv1d`` with 16 positions split over 2 and 4 ranks (each takes the 3 positions before
+    its part from the rank before; the backward, the 3 gradient positions after it from the rank
+    after): every rank's output and ``dx`` are one device's, and the ranks' ``dw`` and ``dbias`` add
+    up to its."""
+    for r in rank_pools.get(world).run("tests.dist.cases_ring:split_conv", length=16):
+        assert max(r.values()) < 1e-12, r

@@ -12,6 +12,7 @@ from typing import Literal
 from meshfold.ir import Op, Partial, Placement, R, Shard, TensorType
 from meshfold.passes.sharding.rules import (
     attention,
+    conv,
     creation,
     embedding,
     indexing,
@@ -43,6 +44,7 @@ FAMILIES: tuple[RuleSet, ...] = (
     creation.RULES,
     moe.RULES,
     scan.RULES,
+    conv.RULES,
 )
 
 Source = Literal["rule", "dtensor", "replicate"]
