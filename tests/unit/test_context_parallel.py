@@ -124,3 +124,32 @@ def test_tokenring_is_priced_by_what_it_sends() -> None:
     assert cp.priced(fwd, ring_fwd, "ring") == ring_fwd
     assert cp.priced(fwd, ring_fwd, "tokenring").passed == size["q"] + out + lse
     assert cp.priced(bwd, ring_bwd, "tokenring").passed == 2 * size["q"] + 2 * out + lse
+
+
+@pytest.mark.hf
+def test_the_solve_keeps_a_long_sequence_split_through_convolutions_and_scans() -> None:
+    """hf-mamba's model on one sequence of 256 under plan="cp" on 4 ranks: the solve itself (no greedy
+    choice) splits each layer's causal convolution and selective scan along the sequence, forward
+    and backward, and the split lowers to the halo exchange and the scan that passes composite
+    steps; at 128 tokens replicating them is the cheaper plan for so small a model."""
+    from meshfold.backends.halo import causal_conv1d_backward_split, causal_conv1d_split
+    from meshfold.backends.scan import affine_scan_backward_split, affine_scan_split
+    from meshfold.tools.bench.recurrences import build as mamba
+
+    net, inputs = mamba(256, 32)
+    graph = compile_model(capture(net, inputs), None, CompileOptions.of(mesh="cp=4", plan="cp")).graph
+    placed = {
+        (op.name, op.prov.phase, str(op.operands[int(op.prov.phase == "bwd" and "conv" in op.name)].layout))
+        for op in graph.ops
+        if op.name.startswith(("meshfold.affine_scan", "meshfold.causal_conv1d"))
+    }
+    assert placed == {
+        ("meshfold.affine_scan", "fwd", "{cp: S(1)}"),
+        ("meshfold.affine_scan_backward", "bwd", "{cp: S(1)}"),
+        ("meshfold.causal_conv1d", "fwd", "{cp: S(2)}"),
+        ("meshfold.causal_conv1d_backward", "bwd", "{cp: S(2)}"),
+    }, placed
+    assert graph.mesh is not None
+    lowered = lower(graph, RankContext(graph.mesh, (1,), ("cp-group",)))
+    called = {n.target for m in (lowered.forward, lowered.backward) for n in m.graph.nodes}
+    assert {causal_conv1d_split, affine_scan_split, causal_conv1d_backward_split, affine_scan_backward_split} <= called
