@@ -26,6 +26,8 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from meshfold.ir import Graph, Op, TensorType
+from meshfold.ir.conv import CONV
+from meshfold.ir.scan import SCAN
 from meshfold.passes.base import PassContext, PassError
 from meshfold.passes.sharding.cost import nbytes
 from meshfold.passes.sharding.plans import AUTO
@@ -155,4 +157,22 @@ def describe(graph: Graph, axes: Sequence[str], method: str) -> tuple[str, ...]:
         if ways:
             split = ", ".join(f"{n} {how}" for how, n in ways.items())
             lines.append(f"context parallel on {axis!r}: attention split {split}")
+        lines.extend(_sequence_ops(graph, axis))
     return tuple(lines)
+
+
+def _sequence_ops(graph: Graph, axis: str) -> list[str]:
+    """How the forward linear recurrences and causal convolutions of ``graph`` are laid out on
+    ``axis``: by steps (each rank its part of the sequence), by other dims, or whole."""
+    counts: dict[tuple[str, str], int] = {}
+    for op in graph.ops:
+        if op.prov.phase != "fwd" or op.target not in (SCAN, CONV):
+            continue
+        x = op.operands[0]
+        rank = x.type.rank if isinstance(x.type, TensorType) else 0
+        along = rank - 3 if op.target == SCAN else 2
+        dim = getattr(x.layout.placement(axis), "dim", None)
+        how = "whole" if dim is None else "by sequence" if dim == along else "by other dims"
+        kind = "recurrences" if op.target == SCAN else "causal convolutions"
+        counts[kind, how] = counts.get((kind, how), 0) + 1
+    return [f"context parallel on {axis!r}: {kind} {n} {how}" for (kind, how), n in counts.items()]

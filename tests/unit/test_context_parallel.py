@@ -137,7 +137,12 @@ def test_the_solve_keeps_a_long_sequence_split_through_convolutions_and_scans() 
     from meshfold.tools.bench.recurrences import build as mamba
 
     net, inputs = mamba(256, 32)
-    graph = compile_model(capture(net, inputs), None, CompileOptions.of(mesh="cp=4", plan="cp")).graph
+    result = compile_model(capture(net, inputs), None, CompileOptions.of(mesh="cp=4", plan="cp"))
+    graph = result.graph
+    assert list(solve_report(result.stats)[-2:]) == [
+        "context parallel on 'cp': causal convolutions 2 by sequence",
+        "context parallel on 'cp': recurrences 2 by sequence",
+    ]
     placed = {
         (op.name, op.prov.phase, str(op.operands[int(op.prov.phase == "bwd" and "conv" in op.name)].layout))
         for op in graph.ops
