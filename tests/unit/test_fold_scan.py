@@ -20,7 +20,8 @@ class Chunked(nn.Module):
     """A gated delta rule run chunk by chunk, written the way HF's fallback writes it: per chunk, the
     new values less what the state already predicts, the output read from the state plus the
     chunk's own (masked) attention, the state decayed and updated. ``step`` picks a variant:
-    ``"delta"``, ``"decay"`` (the scalar-decay linear attention: no delta correction), ``"right"``
+    ``"delta"``, ``"final"`` (the delta rule whose last state the loss reads too), ``"decay"`` (the
+    scalar-decay linear attention: no delta correction), ``"right"``
     (the state multiplied from the right: not a left-affine update), ``"tanh"`` (nonlinear),
     ``"selective"`` (a state-space scan token by token, as HF's Mamba runs it without its kernels:
     every state entry decays by its own factor, the output reads the state from the right, stacked
@@ -50,7 +51,7 @@ class Chunked(nn.Module):
                 ys.append((s @ q[:, i, :, None])[:, :, 0])
             return torch.stack(ys, dim=-1).square().mean()
         for i in range(n):
-            if self.step == "delta":
+            if self.step in ("delta", "final"):
                 v_new = val[:, i] - (key[:, i] * beta[:, i]) @ state
                 out[:, i] = q[:, i] @ state + attn[:, i] @ v_new
                 state = state * decay[:, i] + key[:, i].transpose(-1, -2) @ v_new
@@ -63,7 +64,8 @@ class Chunked(nn.Module):
             else:
                 out[:, i] = q[:, i] @ state
                 state = torch.tanh(state * decay[:, i] + key[:, i].transpose(-1, -2) @ val[:, i])
-        return out.square().mean()
+        final = state.sum() * 0.1 if self.step == "final" else 0.0  # NOTE: the state after the loop, read
+        return out.square().mean() + final
 
 
 def _built(step: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
@@ -71,7 +73,7 @@ def _built(step: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     return Chunked(step), (torch.randn(2, 16, 8),)
 
 
-@pytest.mark.parametrize("step", ["delta", "decay", "selective"])
+@pytest.mark.parametrize("step", ["delta", "decay", "selective", "final"])
 def test_affine_loop_is_one_scan_and_computes_the_same(step: str) -> None:
     model, inputs = _built(step)
     g = capture(model, inputs)
@@ -80,9 +82,12 @@ def test_affine_loop_is_one_scan_and_computes_the_same(step: str) -> None:
     scans = [op for op in g.ops if op.name.startswith("meshfold.affine_scan")]
     # NOTE: the delta rule's update is a matrix on the left; a scalar decay and the selective scan's
     # element-by-element decay are diagonal (the cheaper form)
-    assert all((True in op.args) == (step != "delta") for op in scans), scans
-    # NOTE: the bodies are gone: no op reads a chunk (or token) by index any more, only size-1 dims
-    picks = [op for op in g.ops if op.name == "aten.select.int" and op.prov.phase == "fwd"]
+    assert all((True in op.args) == (step in ("decay", "selective")) for op in scans), scans
+    # NOTE: the bodies are gone: no op reads a chunk (or token) by index any more, only size-1 dims and
+    # (where the model reads it) the state after the last step
+    selects = [op for op in g.ops if op.name == "aten.select.int" and op.prov.phase == "fwd"]
+    picks = [op for op in selects if op.args[2] != -1]
+    assert bool([op for op in selects if op.args[2] == -1]) == (step == "final"), selects
     assert all(op.operands[0].type.shape[op.args[1]] == 1 for op in picks), picks
     scan_op = next(op for op in g.ops if op.name == "meshfold.affine_scan")
     assert scan_op.prov.source.startswith("test_fold_scan.py:") and scan_op.prov.phase == "fwd"
