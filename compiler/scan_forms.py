@@ -118,26 +118,34 @@ class _Emitter:
             elif n in self.on_state and n is not loop.init:
                 self.whole[n] = self.vector(n)
             self.located(n)
+        stacked = []
         for u, j, dim in loop.stacks:
             rank = len(_shape(loop.body[j]) or ())
-            u.replace_all_uses_with(self.first_to(self.whole[loop.body[j]], dim if dim >= 0 else dim + rank + 1))
+            stacked.append((u, self.first_to(self.whole[loop.body[j]], dim if dim >= 0 else dim + rank + 1)))
         if loop.last_state.users:
             last = self.graph.call_method("select", (self.whole[loop.body[loop.state_at]], 0, -1))
-            loop.last_state.replace_all_uses_with(last)
+            stacked.append((loop.last_state, last))
         self.located(loop.body[loop.state_at])
-        return writes
+        # NOTE: nothing is rewired until every value has its whole form (a NoFold leaves the graph as it was)
+        for target, out in writes:
+            target.replace_all_uses_with(out, delete_user_cb=lambda u: write(u) is None)
+        for u, out in stacked:
+            u.replace_all_uses_with(out)
+        return [target for target, _ in writes]
 
-    def written(self, target: fx.Node, dim: int, value: Any) -> fx.Node:
-        """``target`` (a fresh tensor every slice of which a body writes) is ``value``'s whole form."""
+    def written(self, target: fx.Node, dim: int, value: Any) -> tuple[fx.Node, fx.Node]:
+        """``(target, value's whole form)``, where ``target`` is a fresh tensor every slice of which a
+        body writes, each slice with ``value``'s shape and dtype."""
         made = target.op == "call_function" and target.target in (torch.zeros_like, torch.zeros, torch.empty_like)
         t, x = target.meta.get("example_value"), getattr(value, "meta", {}).get("example_value")
         writes = [u for u in target.users if write(u) is not None]
         same = isinstance(t, torch.Tensor) and isinstance(x, torch.Tensor) and t.dtype == x.dtype
         if not (made and same and len(writes) == self.loop.n and value in self.whole):
             raise NoFold
-        out = self.first_to(self.whole[value], dim)
-        target.replace_all_uses_with(out, delete_user_cb=lambda u: write(u) is None)
-        return target
+        assert isinstance(t, torch.Tensor) and isinstance(x, torch.Tensor)
+        if (*t.shape[:dim], *t.shape[dim + 1 :]) != tuple(x.shape):
+            raise NoFold  # NOTE: a slice written by broadcasting
+        return target, self.first_to(self.whole[value], dim)
 
     # -- whole forms ------------------------------------------------------------------------------
 

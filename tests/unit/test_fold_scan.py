@@ -23,6 +23,8 @@ class Chunked(nn.Module):
     ``"delta"``, ``"final"`` (the delta rule whose last state the loss reads too), ``"decay"`` (the
     scalar-decay linear attention: no delta correction), ``"right"``
     (the state multiplied from the right: not a left-affine update), ``"tanh"`` (nonlinear),
+    ``"reduced"`` (an output summed over a dim: a form this pass does not batch, met only after the
+    scan is emitted, so the loop must come out as it went in),
     ``"selective"`` (a state-space scan token by token, as HF's Mamba runs it without its kernels:
     every state entry decays by its own factor, the output reads the state from the right, stacked
     after the loop)."""
@@ -58,6 +60,9 @@ class Chunked(nn.Module):
             elif self.step == "decay":
                 out[:, i] = q[:, i] @ state + attn[:, i] @ val[:, i]
                 state = decay[:, i] * state + key[:, i].transpose(-1, -2) @ val[:, i]
+            elif self.step == "reduced":  # NOTE: an output this pass cannot batch, found after the update
+                out[:, i] = (q[:, i] @ state).sum(-1, keepdim=True)
+                state = state * decay[:, i] + key[:, i].transpose(-1, -2) @ val[:, i]
             elif self.step == "right":
                 out[:, i] = (q[:, i] @ state) @ key[:, i].transpose(-1, -2) @ val[:, i]
                 state = state @ (key[:, i].transpose(-1, -2) @ key[:, i]) * decay[:, i]
@@ -94,7 +99,7 @@ def test_affine_loop_is_one_scan_and_computes_the_same(step: str) -> None:
     assert_graph_matches_eager(g, *_built(step))
 
 
-@pytest.mark.parametrize("step", ["right", "tanh"])
+@pytest.mark.parametrize("step", ["right", "tanh", "reduced"])
 def test_other_loops_are_left_as_they_are(step: str) -> None:
     model, inputs = _built(step)
     g = capture(model, inputs)
