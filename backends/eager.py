@@ -285,6 +285,9 @@ def exchange_axes(graph: Graph) -> list[tuple[str, ...]]:
         axes = exchange_axes_of(op)
         if len(axes) > 1 and axes not in out and op.args[-1] != "hierarchical":
             out.append(axes)
+        along = _along_split(op, graph.mesh.names) if graph.mesh is not None else ()
+        if len(along) > 1 and along not in out:
+            out.append(along)
     return out
 
 
@@ -296,32 +299,40 @@ _SPLIT: dict[Any, Any] = {
 }
 
 
+def _along_split(op: Op, names: Sequence[str]) -> tuple[str, ...]:
+    """The mesh axes (in mesh order) that split the dim a running sum, linear recurrence or causal
+    convolution runs along (which it then runs across itself); empty for any other op."""
+    if op.target in _SPLIT:
+        x = op.operands[1 if op.target == CONV_BACKWARD else 0]
+        assert isinstance(x.type, TensorType)
+        dim = x.type.rank - 3 if op.target in (SCAN, SCAN_BACKWARD) else 2
+    elif op.target == aten.cumsum.default:
+        x = op.operands[0]
+        assert isinstance(x.type, TensorType)
+        dim = norm_dim(int_arg(op, "dim", 0), x.type.rank)
+    else:
+        return ()
+    return tuple(a for a in names if x.layout.placement(a) == ir.Shard(dim))
+
+
 def _split_scan(op: Op, rank: RankContext) -> tuple[Any, tuple[Any, ...]] | None:
     """A running sum, flip, linear recurrence or causal convolution along a dim split over mesh axes:
-    its function and the process group(s) it needs; None for any other op, and for those along whole
-    dims."""
-    if op.target in (SCAN, SCAN_BACKWARD, CONV, CONV_BACKWARD):
-        x = op.operands[0 if op.target in (SCAN, SCAN_BACKWARD, CONV) else 1]
-        assert isinstance(x.type, TensorType)
-        steps = ir.Shard(x.type.rank - 3 if op.target in (SCAN, SCAN_BACKWARD) else 2)
-        axes = [a for a in rank.mesh.names if x.layout.placement(a) == steps]
-        assert len(axes) <= 1, f"{op.describe()}: split over several mesh axes along one dim"
-        fn = _SPLIT[op.target]
-        return (fn, (rank.group(axes[0]),)) if axes else None
-    if op.target not in (aten.cumsum.default, aten.flip.default):
+    its function and the process group it runs across (a dim split over several axes: the group over
+    all of them, whose ranks hold its pieces in order), or the flip's per-axis groups; None for any
+    other op, and for those along whole dims."""
+    axes = _along_split(op, rank.mesh.names)
+    if axes:
+        fn = cumsum_split if op.target == aten.cumsum.default else _SPLIT[op.target]
+        return fn, (rank.group_over(axes),)
+    if op.target != aten.flip.default:
         return None
     x = op.operands[0]
     assert isinstance(x.type, TensorType)
-    dims = [int_arg(op, "dim", 0)] if op.target == aten.cumsum.default else op_arg(op, "dims")
+    dims = op_arg(op, "dims")
     assert isinstance(dims, (list, tuple))
     along = {norm_dim(int(d), x.type.rank) for d in dims}
-    axes = [a for a in rank.mesh.names if isinstance(p := x.layout.placement(a), ir.Shard) and p.dim in along]
-    if not axes:
-        return None
-    if op.target == aten.flip.default:
-        return flip_split, (tuple(rank.group(a) for a in axes),)
-    assert len(axes) == 1, f"{op.describe()}: a running sum split over several mesh axes"
-    return cumsum_split, (rank.group(axes[0]),)
+    flipped = [a for a in rank.mesh.names if isinstance(p := x.layout.placement(a), ir.Shard) and p.dim in along]
+    return (flip_split, (tuple(rank.group(a) for a in flipped),)) if flipped else None
 
 
 def _ring_call(op: Op, rank: RankContext) -> tuple[Any, tuple[Any, ...]] | None:

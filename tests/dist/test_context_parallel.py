@@ -192,18 +192,22 @@ def test_recurrence_split_by_steps_equals_the_whole_scan(rank_pools: RankPools, 
         assert max(r["h"], r["dm"], r["db"], r["ds0"]) < 1e-10, r
 
 
-def _on_cp(rank_pools: RankPools, model: str, world: int, tokens: int, mode: str) -> list[dict[str, Any]]:
+def _on_cp(
+    rank_pools: RankPools, model: str, world: int, tokens: int, mode: str, mesh: dict[str, int] | None = None
+) -> list[dict[str, Any]]:
     """``cases_ring.compiled_attention`` of ``model`` on one sequence of ``tokens`` split over ``cp`` of
-    ``world`` ranks, float64, under the solve or the greedy choice (``mode``)."""
+    ``world`` ranks (or over ``mesh``, axis sizes by name: its plan the axes joined by ``+``, fsdp for
+    ``dp``, with two sequences), float64, under the solve or the greedy choice (``mode``)."""
+    mesh = mesh or {"cp": world}
     pipeline = None if mode == "solve" else DEFAULT_PIPELINE.replace("sharding", "sharding{mode=greedy}")
     results: list[dict[str, Any]] = rank_pools.get(world).run(
         "tests.dist.cases_ring:compiled_attention",
         model=model,
-        shape=(world,),
-        names=("cp",),
-        plan="cp",
+        shape=tuple(mesh.values()),
+        names=tuple(mesh),
+        plan="+".join("fsdp" if a == "dp" else a for a in mesh),
         cp="ring",
-        tokens=(1, tokens),
+        tokens=(2 if "dp" in mesh else 1, tokens),
         double=True,
         pipeline=pipeline,
     )
@@ -255,3 +259,20 @@ def test_causal_conv_split_by_sequence_equals_one_device(rank_pools: RankPools, 
     up to its."""
     for r in rank_pools.get(world).run("tests.dist.cases_ring:split_conv", length=16):
         assert max(r.values()) < 1e-12, r
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("mesh", [{"cp": 2, "tp": 2}, {"dp": 2, "cp": 2}], ids=["cp+tp", "fsdp+cp"])
+def test_mamba_with_tp_and_fsdp_equals_single_device(rank_pools: RankPools, mesh: dict[str, int]) -> None:
+    """hf-mamba on 4 ranks under cp=2 with tp=2 and with fsdp (two sequences) beside it, the greedy
+    choice, float64: under cp+tp the forward convolutions split the sequence over both axes (the halo
+    comes from the rank before in the group over cp and tp, whose ranks hold the pieces in order) and
+    the scans split their steps over cp and their channels over tp; loss, every gradient and the
+    parameters after AdamW steps equal single device."""
+    results = _on_cp(rank_pools, "hf-mamba", 4, 64, "greedy", mesh)
+    for r in results:
+        assert [p for p, _ in r["recurrences"]] == ["fwd", "fwd", "bwd", "bwd"], r["recurrences"]
+        assert all(on["cp"] == "S(1)" for _, on in r["recurrences"]), r["recurrences"]
+        if "tp" in mesh:
+            forward = [on for p, on in r["convolutions"] if p == "fwd"]
+            assert forward == [{"cp": "S(2)", "tp": "S(2)"}] * 2, r["convolutions"]
