@@ -321,6 +321,15 @@ def _split_scan(op: Op, rank: RankContext) -> tuple[Any, tuple[Any, ...]] | None
     all of them, whose ranks hold its pieces in order), or the flip's per-axis groups; None for any
     other op, and for those along whole dims."""
     axes = _along_split(op, rank.mesh.names)
+    if axes and op.target in (CONV, CONV_BACKWARD):
+        x, w = op.operands[1:3] if op.target == CONV_BACKWARD else op.operands[:2]
+        assert isinstance(x.type, TensorType) and isinstance(w.type, TensorType)
+        part, reach = x.layout.local_shape(x.type.shape, rank.mesh)[2], int(w.type.shape[-1]) - 1
+        if isinstance(part, int) and part < reach:
+            raise ValueError(
+                f"{op.describe()}: each rank holds {part} positions of the sequence, fewer than the convolution "
+                f"reaches back ({reach}); use fewer ranks on {' x '.join(axes)} or a longer sequence"
+            )
     if axes:
         fn = cumsum_split if op.target == aten.cumsum.default else _SPLIT[op.target]
         return fn, (rank.group_over(axes),)

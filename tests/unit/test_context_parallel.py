@@ -9,7 +9,7 @@ from functools import cache
 import pytest
 import torch
 
-from meshfold import CompileOptions, CompileResult, capture, compile_model, ir
+from meshfold import DEFAULT_PIPELINE, CompileOptions, CompileResult, capture, compile_model, ir
 from meshfold.backends.eager import RankContext, lower
 from meshfold.backends.ring_lowering import kernel_backward, kernel_forward
 from meshfold.passes import PassError
@@ -158,3 +158,20 @@ def test_the_solve_keeps_a_long_sequence_split_through_convolutions_and_scans() 
     lowered = lower(graph, RankContext(graph.mesh, (1,), ("cp-group",)))
     called = {n.target for m in (lowered.forward, lowered.backward) for n in m.graph.nodes}
     assert {causal_conv1d_split, affine_scan_split, causal_conv1d_backward_split, affine_scan_backward_split} <= called
+
+
+@pytest.mark.hf
+def test_a_convolution_split_finer_than_its_reach_is_refused_when_lowered() -> None:
+    """hf-mamba's model on one sequence of 8 over cp=4 with the greedy choice: its convolutions (filters
+    of 4) split by sequence would leave each rank 2 positions, fewer than the 3 a position reads back,
+    so lowering refuses, naming the op and what to do (on every rank alike, before the program runs)."""
+    from meshfold.tools.bench.recurrences import build as mamba
+
+    net, inputs = mamba(8, 32)
+    greedy = DEFAULT_PIPELINE.replace("sharding", "sharding{mode=greedy}")
+    options = CompileOptions.of(mesh="cp=4", plan="cp", pipeline=greedy)
+    graph = compile_model(capture(net, inputs), None, options).graph
+    assert graph.mesh is not None
+    refusal = r"causal_conv1d at backbone.layers.0.mixer .*holds 2 positions.*back \(3\); use fewer ranks on cp"
+    with pytest.raises(ValueError, match=refusal):
+        lower(graph, RankContext(graph.mesh, (1,), ("cp-group",)))
