@@ -90,3 +90,32 @@ def storage_bytes(tensors: Iterable[torch.Tensor]) -> int:
         s = local.untyped_storage()
         seen[s.data_ptr()] = s.nbytes()
     return sum(seen.values())
+
+
+def train_step(model: Any, inputs: tuple[torch.Tensor, ...]) -> float:
+    """One forward + backward of ``model`` (returning its loss) from cleared gradients; the loss."""
+    model.zero_grad(set_to_none=True)
+    loss = model(*inputs)
+    loss.backward()
+    loss = loss.detach()
+    return float(loss.to_local() if hasattr(loss, "to_local") else loss)
+
+
+def timed_steps(
+    model: Any, inputs: tuple[torch.Tensor, ...], steps: int, barrier: bool
+) -> tuple[list[float], float]:
+    """Wall times of ``steps`` :func:`train_step` calls after one warm-up call, and the last loss;
+    ``barrier``: every rank starts and ends each step together (``torch.distributed.barrier``)."""
+    import torch.distributed as dist
+
+    loss = train_step(model, inputs)
+    times = []
+    for _ in range(steps):
+        if barrier:
+            dist.barrier()
+        t0 = time.perf_counter()
+        loss = train_step(model, inputs)
+        if barrier:
+            dist.barrier()
+        times.append(time.perf_counter() - t0)
+    return times, loss

@@ -37,32 +37,10 @@ import torch
 import torch.distributed as dist
 
 from meshfold.tools.bench.eager_vs_dtensor import Config, build, gloo_rank, spawn_ranks
-from meshfold.tools.measure import peak_new_bytes
+from meshfold.tools.measure import peak_new_bytes, timed_steps, train_step
 
 METHODS = ("ring", "tokenring", "ulysses")
 SIM_METHODS = ("ring", "tokenring", "ulysses")
-
-
-def _step(model: Any, inputs: tuple[torch.Tensor, ...]) -> float:
-    model.zero_grad(set_to_none=True)
-    loss = model(*inputs)
-    loss.backward()
-    return float(loss.detach().to_local() if hasattr(loss.detach(), "to_local") else loss.detach())
-
-
-def _timed(model: Any, inputs: tuple[torch.Tensor, ...], steps: int, barrier: bool) -> tuple[list[float], float]:
-    """Step times (after one warm-up step) and the loss."""
-    loss = _step(model, inputs)
-    times = []
-    for _ in range(steps):
-        if barrier:
-            dist.barrier()
-        t0 = time.perf_counter()
-        loss = _step(model, inputs)
-        if barrier:
-            dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return times, loss
 
 
 def _splits(graph: Any) -> list[str]:
@@ -90,12 +68,12 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
         compile_s = time.perf_counter() - t0
         out: dict[str, Any] = {"compile_s": compile_s, "splits": _splits(pm.graph())}
         if opts["memory"]:
-            _step(pm, inputs)
-            peak = torch.tensor([peak_new_bytes(lambda: _step(pm, inputs))], dtype=torch.float64)
+            train_step(pm, inputs)
+            peak = torch.tensor([peak_new_bytes(lambda: train_step(pm, inputs))], dtype=torch.float64)
             dist.all_reduce(peak, op=dist.ReduceOp.MAX)
             out["peak"] = float(peak)
         else:
-            times, loss = _timed(pm, inputs, opts["steps"], barrier=True)
+            times, loss = timed_steps(pm, inputs, opts["steps"], barrier=True)
             out |= {"times": times, "loss": loss}
         if rank == 0:
             queue.put(out)
@@ -108,9 +86,9 @@ def _baseline(cfg: Config, steps: int, memory: bool) -> dict[str, Any]:
     try:
         model, inputs = build(cfg)
         if memory:
-            _step(model, inputs)
-            return {"peak": float(peak_new_bytes(lambda: _step(model, inputs)))}
-        times, loss = _timed(model, inputs, steps, barrier=False)
+            train_step(model, inputs)
+            return {"peak": float(peak_new_bytes(lambda: train_step(model, inputs)))}
+        times, loss = timed_steps(model, inputs, steps, barrier=False)
         return {"times": times, "loss": loss}
     finally:
         torch.set_num_threads(threads)

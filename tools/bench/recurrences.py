@@ -32,40 +32,16 @@ import torch
 import torch.distributed as dist
 
 from meshfold.tools.bench.eager_vs_dtensor import Config, gloo_rank, spawn_ranks
-from meshfold.tools.measure import peak_new_bytes
+from meshfold.tools.measure import peak_new_bytes, timed_steps, train_step
 
 
 def build(seq: int, hidden: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     """``hf-mamba``'s model, ``hidden`` wide, on one seeded sequence of ``seq`` tokens."""
-    from transformers import MambaConfig, MambaForCausalLM
+    from meshfold.tools.zoo.hf import hf_mamba
 
-    from meshfold.tools.zoo.hf import _hf_causal_lm
-
-    config = {"vocab_size": 256, "hidden_size": hidden, "state_size": 8, "num_hidden_layers": 2}
-    model, _ = _hf_causal_lm(MambaConfig, MambaForCausalLM, config, intermediate_size=2 * hidden, use_mambapy=False)
+    model, _ = hf_mamba(hidden)
     ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(0))
     return model, (ids, ids.clone())
-
-
-def _step(model: Any, inputs: tuple[torch.Tensor, ...]) -> float:
-    model.zero_grad(set_to_none=True)
-    loss = model(*inputs)
-    loss.backward()
-    return float(loss.detach())
-
-
-def _timed(model: Any, inputs: tuple[torch.Tensor, ...], steps: int, barrier: bool) -> tuple[list[float], float]:
-    loss = _step(model, inputs)
-    times = []
-    for _ in range(steps):
-        if barrier:
-            dist.barrier()
-        t0 = time.perf_counter()
-        loss = _step(model, inputs)
-        if barrier:
-            dist.barrier()
-        times.append(time.perf_counter() - t0)
-    return times, loss
 
 
 def _placements(graph: Any) -> list[str]:
@@ -92,8 +68,8 @@ def _rank_main(rank: int, world: int, port: int, _cfg: dict[str, Any], opts: dic
         greedy = DEFAULT_PIPELINE.replace("sharding", "sharding{mode=greedy}")
         pm = parallelize(model, mesh, inputs, plan="cp", pipeline=greedy)
         out: dict[str, Any] = {"compile_s": time.perf_counter() - t0, "placements": _placements(pm.graph())}
-        times, loss = _timed(pm, inputs, opts["steps"], barrier=True)
-        peak = torch.tensor([peak_new_bytes(lambda: _step(pm, inputs))], dtype=torch.float64)
+        times, loss = timed_steps(pm, inputs, opts["steps"], barrier=True)
+        peak = torch.tensor([peak_new_bytes(lambda: train_step(pm, inputs))], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         out |= {"times": times, "loss": loss, "peak": float(peak)}
         if rank == 0:
@@ -105,8 +81,8 @@ def _baseline(seq: int, hidden: int, steps: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     try:
         model, inputs = build(seq, hidden)
-        times, loss = _timed(model, inputs, steps, barrier=False)
-        return {"times": times, "loss": loss, "peak": float(peak_new_bytes(lambda: _step(model, inputs)))}
+        times, loss = timed_steps(model, inputs, steps, barrier=False)
+        return {"times": times, "loss": loss, "peak": float(peak_new_bytes(lambda: train_step(model, inputs)))}
     finally:
         torch.set_num_threads(threads)
 

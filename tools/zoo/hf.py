@@ -280,7 +280,12 @@ def _hf_mamba() -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """transformers' MambaForCausalLM (two layers; each a short causal convolution, then the selective
     state-space scan HF runs token by token without its kernels: every state entry decays by its own
     factor), with random weights."""
+    return hf_mamba(32)
+
+
+def hf_mamba(hidden: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
+    """:func:`_hf_mamba` ``hidden`` wide (intermediate ``2 * hidden``) on the zoo's token inputs."""
     from transformers import MambaConfig, MambaForCausalLM
 
-    config = {"vocab_size": 256, "hidden_size": 32, "state_size": 8, "num_hidden_layers": 2}
-    return _hf_causal_lm(MambaConfig, MambaForCausalLM, config, intermediate_size=64, use_mambapy=False)
+    config = {"vocab_size": 256, "hidden_size": hidden, "state_size": 8, "num_hidden_layers": 2}
+    return _hf_causal_lm(MambaConfig, MambaForCausalLM, config, intermediate_size=2 * hidden, use_mambapy=False)
