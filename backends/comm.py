@@ -27,6 +27,7 @@ from meshfold.ir.ops import (
     ALL_REDUCE,
     ALL_TO_ALL,
     PARTIAL,
+    PPERMUTE,
     REDUCE_SCATTER,
     REDUCE_SCATTER_BUCKET,
     SHARD,
@@ -113,6 +114,8 @@ def issue(
         rows = [local[0][split] // size] * size
         call = g.call_function(c10d.all_to_all_single.default, (to_front(g, x, split), rows, rows, group))
         return Issued(call, lambda g, out: [_side_by_side(g, out, size, split, concat, local[0])])
+    if target == PPERMUTE:
+        return _permute(g, x, int(op.kwarg("dim")), tuple(op.kwarg("order")), size, coord, group, local[0])  # type: ignore[arg-type]
     if target == SHARD:
         return Issued(None, results=(chunk(g, x, int(op.kwarg("dim")), size, coord),))
     if target == PARTIAL:
@@ -163,6 +166,35 @@ def _side_by_side(g: fx.Graph, arrived: fx.Node, n: int, split: int, concat: int
     merged[at] *= n
     whole = g.call_function(aten.reshape.default, (beside, merged))
     return contiguous(g, g.call_function(aten.movedim.int, (whole, 0, split))) if split else whole
+
+
+def _permute(
+    g: fx.Graph, x: fx.Node, dim: int, order: tuple[int, ...], n: int, coord: int, group: str, shape: list[int]
+) -> Issued:
+    """``comm.ppermute`` as one all-to-all with uneven splits: this rank's ``k`` pieces of ``dim``
+    (``k = len(order) / n``) each sent to the rank whose slot ``j`` takes it (``order[j]``), in the
+    order of those slots, and the pieces its own slots take received from their holders, put in
+    slot order after."""
+    k = len(order) // n
+    rows = shape[dim] // k
+    pieces = g.call_function(aten.chunk.default, (to_front(g, x, dim), k, 0))
+    mine = range(coord * k, coord * k + k)
+    # NOTE: sent in order of the slot that takes each piece (slots of lower ranks first)
+    sent = sorted((j, order[j] - coord * k) for j in range(len(order)) if order[j] in mine)
+    send = g.call_function(aten.cat.default, ([g.call_function(operator.getitem, (pieces, i)) for _, i in sent],))
+    out_rows = [rows * sum(1 for j in mine if order[j] // k == r) for r in range(n)]
+    in_rows = [rows * sum(1 for j, _ in sent if j // k == r) for r in range(n)]
+    call = g.call_function(c10d.all_to_all_single.default, (send, out_rows, in_rows, group))
+    # NOTE: what arrives is by sending rank, each rank's pieces in slot order: the same sort
+    arrived = sorted(mine, key=lambda j: (order[j] // k, j))
+
+    def placed(g: fx.Graph, got: fx.Node) -> list[fx.Node]:
+        parts = g.call_function(aten.chunk.default, (got, k, 0))
+        at = {j: i for i, j in enumerate(arrived)}
+        whole = g.call_function(aten.cat.default, ([g.call_function(operator.getitem, (parts, at[j])) for j in mine],))
+        return [from_front(g, whole, dim)]
+
+    return Issued(call, placed)
 
 
 def _averaged(g: fx.Graph, x: fx.Node, n: int, reduce: str) -> fx.Node:

@@ -37,6 +37,7 @@ from meshfold.ir.graph import Arg
 from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, TOKENS_AND_WEIGHTS
 from meshfold.ir.moe import exchange_axes as exchange_axes_of
 from meshfold.ir.ops import OFFLOAD, REDISTRIBUTE, RELOAD, WAIT
+from meshfold.ir.ring import RANK_ARG
 from meshfold.ir.scan import SCAN, SCAN_BACKWARD
 from meshfold.passes.sharding.rules.common import int_arg, norm_dim, op_arg
 
@@ -224,6 +225,8 @@ def _emit(
         node = g.call_function(site, tuple(_load(a, env) for a in op.args), {k: _load(v, env) for k, v in op.kwargs})
         return _unpacked(g, op, node)
     args, kwargs = table.local_args(op, rank.mesh)
+    if op.target in RANK_ARG:
+        args = _ranked(op, args, rank)
     own = _split_scan(op, rank) or _ring_call(op, rank)
     if own is not None:  # NOTE: an op that communicates itself along a split dim
         fn, head = own
@@ -356,6 +359,16 @@ def _ring_call(op: Op, rank: RankContext) -> tuple[Any, tuple[Any, ...]] | None:
     axes = [a for a in rank.mesh.names if q.layout.placement(a) == seq]
     assert len(axes) <= 1, f"{op.describe()}: a sequence split over several mesh axes has no ring"
     return (RING_KERNELS[op.target], (rank.group(axes[0]), rank.cp_method)) if axes else None
+
+
+def _ranked(op: Op, args: tuple[Any, ...], rank: RankContext) -> tuple[Any, ...]:
+    """A ring step's arguments with this rank's coordinate on the axis its queries' sequence is split
+    over (``ir.ring``: the IR holds -1 there, every rank's part)."""
+    x = op.operands[0]  # NOTE: every tensor of a ring step is held alike (``rules.ring``)
+    axes = [a for a in rank.mesh.names if x.layout.placement(a) == ir.Shard(2)]
+    assert len(axes) == 1, f"{op.describe()}: a ring step's sequence is split over one mesh axis"
+    at = RANK_ARG[op.target]
+    return (*args[:at], rank.coord(axes[0]), *args[at + 1 :])
 
 
 def _exchange_call(op: Op, rank: RankContext) -> tuple[Any, tuple[Any, ...]] | None:

@@ -13,6 +13,7 @@ import torch
 from meshfold import ir
 from meshfold.ir import Graph, OpDef, Value, view_trait
 from meshfold.ir.graph import Arg
+from meshfold.ir.ring import permuted
 
 
 class InterpretError(RuntimeError):
@@ -33,7 +34,7 @@ def run_values(graph: Graph, inputs: Mapping[str, torch.Tensor], *, global_view:
 
     ``global_view``: run a sharded graph on whole (global) tensors. IR types are global, so every
     op that keeps its value (``OpDef.keeps_value``: the ``comm.*`` ops change layouts only) is the
-    identity there.
+    identity there, and ``comm.ppermute`` moves the pieces of its dim (``ir.ring.permuted``).
     """
     env: dict[Value, Any] = {}
     for i in graph.inputs:
@@ -47,6 +48,10 @@ def run_values(graph: Graph, inputs: Mapping[str, torch.Tensor], *, global_view:
     with torch.no_grad():
         for op in graph.ops:
             if isinstance(op.target, OpDef):
+                if global_view and op.target == ir.ops.PPERMUTE:  # NOTE: pieces of a split dim moved
+                    x = env[op.operands[0]]
+                    env[op.result] = permuted(x, int(op.kwarg("dim")), op.kwarg("order"))  # type: ignore[arg-type]
+                    continue
                 if global_view and op.target.keeps_value:
                     for r, x in zip(op.results, op.operands, strict=True):
                         env[r] = env[x]

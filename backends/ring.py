@@ -41,6 +41,7 @@ import torch.distributed as dist
 
 from meshfold.backends import p2p
 from meshfold.backends.ring_reach import Route, Span
+from meshfold.ir.ring import merge, repeated, summed
 
 aten = torch.ops.aten
 
@@ -101,33 +102,9 @@ def sequence_unshard(parts: list[torch.Tensor], dim: int, layout: str = "zigzag"
     return torch.cat([c for c in chunks if c is not None], dim)
 
 
-def merge(
-    out: torch.Tensor | None, lse: torch.Tensor | None, o: torch.Tensor, lo: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two softmax-normalised partial outputs over disjoint keys, merged by their log-sum-exps."""
-    if out is None or lse is None:
-        return o, lo
-    new = torch.logaddexp(lse, lo)
-    at = torch.where(torch.isneginf(new), 0.0, new)  # NOTE: rows no key has reached yet stay 0
-    return out * torch.exp(lse - at).unsqueeze(-1) + o * torch.exp(lo - at).unsqueeze(-1), new
-
-
 def seq_parts(x: torch.Tensor, n: int) -> list[torch.Tensor]:
     """``x``'s ``n`` sequence chunks (views)."""
     return list(x.chunk(n, dim=2))
-
-
-def repeated(x: torch.Tensor, times: int) -> torch.Tensor:
-    """Grouped-query keys or values, each head repeated for the query heads that read it."""
-    return x if times == 1 else x.repeat_interleave(times, dim=1)
-
-
-def summed(g: torch.Tensor, times: int) -> torch.Tensor:
-    """The gradient of ``repeated``: each head's repeats summed."""
-    if times == 1:
-        return g
-    b, h, s, d = g.shape
-    return g.view(b, h // times, times, s, d).sum(2)
 
 
 def _span(route: Route | None, rank: int) -> Span | None:

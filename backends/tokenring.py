@@ -33,13 +33,11 @@ from meshfold.backends.ring import (
     chunks_of,
     hidden,
     mask_part,
-    merge,
-    repeated,
     ring_blocks,
     seq_parts,
-    summed,
 )
 from meshfold.backends.ring_reach import Route, Span
+from meshfold.ir.ring import merge, repeated, summed
 
 aten = torch.ops.aten
 

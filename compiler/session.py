@@ -37,7 +37,7 @@ from meshfold.tracer import capture
 
 # NOTE: grows with every pass that lands. Without a mesh, sharding and boxing leave the
 # single-device graph as it is; without an expert mapping, moe-fold does.
-DEFAULT_PIPELINE = "cleanup,moe-fold,sharding,boxing,bucket,memory,overlap,verify"
+DEFAULT_PIPELINE = "cleanup,moe-fold,sharding,boxing,bucket,memory,ring-steps,overlap,verify"
 MEMORY_POLICIES = ("full", "selective", "kv", "offload")
 """What ``memory=`` takes besides a byte budget (and a per-value function, ``MemoryPolicy``)."""
 MemoryPolicy = Callable[[Saved], str]

@@ -26,6 +26,7 @@ from meshfold.ir.ops import (
     ALL_GATHER_BUCKET,
     ALL_REDUCE,
     ALL_TO_ALL,
+    PPERMUTE,
     REDUCE_SCATTER,
     REDUCE_SCATTER_BUCKET,
     RELOAD,
@@ -33,7 +34,7 @@ from meshfold.ir.ops import (
 )
 
 ASYNC_COLLECTIVES = frozenset(
-    {ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ALL_TO_ALL, ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET}
+    {ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ALL_TO_ALL, ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET, PPERMUTE}
 )
 """The collectives that move data between ranks (``comm.shard``/``comm.partial`` are local)."""
 ASYNC_OPS = ASYNC_COLLECTIVES | {RELOAD}

@@ -40,9 +40,10 @@ class OpDef:
     """One of meshfold's own ops: ``namespace.name`` with named attributes and a contract.
 
     ``keeps_value``: the op changes only how or where ranks hold a value, never the global value
-    (every ``comm.*`` and ``mem.*`` op), so on whole tensors it is the identity. ``move``/``volume``: a collective's
-    layout transfer and wire volume (None for ops without a fixed one: ``comm.redistribute``,
-    ``comm.wait``, ``comm.ppermute``, ``mem.*``).
+    (every ``comm.*`` and ``mem.*`` op but ``comm.ppermute``, which moves pieces of a split dim
+    between ranks: ``permuted``), so on whole tensors it is the identity. ``move``/``volume``: a
+    collective's layout transfer and wire volume (None for ops without a fixed one:
+    ``comm.redistribute``, ``comm.wait``, ``mem.*``).
     """
 
     namespace: str
@@ -107,8 +108,10 @@ def _declare(
     pure: bool = True,
     move: MoveFn | None = None,
     volume: VolumeFn | None = None,
+    keeps_value: bool | None = None,
 ) -> OpDef:
-    op = OpDef(namespace, name, attrs, doc, pure, namespace in ("comm", "mem"), move, volume)
+    keeps = namespace in ("comm", "mem") if keeps_value is None else keeps_value
+    op = OpDef(namespace, name, attrs, doc, pure, keeps, move, volume)
     _OWN[op.qualname] = op
     return op
 
@@ -148,6 +151,14 @@ def _shard(a: Attrs, k: int) -> tuple[Placement, Placement]:
 
 def _partial(a: Attrs, k: int) -> tuple[Placement, Placement]:
     return Replicate(), Partial(_reduce(a))
+
+
+def _permute(a: Attrs, k: int) -> tuple[Placement, Placement]:
+    return Shard(_dim(a, "dim", k)), Shard(_dim(a, "dim", k))
+
+
+def _sent_volume(b: float, n: int) -> float:
+    return b
 
 
 def _gather_volume(b: float, n: int) -> float:
@@ -212,7 +223,16 @@ REDUCE_SCATTER_BUCKET = _declare(
     _reduce_scatter,
     _scatter_volume,
 )
-PPERMUTE = _declare("comm", "ppermute", ("axis", "perm"), "send to the peer given by perm along axis")
+PPERMUTE = _declare(
+    "comm",
+    "ppermute",
+    ("axis", "dim", "order"),
+    "pieces of dim (split over axis) moved between ranks: the result's piece j is the operand's piece order[j]",
+    True,
+    _permute,
+    _sent_volume,
+    keeps_value=False,
+)
 WAIT = _declare("comm", "wait", (), "wait for an asynchronous collective's (or reload's) result")
 REDISTRIBUTE = _declare(
     "comm", "redistribute", (), "the operand in the result's layout; boxing lowers it to collectives"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from meshfold.passes.base import Pass
 from meshfold.passes.cleanup import Cleanup
+from meshfold.passes.cp.steps import RingSteps
 from meshfold.passes.memory import Memory
 from meshfold.passes.moe.fold import MoeFold
 from meshfold.passes.schedule.bucket import Bucket
@@ -12,7 +13,7 @@ from meshfold.passes.sharding.boxing import Boxing
 from meshfold.passes.sharding.propagate import Sharding
 from meshfold.passes.verify import Verify
 
-_PASSES: tuple[type[Pass], ...] = (Cleanup, MoeFold, Sharding, Boxing, Bucket, Memory, Overlap, Verify)
+_PASSES: tuple[type[Pass], ...] = (Cleanup, MoeFold, Sharding, Boxing, Bucket, Memory, RingSteps, Overlap, Verify)
 
 
 def default_registry() -> dict[str, type[Pass]]:

@@ -101,9 +101,7 @@ def train_step(model: Any, inputs: tuple[torch.Tensor, ...]) -> float:
     return float(loss.to_local() if hasattr(loss, "to_local") else loss)
 
 
-def timed_steps(
-    model: Any, inputs: tuple[torch.Tensor, ...], steps: int, barrier: bool
-) -> tuple[list[float], float]:
+def timed_steps(model: Any, inputs: tuple[torch.Tensor, ...], steps: int, barrier: bool) -> tuple[list[float], float]:
     """Wall times of ``steps`` :func:`train_step` calls after one warm-up call, and the last loss;
     ``barrier``: every rank starts and ends each step together (``torch.distributed.barrier``)."""
     import torch.distributed as dist

@@ -10,6 +10,9 @@ the copy stream, beside the collectives' one); a list scheduler over the time mo
   ``prefetch`` segments before the segment of its first use (a segment: consecutive ops of one
   block, ``layers.3``, or of the code between blocks); the backward runs its blocks in reverse, so
   its prefetch looks the other way by itself;
+* a ``comm.ppermute`` of what a collective brought (ring attention's keys passed on,
+  ``passes/cp/steps.py``) starts once the op before that block's first reader has run: it travels
+  while the reader computes, and a rank holds two blocks of the ring, not all of them;
 * a reload (its operand, the host copy, the forward made) starts as late as lets its copy end
   before its first reader by the time model, the copy stream taking the reloads in the order of
   their readers, and no earlier than the reader of the reload before it: the copy is hidden under
@@ -45,7 +48,7 @@ from typing import ClassVar
 from meshfold.ir import Graph, GraphBuilder, Op, Value
 from meshfold.ir.asynchrony import inflight
 from meshfold.ir.graph import local_nbytes
-from meshfold.ir.ops import RELOAD, WAIT
+from meshfold.ir.ops import PPERMUTE, RELOAD, WAIT
 from meshfold.passes.base import Pass, PassContext, PassError
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.cost.axis import axis_models
@@ -157,6 +160,7 @@ class _Scheduler:
             if not self.deps[c] and ops[c].target != RELOAD:
                 first = min(self.users[c], default=c)
                 self.opens[c] = first_op[max(segment[first] - opts.prefetch + 1, 0)]
+        self._passed_on()
         self._just_in_time(costs)
         # NOTE: a started collective holds its operands as well as its results until its wait (a
         # gradient's reduce-scatter keeps the whole unreduced gradient alive)
@@ -181,6 +185,25 @@ class _Scheduler:
         self.handles: dict[int, tuple[Value, ...]] = {}
         self.issuable: set[int] = set()  # NOTE: collectives whose operands exist and whose window is open
         self.by_size: list[tuple[float, int]] = []  # NOTE: a heap of them by bytes held (entries go stale)
+
+    def _passed_on(self) -> None:
+        """Make each ``comm.ppermute`` of what a collective brought (a block passed on round a ring) wait
+        for the last computing op before that block's first reader here: it travels on while that
+        reader computes, as a ring kernel passes it, so a rank holds the block it computes on and
+        the one on its way, not every block of the ring at once."""
+        before, last = [], -1
+        for k in range(len(self.ops)):
+            before.append(last)
+            if k not in self.comm:
+                last = k
+        for c in self.comm:
+            if self.ops[c].target != PPERMUTE:
+                continue
+            readers = [u for d in self.deps[c] if d in self.comm for u in self.users[d] if u not in self.comm]
+            k = before[min(readers)] if readers else -1
+            if 0 <= k < c and k not in self.deps[c]:  # NOTE: earlier in the phase's order: no cycle
+                self.deps[c].append(k)
+                self.users[k].append(c)
 
     def _just_in_time(self, costs: Costs) -> None:
         """Open each reload's window as late as lets its copy end by its first reader's start, the copy
@@ -223,8 +246,11 @@ class _Scheduler:
         while True:
             while closed and closed[0][0] <= self.reached:
                 self._issuable(heapq.heappop(closed)[1])
-            for c in self._issue():
-                available(c)
+            started = self._issue()
+            while started:  # NOTE: a collective of what one just started brought (a block passed on) starts too
+                for c in started:
+                    available(c)
+                started = self._issue()
             if ready:
                 k = self._pick(ready)
                 ready.remove(k)

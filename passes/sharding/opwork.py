@@ -12,6 +12,7 @@ from torch.utils.flop_counter import flop_registry
 
 from meshfold.ir import Op, TensorType, Value
 from meshfold.ir.graph import Arg
+from meshfold.ir.ring import step_area
 from meshfold.ir.symbolic import size_hint
 
 
@@ -61,6 +62,8 @@ def op_flops(op: Op) -> float:
         diagonal = True in op.args or dict(op.kwargs).get("diagonal") is True
         fwd = 2.0 * size_hint(states.numel()) * (1 if diagonal else size_hint(states.shape[-2]))
         return 3 * fwd if name.endswith("backward") else fwd
+    if name.startswith("meshfold.ring_step"):
+        return _ring_step_flops(op, backward=name.endswith("backward"))
     if "attention" in name:
         q, k = (v.type for v in op.operands[:2])
         assert isinstance(q, TensorType) and isinstance(k, TensorType)
@@ -69,6 +72,17 @@ def op_flops(op: Op) -> float:
         fwd = 4.0 * b * h * s * size_hint(k.shape[-2]) * d
         return fwd * 2.5 if "backward" in name else fwd
     return 0.0
+
+
+def _ring_step_flops(op: Op, backward: bool) -> float:
+    """One ring step of every rank (``ir.ring.step_area``): ``4 b h d L^2`` over the blocks' share of
+    the score matrix; 2.5 times that backward."""
+    q = op.operands[1 if backward else 0].type
+    assert isinstance(q, TensorType)
+    b, h, s, d = (size_hint(x) for x in q.shape)
+    size, step, causal, zigzag = op.args[7:11] if backward else op.args[4:8]
+    fwd = 4.0 * b * h * s * s * d * step_area(int(size), int(step), bool(causal), bool(zigzag))  # type: ignore[arg-type]
+    return 2.5 * fwd if backward else fwd
 
 
 def _experts_flops(op: Op, backward: bool) -> float:

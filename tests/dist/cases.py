@@ -148,7 +148,13 @@ def _reference_experts(model: torch.nn.Module, moe: dict[str, Any] | None) -> co
 
 
 def verify_mode(
-    model: str, shape: tuple[int, ...], names: tuple[str, ...], plan: Any, corrupt: str = "", moe: Any = None
+    model: str,
+    shape: tuple[int, ...],
+    names: tuple[str, ...],
+    plan: Any,
+    corrupt: str = "",
+    moe: Any = None,
+    cp: Any = None,
 ) -> str:
     """``verify=True`` on a correct compilation passes; with one rank's shard of ``corrupt`` perturbed,
     every rank raises the same error naming the first value that differs. Returns the error text."""
@@ -157,7 +163,7 @@ def verify_mode(
     warnings.filterwarnings("ignore")
     mesh = device_mesh(tuple(shape), tuple(names))
     net, inputs = build(model)
-    pm = parallelize(net, mesh, inputs, plan=plan, verify=True, moe=moe)
+    pm = parallelize(net, mesh, inputs, plan=plan, verify=True, moe=moe, cp=cp)
     if corrupt and torch.distributed.get_rank() == 1:
         with torch.no_grad():
             dict(pm.named_parameters())[corrupt].to_local().add_(1.0)

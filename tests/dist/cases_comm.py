@@ -12,6 +12,7 @@ import torch.fx as fx
 from meshfold import ir
 from meshfold.backends.comm import issue, local_shapes
 from meshfold.ir.ops import ALL_TO_ALL
+from meshfold.ir.ring import permuted
 from meshfold.passes.cost.memory import rank_memory
 from meshfold.tools.measure import settled_peak_new_bytes
 
@@ -51,3 +52,28 @@ def all_to_all(shape: tuple[int, ...], concat: int, split: int) -> dict[str, Any
         # NOTE: while the all-to-all runs (the caller holds the input, so it is not counted in either)
         "estimated": next(during for name, during in est.timeline if name.startswith("comm.all_to_all")),
     }
+
+
+def ppermute(shape: tuple[int, ...], dim: int, order: tuple[int, ...]) -> dict[str, Any]:
+    """``comm.ppermute`` over every rank of a value split along ``dim``: this rank's result against its
+    slice of the whole tensor with its pieces moved (``ir.ring.permuted``), as the IR reads it."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dims = ", ".join(map(str, shape))
+    graph = ir.parse(
+        f"""graph @moved mesh<x={world}> {{
+  input %a : f32[{dims}] {{x: S({dim})}}
+  %b = comm.ppermute(%a, axis="x", dim={dim}, order={list(order)}) : f32[{dims}] {{x: S({dim})}}  # m fwd
+  output out(0) = %b
+}}
+"""
+    )
+    assert graph.mesh is not None
+    (op,) = graph.ops
+    g = fx.Graph()
+    x = g.placeholder("x")
+    group = dist.distributed_c10d._get_default_group().group_name
+    g.output(issue(g, op, [x], world, group, rank, local_shapes(op, graph.mesh)).complete(g)[0])
+    whole = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
+    got = fx.GraphModule(torch.nn.Module(), g)(whole.chunk(world, dim)[rank].contiguous())
+    want = permuted(whole, dim, op.kwarg("order")).chunk(world, dim)[rank]  # type: ignore[arg-type]
+    return {"equal": torch.equal(got, want), "contiguous": got.is_contiguous()}

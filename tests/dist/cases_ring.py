@@ -130,7 +130,9 @@ def compiled_attention(
     parameters after AdamW steps equal single device), and how each forward attention of the
     compiled program reads its queries on each mesh axis: ``sequence`` (ring attention), ``heads``,
     ``batch`` or ``whole``; and, per running sum (``cumsum``), the dim it scans and its operand's
-    placement on ``cp``."""
+    placement on ``cp``; per phase, the ring steps and ``comm.ppermute`` ops (``passes/cp/steps.py``)."""
+    from meshfold.ir.ops import PPERMUTE
+    from meshfold.ir.ring import RING_STEP, RING_STEP_BACKWARD
     from meshfold.passes.sharding.rules.attention import RESULT_ROLES
     from meshfold.tools.zoo import build
     from tests.dist.cases import equivalence, token_inputs
@@ -158,12 +160,18 @@ def compiled_attention(
     out["senders"] = sorted(senders)
     splits = []
     for op in graph.ops:
-        if op.target in RESULT_ROLES and op.prov.phase == "fwd":
+        first_step = op.target == RING_STEP and op.args[5] == 0  # NOTE: ring attention written as its steps
+        if (op.target in RESULT_ROLES or first_step) and op.prov.phase == "fwd":
             q = op.operands[0]
             rank = q.type.rank
             kinds = {rank - 2: "sequence", 1: "heads", 0: "batch"}
             splits.append({a: kinds.get(getattr(q.layout.placement(a), "dim", -1), "whole") for a in graph.mesh.names})
     out["attention"] = splits
+    out["ring_steps"] = {
+        phase: (sum(op.target in (RING_STEP, RING_STEP_BACKWARD) for op in ops), sum(op.target == PPERMUTE for op in ops))
+        for phase in ("fwd", "bwd")
+        for ops in [[op for op in graph.ops if op.prov.phase == phase]]
+    }
     out["scans"] = [
         (op.prov.phase, op.args[1], str(op.operands[0].layout.placement("cp")))
         for op in graph.ops

@@ -22,3 +22,23 @@ def test_all_to_all_moves_each_block_to_its_rank(
     for rank, r in enumerate(results):
         assert r["equal"] and r["contiguous"], (rank, r)
         assert abs(r["estimated"] - r["measured"]) <= 0.01 * r["measured"], (rank, r)
+
+
+# NOTE: (shape, dim, order) on 4 ranks: the ring's shift; the zigzag split of 8 half-chunks
+# (ir.ring.zigzag_order(4)) and its inverse; pieces staying home beside pieces swapped, along dim 0
+MOVES = [
+    ((2, 3, 16, 4), 2, (3, 0, 1, 2)),
+    ((2, 3, 16, 4), 2, (0, 7, 6, 1, 2, 5, 4, 3)),
+    ((2, 3, 16, 4), 2, (0, 3, 4, 7, 6, 5, 2, 1)),
+    ((8, 5), 0, (1, 0, 2, 3)),
+]
+
+
+@pytest.mark.parametrize(("shape", "dim", "order"), MOVES, ids=["shift", "zigzag", "unzigzag", "swap-dim0"])
+def test_ppermute_moves_each_piece_to_its_slot(
+    rank_pools: RankPools, shape: tuple[int, ...], dim: int, order: tuple[int, ...]
+) -> None:
+    """``comm.ppermute``: each rank ends with exactly the pieces its slots take (``order``), contiguous."""
+    results = rank_pools.get(4).run("tests.dist.cases_comm:ppermute", shape=shape, dim=dim, order=order)
+    for rank, r in enumerate(results):
+        assert r["equal"] and r["contiguous"], (rank, r)

@@ -12,6 +12,15 @@ def test_verify_passes_on_a_correct_compilation(rank_pools: RankPools) -> None:
     assert errors == ["", "", "", ""]
 
 
+def test_verify_checks_ring_attention_step_by_step(rank_pools: RankPools) -> None:
+    """Ring attention written as its steps (``passes/cp/steps.py``): every rank's keys after each pass,
+    each step's partial output and each merge agree with the whole-tensor reference."""
+    errors = rank_pools.get(4).run(
+        "tests.dist.cases:verify_mode", model="llama-tiny", shape=(4,), names=("cp",), plan="cp", cp="ring"
+    )
+    assert errors == ["", "", "", ""]
+
+
 def test_verify_names_the_first_value_that_differs(rank_pools: RankPools) -> None:
     errors = rank_pools.get(2).run(
         "tests.dist.cases:verify_mode", model="mlp", shape=(2,), names=("tp",), plan="tp", corrupt="fc2.weight"

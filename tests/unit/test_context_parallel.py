@@ -12,6 +12,8 @@ import torch
 from meshfold import DEFAULT_PIPELINE, CompileOptions, CompileResult, capture, compile_model, ir
 from meshfold.backends.eager import RankContext, lower
 from meshfold.backends.ring_lowering import kernel_backward, kernel_forward
+from meshfold.ir.ops import PPERMUTE
+from meshfold.ir.ring import RANK_ARG, RING_STEP, RING_STEP_BACKWARD
 from meshfold.passes import PassError
 from meshfold.passes.cp import CpSpec
 from meshfold.passes.sharding.problem import solve_report
@@ -32,7 +34,12 @@ def _compiled(method: str, mesh: str = "cp=4") -> CompileResult:
 
 
 def _queries(graph: ir.Graph) -> list[str]:
-    fwd = [op for op in graph.ops if "scaled_dot_product" in op.name and op.prov.phase == "fwd"]
+    """The layout of each forward attention's queries (ring attention written as steps: its first)."""
+    fwd = [
+        op
+        for op in graph.ops
+        if ("scaled_dot_product" in op.name or (op.target == RING_STEP and op.args[5] == 0)) and op.prov.phase == "fwd"
+    ]
     return [str(op.operands[0].layout) for op in fwd]
 
 
@@ -60,7 +67,15 @@ def test_the_method_decides_how_every_attention_reads_the_split_sequence(method:
     ``[B, H, S, D]``), so no all-to-all moves them; ``ulysses``: an all-to-all splits them by heads
     instead. The plan report says which."""
     result = _compiled(method)
-    assert solve_report(result.stats)[-1] == f"context parallel on 'cp': attention split {report}"
+    lines = solve_report(result.stats)
+    assert f"context parallel on 'cp': attention split {report}" in lines, lines
+    steps = [line for line in lines if "ring attentions as" in line]
+    # NOTE: the kernel is called causal with no mask tensor: ring attention is written as its steps
+    want = [
+        "context parallel on 'cp': 2 ring attentions as 4 steps each, their keys and values passed by "
+        "comm.ppermute ops the overlap pass schedules"
+    ]
+    assert steps == (want if method == "ring" else []), lines
     graph = result.graph
     assert {str(i.value.layout) for i in graph.inputs if i.kind == "input"} == {"{cp: S(1)}"}
     queries = _queries(graph)
@@ -71,8 +86,10 @@ def test_the_method_decides_how_every_attention_reads_the_split_sequence(method:
 
 def test_a_sequence_split_attention_lowers_to_ring_attention_over_the_cp_group() -> None:
     """Lowering calls the ring kernels (forward and backward, with the cp axis's process group and the
-    method: ring attention or TokenRing) for each attention whose queries are split along the
-    sequence, and the plain kernel otherwise."""
+    method) for each attention whose queries are split along the sequence and that runs as one op
+    (TokenRing), the plain kernel otherwise; ring attention written as its steps calls each step
+    with this rank's coordinate on the axis, and each ``comm.ppermute`` is one all-to-all over the
+    cp group."""
     for method, ring in (("ring", True), ("tokenring", True), ("ulysses", False)):
         graph = _compiled(method, "cp=2").graph
         assert graph.mesh is not None
@@ -83,6 +100,12 @@ def test_a_sequence_split_attention_lowers_to_ring_attention_over_the_cp_group()
         attention = [op for op in graph.ops if "scaled_dot_product" in op.name]
         assert len(rings) == (len(attention) if ring else 0)
         assert all(n.args[:2] == ("cp-group", run) for n in rings)
+        steps = [n for n in calls if n.target in (RING_STEP, RING_STEP_BACKWARD)]
+        permutes = [op for op in graph.ops if op.target == PPERMUTE]
+        exchanges = [n for n in calls if n.target == torch.ops._c10d_functional.all_to_all_single.default]
+        assert bool(steps) == (method == "ring") and not (method == "ring" and attention)
+        assert all(n.args[RANK_ARG[n.target]] == 1 for n in steps)  # NOTE: the IR holds -1 (every rank's part)
+        assert len([n for n in exchanges if n.args[3] == "cp-group"]) >= len(permutes)
 
 
 def test_ring_refuses_an_attention_it_cannot_split_by_name() -> None:

@@ -7,14 +7,16 @@ The model is ``eager_vs_dtensor``'s Llama-style one (GQA, RoPE, SwiGLU; the kern
 on ONE sequence, so only the sequence can be split. Figures are printed, never asserted:
 
 1. Step time: the model compiled for ``--world`` gloo ranks (one thread each) under ``plan="cp"``
-   with ``cp={"method": m}`` for ``ring``, ``tokenring`` and ``ulysses``, and the plain model in this process (one
+   with ``cp={"method": m}`` for ``ring`` (written as its steps, and as one kernel: ``METHODS``),
+   ``tokenring`` and ``ulysses``, and the plain model in this process (one
    thread) as the baseline measured in the same run: the median forward + backward after a
    warm-up step, its ratio to the baseline, the load average, how the compiled program's attention
    reads its queries (``sequence`` for ring attention and TokenRing, ``heads`` for Ulysses) and the loss
    against the baseline's.
 2. Memory: at ``--memory-seq`` the measured peak of one forward + backward (the CPU allocator's
    own count of bytes above what was live before it, the largest over the ranks) on 1 (the plain
-   model), 2 and 4 ranks under ring attention, and its ratio to one device's beside ``1/cp``.
+   model), 2 and 4 ranks under ring attention (as steps and as one kernel), and its ratio to one
+   device's beside ``1/cp``.
    Parameters and gradients are the same on every rank (cp splits the tokens only), so the
    activations are what shrink.
 3. The simulator: a Llama3-8B-shaped model at 131,072 tokens per sequence on H100 and Ascend 910C
@@ -36,10 +38,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshfold.session import DEFAULT_PIPELINE
 from meshfold.tools.bench.eager_vs_dtensor import Config, build, gloo_rank, spawn_ranks
 from meshfold.tools.measure import peak_new_bytes, timed_steps, train_step
 
-METHODS = ("ring", "tokenring", "ulysses")
+METHODS = ("ring", "ring-kernel", "tokenring", "ulysses")
+"""``ring``: ring attention written as its steps (``passes/cp/steps.py``: the keys' passes are ops of
+the program, scheduled by ``overlap``); ``ring-kernel``: the same, run as one kernel that passes
+them itself (the pipeline without ``ring-steps``)."""
+KERNEL_PIPELINE = DEFAULT_PIPELINE.replace("ring-steps,", "")
 SIM_METHODS = ("ring", "tokenring", "ulysses")
 
 
@@ -47,7 +54,8 @@ def _splits(graph: Any) -> list[str]:
     """How each forward attention of ``graph`` reads its queries on the ``cp`` axis."""
     out = []
     for op in graph.ops:
-        if "scaled_dot_product" in op.name and op.prov.phase == "fwd":
+        first_step = op.name == "meshfold.ring_step" and op.args[5] == 0
+        if ("scaled_dot_product" in op.name or first_step) and op.prov.phase == "fwd":
             q = op.operands[0]
             dim = getattr(q.layout.placement("cp"), "dim", None)
             out.append({q.type.rank - 2: "sequence", 1: "heads", 0: "batch"}.get(dim, "whole"))
@@ -64,7 +72,9 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("cp",))
         model, inputs = build(cfg)
         t0 = time.perf_counter()
-        pm = parallelize(model, mesh, inputs, plan="cp", cp={"method": opts["method"]})
+        method, kernel = opts["method"].removesuffix("-kernel"), opts["method"].endswith("-kernel")
+        pipeline = KERNEL_PIPELINE if kernel else DEFAULT_PIPELINE
+        pm = parallelize(model, mesh, inputs, plan="cp", cp={"method": method}, pipeline=pipeline)
         compile_s = time.perf_counter() - t0
         out: dict[str, Any] = {"compile_s": compile_s, "splits": _splits(pm.graph())}
         if opts["memory"]:
@@ -112,15 +122,18 @@ def measured(cfg: Config, world: int, steps: int) -> None:
 
 
 def memory(cfg: Config, worlds: tuple[int, ...]) -> None:
-    """Part 2: peak bytes of one step per rank against one device."""
+    """Part 2: peak bytes of one step per rank against one device, ring attention as steps and as one kernel."""
     print(f"\n== memory: one sequence of {cfg.seq} tokens, peak of one forward + backward per rank (ring attention)")
     base = _baseline(cfg, 1, memory=True)["peak"]
-    print(f"{'ranks':<8} {'peak MiB':>9} {'ratio':>7} {'1/cp':>6} {'load':>5}")
-    print(f"{1:<8} {base / 2**20:>9.1f} {1.0:>7.3f} {1.0:>6.3f} {os.getloadavg()[0]:>5.2f}")
+    print(f"{'ranks':<8} {'ring':<12} {'peak MiB':>9} {'ratio':>7} {'1/cp':>6} {'load':>5}")
+    print(f"{1:<8} {'-':<12} {base / 2**20:>9.1f} {1.0:>7.3f} {1.0:>6.3f} {os.getloadavg()[0]:>5.2f}")
     for world in worlds:
-        got = spawn_ranks(_rank_main, world, cfg, {"method": "ring", "steps": 0, "memory": True})
-        peak = got["peak"]
-        print(f"{world:<8} {peak / 2**20:>9.1f} {peak / base:>7.3f} {1 / world:>6.3f} {os.getloadavg()[0]:>5.2f}")
+        for method in ("ring", "ring-kernel"):
+            got = spawn_ranks(_rank_main, world, cfg, {"method": method, "steps": 0, "memory": True})
+            peak = got["peak"]
+            how = "as steps" if method == "ring" else "one kernel"
+            load = os.getloadavg()[0]
+            print(f"{world:<8} {how:<12} {peak / 2**20:>9.1f} {peak / base:>7.3f} {1 / world:>6.3f} {load:>5.2f}")
 
 
 def simulated() -> None:

@@ -21,6 +21,7 @@ from meshfold.passes.sharding.rules import (
     norm,
     pointwise,
     reduction,
+    ring,
     scan,
     shape,
     softmax,
@@ -45,6 +46,7 @@ FAMILIES: tuple[RuleSet, ...] = (
     moe.RULES,
     scan.RULES,
     conv.RULES,
+    ring.RULES,
 )
 
 Source = Literal["rule", "dtensor", "replicate"]
