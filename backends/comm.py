@@ -174,27 +174,41 @@ def _permute(
     """``comm.ppermute`` as one all-to-all with uneven splits: this rank's ``k`` pieces of ``dim``
     (``k = len(order) / n``) each sent to the rank whose slot ``j`` takes it (``order[j]``), in the
     order of those slots, and the pieces its own slots take received from their holders, put in
-    slot order after."""
+    slot order after. One piece per rank (a ring's pass) moves whole, as it lies: no copy."""
     k = len(order) // n
-    rows = shape[dim] // k
-    pieces = g.call_function(aten.chunk.default, (to_front(g, x, dim), k, 0))
     mine = range(coord * k, coord * k + k)
     # NOTE: sent in order of the slot that takes each piece (slots of lower ranks first)
     sent = sorted((j, order[j] - coord * k) for j in range(len(order)) if order[j] in mine)
-    send = g.call_function(aten.cat.default, ([g.call_function(operator.getitem, (pieces, i)) for _, i in sent],))
+    # NOTE: what arrives is by sending rank, each rank's pieces in slot order: the same sort
+    arrived = sorted(mine, key=lambda j: (order[j] // k, j))
+    if k == 1:
+        size = math.prod(shape)
+        flat = g.call_function(aten.reshape.default, (x, [-1]))
+        out = [size if order[coord] == r else 0 for r in range(n)]
+        into = [size if sent[0][0] == r else 0 for r in range(n)]
+        call = g.call_function(c10d.all_to_all_single.default, (flat, out, into, group))
+        return Issued(call, lambda g, got: [g.call_function(aten.view.default, (got, shape))])
+    rows = shape[dim] // k
+    front = to_front(g, x, dim)
+    pieces = g.call_function(aten.chunk.default, (front, k, 0))
+    in_order = [i for _, i in sent] == list(range(k))
+    send = front if in_order else g.call_function(aten.cat.default, ([_at(g, pieces, i) for _, i in sent],))
     out_rows = [rows * sum(1 for j in mine if order[j] // k == r) for r in range(n)]
     in_rows = [rows * sum(1 for j, _ in sent if j // k == r) for r in range(n)]
     call = g.call_function(c10d.all_to_all_single.default, (send, out_rows, in_rows, group))
-    # NOTE: what arrives is by sending rank, each rank's pieces in slot order: the same sort
-    arrived = sorted(mine, key=lambda j: (order[j] // k, j))
 
     def placed(g: fx.Graph, got: fx.Node) -> list[fx.Node]:
+        if arrived == list(mine):
+            return [from_front(g, got, dim)]
         parts = g.call_function(aten.chunk.default, (got, k, 0))
         at = {j: i for i, j in enumerate(arrived)}
-        whole = g.call_function(aten.cat.default, ([g.call_function(operator.getitem, (parts, at[j])) for j in mine],))
-        return [from_front(g, whole, dim)]
+        return [from_front(g, g.call_function(aten.cat.default, ([_at(g, parts, at[j]) for j in mine],)), dim)]
 
     return Issued(call, placed)
+
+
+def _at(g: fx.Graph, parts: fx.Node, i: int) -> fx.Node:
+    return g.call_function(operator.getitem, (parts, i))
 
 
 def _averaged(g: fx.Graph, x: fx.Node, n: int, reduce: str) -> fx.Node:

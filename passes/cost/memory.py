@@ -47,6 +47,7 @@ from meshfold.ir.ops import (
     ALL_REDUCE,
     ALL_TO_ALL,
     OFFLOAD,
+    PPERMUTE,
     REDUCE_SCATTER,
     REDUCE_SCATTER_BUCKET,
     WAIT,
@@ -109,7 +110,7 @@ def rank_memory(graph: Graph, optimizer_states: int = 2, *, cluster: Cluster | N
             live += sum(size[i.value] for i in graph.inputs if i.kind == "tangent")
         new = {root[r] for r in op.results if root[r] is r and r not in resident}
         # NOTE: a wait also ends its start's operands that the call was handed as they are
-        used = (*op.operands, *(_handed(waits[op]) if op in waits else ()))
+        used = (*op.operands, *(_handed(waits[op], mesh) if op in waits else ()))
         dying = {root[u] for u in used} - resident - new
         dying = {r for r in dying if end.get(r) == k}
         made, freed = sum(size[r] for r in new), sum(size[r] for r in dying)
@@ -160,7 +161,7 @@ def _last_uses(graph: Graph, schedule: list[Op], root: dict[Value, Value], waits
     for k, op in enumerate(schedule):
         for r in op.results:
             end.setdefault(root[r], k)  # NOTE: an unused result is freed right after its op
-        for u in (*op.operands, *(_handed(waits[op]) if op in waits else ())):
+        for u in (*op.operands, *(_handed(waits[op], graph.mesh) if op in waits and graph.mesh else ())):
             saved = op.prov.phase != "fwd" and produced_in[u]
             end[root[u]] = last_index if saved else max(end.get(root[u], k), k)
     for o in graph.outputs:
@@ -168,9 +169,12 @@ def _last_uses(graph: Graph, schedule: list[Op], root: dict[Value, Value], waits
     return end
 
 
-def _handed(op: Op) -> tuple[Value, ...]:
+def _handed(op: Op, mesh: Mesh) -> tuple[Value, ...]:
     """The operands a started collective's lowering hands to the call as they are (no copy first):
-    a gather, reduce-scatter or all-to-all of a leading dim. An all-reduce works on its own copy."""
+    a gather, reduce-scatter or all-to-all of a leading dim, a ppermute of one piece per rank. An
+    all-reduce works on its own copy."""
+    if op.target == PPERMUTE:
+        return op.operands if _one_piece(op, mesh) else ()
     if op.target in (ALL_GATHER, REDUCE_SCATTER, ALL_TO_ALL) and op.kwarg("reduce") != "max":
         dim = op.kwarg("concat_dim", op.kwarg("dim", 0))
         return op.operands if dim == 0 else ()
@@ -182,9 +186,18 @@ def _staging(op: Op, size: dict[Value, int], mesh: Mesh, gloo: bool) -> int:
     contiguous copy of a non-leading dim; gloo's flat gather buffer), alive until its wait."""
     if op.target in (ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET):
         return sum(size[u] for u in op.operands)
+    if op.target == PPERMUTE and _one_piece(op, mesh):
+        return 0
     dim = op.kwarg("concat_dim", op.kwarg("dim", 0))
     flat = _flat(op, size, mesh) if gloo else 0
     return flat + (sum(size[u] for u in op.operands) if isinstance(dim, int) and dim else 0)
+
+
+def _one_piece(op: Op, mesh: Mesh) -> bool:
+    """A ``comm.ppermute`` that moves each rank's part whole (its lowering hands it over as it lies)."""
+    order = op.kwarg("order")
+    assert isinstance(order, (tuple, list))
+    return len(order) == mesh.size(str(op.kwarg("axis")))
 
 
 def _flat(op: Op, size: dict[Value, int], mesh: Mesh) -> int:

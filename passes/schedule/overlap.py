@@ -187,10 +187,13 @@ class _Scheduler:
         self.by_size: list[tuple[float, int]] = []  # NOTE: a heap of them by bytes held (entries go stale)
 
     def _passed_on(self) -> None:
-        """Make each ``comm.ppermute`` of what a collective brought (a block passed on round a ring) wait
-        for the last computing op before that block's first reader here: it travels on while that
-        reader computes, as a ring kernel passes it, so a rank holds the block it computes on and
-        the one on its way, not every block of the ring at once."""
+        """Tie each ``comm.ppermute`` of a ring to the compute stream: one of what a collective brought
+        (a block passed on round a ring) waits for the last computing op before that block's first
+        reader here, so it travels while that reader computes, as a ring kernel passes it, and a
+        rank holds the block it computes on and the one on its way, not every block of the ring;
+        one of the phase's inputs only (the backward's move of saved values to the zigzag split)
+        waits for the last computing op before its own first reader, where a kernel would move them,
+        instead of a prefetch window that holds the copies through the layer's other work."""
         before, last = [], -1
         for k in range(len(self.ops)):
             before.append(last)
@@ -199,11 +202,14 @@ class _Scheduler:
         for c in self.comm:
             if self.ops[c].target != PPERMUTE:
                 continue
-            readers = [u for d in self.deps[c] if d in self.comm for u in self.users[d] if u not in self.comm]
+            brought = [d for d in self.deps[c] if d in self.comm]
+            held = brought if brought else ([] if self.deps[c] else [c])
+            readers = [u for d in held for u in self.users[d] if u not in self.comm]
             k = before[min(readers)] if readers else -1
             if 0 <= k < c and k not in self.deps[c]:  # NOTE: earlier in the phase's order: no cycle
                 self.deps[c].append(k)
                 self.users[k].append(c)
+                self.opens.pop(c, None)
 
     def _just_in_time(self, costs: Costs) -> None:
         """Open each reload's window as late as lets its copy end by its first reader's start, the copy
