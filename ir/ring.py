@@ -13,9 +13,11 @@ on whole tensors, ``parallelize(verify=True)``). Two orders serve the ring:
   of ``2n``) to the balanced one: rank ``r`` holds half-chunks ``r`` and ``2n-1-r``, the even one
   first (``held``). Under a causal mask each rank then has the same work at every step.
 
-``ring_step(q, k, v, rank, size, step, causal, zigzag, scale) -> (out, lse)``: the blocks rank
-``rank`` of ``size`` computes at ring step ``step``, when it holds the keys and values of rank
-``rank - step``: each of its query chunks against each held key chunk that comes before it (whole),
+``ring_step(q, k, v, rank, size, step, causal, zigzag, scale, qstep) -> (out, lse)``: the blocks
+rank ``rank`` of ``size`` computes when it holds the queries of rank ``rank - qstep`` (its own under
+ring attention; another's under TokenRing, ``qstep = s`` at step ``s``, its own keys ``step = 0``)
+and the keys and values of rank ``rank - step`` (ring attention's step ``step``): each held query
+chunk against each held key chunk that comes before it (whole),
 is it (causal), or any of them without a causal mask; merged within the step by log-sum-exp, a row
 no block reached has output 0 and log-sum-exp ``-inf``. ``lse_merge`` merges two steps' results.
 ``ring_step_backward(grad, q, k, v, out, lse, ...) -> (dq, dk, dv)``: the same blocks' gradients
@@ -65,9 +67,9 @@ def permuted(x: torch.Tensor, dim: int, order: Sequence[int]) -> torch.Tensor:
     return torch.cat([pieces[i] for i in order], dim)
 
 
-def shift_order(n: int) -> tuple[int, ...]:
-    """Rank ``r`` receives the piece of rank ``r - 1``."""
-    return tuple((r - 1) % n for r in range(n))
+def shift_order(n: int, by: int = 1) -> tuple[int, ...]:
+    """Rank ``r`` receives the piece of rank ``r - by``."""
+    return tuple((r - by) % n for r in range(n))
 
 
 def held(rank: int, n: int, zigzag: bool) -> tuple[int, ...]:
@@ -88,9 +90,9 @@ def inverse(order: Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def blocks(rank: int, n: int, step: int, causal: bool, zigzag: bool) -> list[tuple[int, int, bool]]:
+def blocks(rank: int, n: int, step: int, causal: bool, zigzag: bool, qstep: int = 0) -> list[tuple[int, int, bool]]:
     """``(query chunk, key chunk, causal)`` (local indices) of the blocks ``ring_step`` computes."""
-    mine, theirs = held(rank, n, zigzag), held((rank - step) % n, n, zigzag)
+    mine, theirs = held((rank - qstep) % n, n, zigzag), held((rank - step) % n, n, zigzag)
     out = []
     for qi, a in enumerate(mine):
         for ki, b in enumerate(theirs):
@@ -101,11 +103,12 @@ def blocks(rank: int, n: int, step: int, causal: bool, zigzag: bool) -> list[tup
     return out
 
 
-def step_area(n: int, step: int, causal: bool, zigzag: bool) -> float:
-    """The share of the whole ``L x L`` score matrix all ranks' blocks of ``step`` cover (a causal block
+def step_area(n: int, step: int, causal: bool, zigzag: bool, qstep: int = 0) -> float:
+    """The share of the whole ``L x L`` score matrix all ranks' blocks of one step cover (a causal block
     counts half)."""
     per = 1.0 / (n * (2 if zigzag else 1)) ** 2
-    return sum(per * (0.5 if c else 1.0) for r in range(n) for _, _, c in blocks(r, n, step, causal, zigzag))
+    pairs = (blocks(r, n, step, causal, zigzag, qstep) for r in range(n))
+    return sum(per * (0.5 if c else 1.0) for b in pairs for _, _, c in b)
 
 
 def _lse_dtype(q: torch.Tensor) -> torch.dtype:
@@ -131,11 +134,12 @@ def _forward(
     causal: bool,
     zigzag: bool,
     scale: float | None,
+    qstep: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     n, times = 2 if zigzag else 1, q.shape[1] // k.shape[1]
     qs, ks, vs = q.chunk(n, 2), repeated(k, times).chunk(n, 2), repeated(v, times).chunk(n, 2)
     got: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * n
-    for qi, ki, c in blocks(rank, size, step, causal, zigzag):
+    for qi, ki, c in blocks(rank, size, step, causal, zigzag, qstep):
         o, lo, *_ = aten._scaled_dot_product_flash_attention_for_cpu(qs[qi], ks[ki], vs[ki], 0.0, c, scale=scale)
         got[qi] = merge(*got[qi], o, lo)
     outs, lses = [], []
@@ -156,16 +160,18 @@ def ring_step(
     causal: bool,
     zigzag: bool,
     scale: float | None = None,
+    qstep: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """See the module doc."""
+    how = (size, step, causal, zigzag, scale, qstep)
     if rank >= 0:
-        return _forward(q, k, v, rank, size, step, causal, zigzag, scale)
-    out, lse = _each_rank(lambda r, *xs: _forward(*xs, r, size, step, causal, zigzag, scale), (q, k, v), size)
+        return _forward(q, k, v, rank, *how)
+    out, lse = _each_rank(lambda r, *xs: _forward(*xs, r, *how), (q, k, v), size)
     return out, lse
 
 
 @ring_step.register_fake
-def _(q, k, v, rank, size, step, causal, zigzag, scale=None):  # type: ignore[no-untyped-def]
+def _(q, k, v, rank, size, step, causal, zigzag, scale=None, qstep=0):  # type: ignore[no-untyped-def]
     return torch.empty_like(q), q.new_empty(q.shape[:-1], dtype=_lse_dtype(q))
 
 
@@ -182,13 +188,14 @@ def _backward(
     causal: bool,
     zigzag: bool,
     scale: float | None,
+    qstep: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     n, times = 2 if zigzag else 1, q.shape[1] // k.shape[1]
     gs, qs, os_, ls = (x.chunk(n, 2) for x in (grad.contiguous(), q, out, lse))
     ks, vs = repeated(k, times).chunk(n, 2), repeated(v, times).chunk(n, 2)
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     dqs, dks, dvs = dq.chunk(n, 2), dk.chunk(n, 2), dv.chunk(n, 2)
-    for qi, ki, c in blocks(rank, size, step, causal, zigzag):
+    for qi, ki, c in blocks(rank, size, step, causal, zigzag, qstep):
         gq, gk, gv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
             gs[qi], qs[qi], ks[ki], vs[ki], os_[qi], ls[qi], 0.0, c, scale=scale
         )
@@ -212,9 +219,10 @@ def ring_step_backward(
     causal: bool,
     zigzag: bool,
     scale: float | None = None,
+    qstep: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """See the module doc."""
-    how = (size, step, causal, zigzag, scale)
+    how = (size, step, causal, zigzag, scale, qstep)
     if rank >= 0:
         return _backward(grad, q, k, v, out, lse, rank, *how)
     dq, dk, dv = _each_rank(lambda r, *xs: _backward(*xs, r, *how), (grad, q, k, v, out, lse), size)
@@ -222,7 +230,7 @@ def ring_step_backward(
 
 
 @ring_step_backward.register_fake
-def _(grad, q, k, v, out, lse, rank, size, step, causal, zigzag, scale=None):  # type: ignore[no-untyped-def]
+def _(grad, q, k, v, out, lse, rank, size, step, causal, zigzag, scale=None, qstep=0):  # type: ignore[no-untyped-def]
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
@@ -245,3 +253,10 @@ LSE_MERGE = torch.ops.meshfold.lse_merge.default
 RANKED = (RING_STEP, RING_STEP_BACKWARD)
 """The ops whose ``rank`` argument (index ``RANK_ARG``) a backend fills with the rank's coordinate."""
 RANK_ARG = {RING_STEP: 3, RING_STEP_BACKWARD: 6}
+
+
+def first_step(op: object) -> bool:
+    """Whether ``op`` (an IR op) is the first step of an attention written as steps: ``ring_step`` on
+    the rank's own queries and keys (one per attention, as the kernel it replaced)."""
+    args = getattr(op, "args", ())
+    return getattr(op, "target", None) == RING_STEP and args[5] == 0 and (len(args) < 10 or args[9] == 0)

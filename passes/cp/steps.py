@@ -4,8 +4,8 @@ the program that the overlap pass schedules beside everything else.
 An attention kernel whose queries, keys and values are split along the sequence over one mesh axis
 of ``n`` ranks (the ring strategy, ``rules.attention``) runs as one op that passes the keys and
 values round the ring inside itself (``backends/ring_lowering.py``). Where its schedule is fixed
-before anything runs (no mask tensor, whose reach is known only from its contents; no dropout), and
-``cp={"method": ...}`` is not TokenRing, this pass replaces the forward kernel by (``ir.ring``)::
+before anything runs (no mask tensor, whose reach is known only from its contents; no dropout),
+this pass replaces the forward kernel by (``ir.ring``)::
 
     q, k, v = ppermute(q, k, v; zigzag)           # causal only: every rank the same work
     out, lse = ring_step(q, k, v; step 0)
@@ -22,6 +22,13 @@ the one before it, so the overlap pass starts it before the step that computes m
 
 Forward and backward pass the keys and values each (the backward does not keep the forward's
 copies: that would hold ``n`` blocks of them). The zigzag exchanges are ``ppermute``s of half-chunks.
+
+Under ``cp={"method": "tokenring"}`` the keys and values stay and the queries travel instead
+(``_TokenSteps``): at step ``s`` rank ``r`` gets the queries of rank ``r - s`` straight from their
+owner (``shift_order(n, s)``), computes them against its own keys (``ring_step``'s ``qstep``) and
+sends the result and its log-sum-exp straight back (``shift_order(n, -s)``), where it is merged;
+every step's queries may travel at once. Backward: queries, the output's gradient, the output and
+its log-sum-exp travel; the query gradients come back; the key and value gradients stay.
 """
 
 from __future__ import annotations
@@ -56,8 +63,9 @@ class RingSteps(Pass):
     invalidates: ClassVar[frozenset[str]] = frozenset()
 
     def apply(self, ctx: PassContext, graph: Graph) -> Graph:
-        if graph.mesh is None or method_of(ctx) == "tokenring":
+        if graph.mesh is None:
             return graph
+        steps = _TokenSteps if method_of(ctx) == "tokenring" else _Steps
         rings = {op: axis for op in graph.ops if (axis := ring_axis(graph, op)) is not None}
         if not rings:
             return graph
@@ -68,23 +76,25 @@ class RingSteps(Pass):
             if axis is None:
                 b.append(op)
             else:
-                _Steps(b, op, axis, graph.mesh.size(axis), names).emit()
+                steps(b, op, axis, graph.mesh.size(axis), names).emit()
         for o in graph.outputs:
             b.add_output(o.kind, o.name, o.value)
-        _report(ctx, {a: graph.mesh.size(a) for a in graph.mesh.names}, rings)
+        _report(ctx, {a: graph.mesh.size(a) for a in graph.mesh.names}, rings, method_of(ctx))
         return b.build()
 
 
-def _report(ctx: PassContext, sizes: dict[str, int], rings: dict[Op, str]) -> None:
+def _report(ctx: PassContext, sizes: dict[str, int], rings: dict[Op, str], method: str) -> None:
     """A plan report line per axis (``passes.sharding.problem.solve_report``): how many forward
     attentions run as steps."""
     lines = []
+    what = "queries and results" if method == "tokenring" else "keys and values"
+    kind = "TokenRing attentions" if method == "tokenring" else "ring attentions"
     for axis in sizes:
         n = sum(1 for op, a in rings.items() if a == axis and op.target == FORWARD)
         if n:
             lines.append(
-                f"context parallel on {axis!r}: {n} ring attentions as {sizes[axis]} steps each, their keys and "
-                "values passed by comm.ppermute ops the overlap pass schedules"
+                f"context parallel on {axis!r}: {n} {kind} as {sizes[axis]} steps each, their {what} "
+                "passed by comm.ppermute ops the overlap pass schedules"
             )
     before = ctx.stats.get("cp.attention")
     ctx.stats["cp.attention"] = (*(before if isinstance(before, tuple) else ()), *lines)
@@ -152,8 +162,8 @@ class _Steps:
             for x, r in zip(xs, into, strict=True):
                 self._permute(x, inverse(zigzag_order(self.n)), "home", r)
 
-    def _how(self, step: int) -> tuple[object, ...]:
-        return (-1, self.n, step, self.causal, self.causal, self.scale)
+    def _how(self, step: int, qstep: int = 0) -> tuple[object, ...]:
+        return (-1, self.n, step, self.causal, self.causal, self.scale, qstep)
 
     def _forward(self) -> None:
         q, k, v = self.op.operands[:3]
@@ -189,4 +199,41 @@ class _Steps:
         # NOTE: the last holder sends them home, one more shift on
         (dk,) = self._call(_ADD, (dk, self._permute(ak, shift, "back")), [dk], "back", self._last([dk_r]))
         (dv,) = self._call(_ADD, (dv, self._permute(av, shift, "back")), [dv], "back", self._last([dv_r]))
+        self._home([dq, dk, dv], [dq_r, dk_r, dv_r])
+
+
+class _TokenSteps(_Steps):
+    """Writes one attention op's TokenRing steps into ``b``: the keys and values stay; at step ``s`` the
+    queries of rank ``r - s`` come to rank ``r`` (``shift_order(n, s)``: every step's straight from
+    their owner, all at once) and the step's results go straight back (``shift_order(n, -s)``) to be
+    merged there. Backward: the queries, the output's gradient, the output and its log-sum-exp travel
+    the same way, the query gradients come back, the key and value gradients add up where they are."""
+
+    def _forward(self) -> None:
+        q, k, v = self.op.operands[:3]
+        out, lse = self.op.results[:2]
+        q, k, v = self._zigzag([q, k, v])
+        o, lo = self._call(RING_STEP, (q, k, v, *self._how(0)), [out, lse], "s0")
+        for s in range(1, self.n):
+            there = self._permute(q, shift_order(self.n, s), f"t{s}")
+            os_, ls = self._call(RING_STEP, (there, k, v, *self._how(0, s)), [out, lse], f"s{s}")
+            back = [self._permute(x, shift_order(self.n, -s), "back") for x in (os_, ls)]
+            last = self._last([out, lse]) if s == self.n - 1 else None
+            o, lo = self._call(LSE_MERGE, (o, lo, *back), [out, lse], f"m{s}", last)
+        self._home([o, lo], [out, lse])
+
+    def _backward(self) -> None:
+        grad, q, k, v, out, lse = self.op.operands[:6]
+        dq_r, dk_r, dv_r = self.op.results[:3]
+        grad, q, k, v, out, lse = self._zigzag([grad, q, k, v, out, lse])
+        dq, dk, dv = self._call(RING_STEP_BACKWARD, (grad, q, k, v, out, lse, *self._how(0)), [q, k, v], "g0")
+        for s in range(1, self.n):
+            g_s, q_s, o_s, l_s = (self._permute(x, shift_order(self.n, s), f"t{s}") for x in (grad, q, out, lse))
+            args = (g_s, q_s, k, v, o_s, l_s, *self._how(0, s))
+            gq, gk, gv = self._call(RING_STEP_BACKWARD, args, [q, k, v], f"g{s}")
+            last = s == self.n - 1
+            (dk,) = self._call(_ADD, (dk, gk), [dk], f"g{s}", self._last([dk_r]) if last else None)
+            (dv,) = self._call(_ADD, (dv, gv), [dv], f"g{s}", self._last([dv_r]) if last else None)
+            back = self._permute(gq, shift_order(self.n, -s), "back")
+            (dq,) = self._call(_ADD, (dq, back), [dq], f"g{s}", self._last([dq_r]) if last else None)
         self._home([dq, dk, dv], [dq_r, dk_r, dv_r])

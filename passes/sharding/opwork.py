@@ -80,8 +80,11 @@ def _ring_step_flops(op: Op, backward: bool) -> float:
     q = op.operands[1 if backward else 0].type
     assert isinstance(q, TensorType)
     b, h, s, d = (size_hint(x) for x in q.shape)
-    size, step, causal, zigzag = op.args[7:11] if backward else op.args[4:8]
-    fwd = 4.0 * b * h * s * s * d * step_area(int(size), int(step), bool(causal), bool(zigzag))  # type: ignore[arg-type]
+    at = 7 if backward else 4
+    size, step, causal, zigzag = op.args[at : at + 4]
+    qstep = op.args[at + 5] if len(op.args) > at + 5 else 0  # NOTE: after the scale
+    area = step_area(int(size), int(step), bool(causal), bool(zigzag), int(qstep))  # type: ignore[arg-type]
+    fwd = 4.0 * b * h * s * s * d * area
     return 2.5 * fwd if backward else fwd
 
 

@@ -132,7 +132,7 @@ def compiled_attention(
     ``batch`` or ``whole``; and, per running sum (``cumsum``), the dim it scans and its operand's
     placement on ``cp``; per phase, the ring steps and ``comm.ppermute`` ops (``passes/cp/steps.py``)."""
     from meshfold.ir.ops import PPERMUTE
-    from meshfold.ir.ring import RING_STEP, RING_STEP_BACKWARD
+    from meshfold.ir.ring import RING_STEP, RING_STEP_BACKWARD, first_step
     from meshfold.passes.sharding.rules.attention import RESULT_ROLES
     from meshfold.tools.zoo import build
     from tests.dist.cases import equivalence, token_inputs
@@ -160,8 +160,7 @@ def compiled_attention(
     out["senders"] = sorted(senders)
     splits = []
     for op in graph.ops:
-        first_step = op.target == RING_STEP and op.args[5] == 0  # NOTE: ring attention written as its steps
-        if (op.target in RESULT_ROLES or first_step) and op.prov.phase == "fwd":
+        if (op.target in RESULT_ROLES or first_step(op)) and op.prov.phase == "fwd":
             q = op.operands[0]
             rank = q.type.rank
             kinds = {rank - 2: "sequence", 1: "heads", 0: "batch"}

@@ -92,17 +92,20 @@ def test_cp_method_equals_single_device(rank_pools: RankPools, case: tuple[Any, 
         moe=moe,
     )
     kernel = {"ulysses": set(), "tokenring": {"tokenring.py"}}.get(method, {"ring.py"})
-    # NOTE: ring attention with no mask tensor is written out as its steps (passes/cp/steps.py): its
-    # keys travel by comm.ppermute ops of the program, not from inside a kernel
-    steps = method == "ring" and model == "llama-tiny"
+    # NOTE: ring attention and TokenRing with no mask tensor are written out as their steps
+    # (passes/cp/steps.py): the keys (the queries and results) travel by comm.ppermute ops of the
+    # program, not from inside a kernel
+    steps = method in ("ring", "tokenring") and model == "llama-tiny"
     cp = dict(zip(names, shape, strict=True))["cp"]
     for r in results:
         assert r["attention"], "no attention in the compiled program"
         assert all(s["cp"] == SPLIT[method] for s in r["attention"]), r["attention"]
         if steps:
             layers = len(r["attention"])
-            # NOTE: per layer forward: cp steps; q, k, v to the zigzag split, (cp - 1) x 2 shifts, out and lse back
-            assert r["ring_steps"]["fwd"] == (cp * layers, (3 + 2 * (cp - 1) + 2) * layers), r["ring_steps"]
+            # NOTE: per layer forward: cp steps; q, k, v to the zigzag split, per step after the first the
+            # keys and values on (ring) or the queries there and output and lse back (TokenRing), out and lse home
+            per_step = 3 if method == "tokenring" else 2
+            assert r["ring_steps"]["fwd"] == (cp * layers, (3 + per_step * (cp - 1) + 2) * layers), r["ring_steps"]
             assert r["ring_steps"]["bwd"][0] == cp * layers, r["ring_steps"]
             assert set(r["senders"]) == set(), r["senders"]
         else:

@@ -13,7 +13,7 @@ from meshfold import DEFAULT_PIPELINE, CompileOptions, CompileResult, capture, c
 from meshfold.backends.eager import RankContext, lower
 from meshfold.backends.ring_lowering import kernel_backward, kernel_forward
 from meshfold.ir.ops import PPERMUTE
-from meshfold.ir.ring import RANK_ARG, RING_STEP, RING_STEP_BACKWARD
+from meshfold.ir.ring import RANK_ARG, RING_STEP, RING_STEP_BACKWARD, first_step
 from meshfold.passes import PassError
 from meshfold.passes.cp import CpSpec
 from meshfold.passes.sharding.problem import solve_report
@@ -28,18 +28,16 @@ def _one_long_sequence() -> ir.Graph:
     return capture(net, (ids, ids.clone()))
 
 
-def _compiled(method: str, mesh: str = "cp=4") -> CompileResult:
-    options = CompileOptions.of(mesh=mesh, plan="cp", cp={"method": method})
+def _compiled(method: str, mesh: str = "cp=4", pipeline: str | None = None) -> CompileResult:
+    """``pipeline="kernel"``: without ``ring-steps`` (a sequence-split attention runs as one kernel)."""
+    steps = DEFAULT_PIPELINE if pipeline is None else DEFAULT_PIPELINE.replace("ring-steps,", "")
+    options = CompileOptions.of(mesh=mesh, plan="cp", cp={"method": method}, pipeline=steps)
     return compile_model(_one_long_sequence(), None, options)
 
 
 def _queries(graph: ir.Graph) -> list[str]:
     """The layout of each forward attention's queries (ring attention written as steps: its first)."""
-    fwd = [
-        op
-        for op in graph.ops
-        if ("scaled_dot_product" in op.name or (op.target == RING_STEP and op.args[5] == 0)) and op.prov.phase == "fwd"
-    ]
+    fwd = [op for op in graph.ops if ("scaled_dot_product" in op.name or first_step(op)) and op.prov.phase == "fwd"]
     return [str(op.operands[0].layout) for op in fwd]
 
 
@@ -69,13 +67,19 @@ def test_the_method_decides_how_every_attention_reads_the_split_sequence(method:
     result = _compiled(method)
     lines = solve_report(result.stats)
     assert f"context parallel on 'cp': attention split {report}" in lines, lines
-    steps = [line for line in lines if "ring attentions as" in line]
-    # NOTE: the kernel is called causal with no mask tensor: ring attention is written as its steps
-    want = [
-        "context parallel on 'cp': 2 ring attentions as 4 steps each, their keys and values passed by "
-        "comm.ppermute ops the overlap pass schedules"
-    ]
-    assert steps == (want if method == "ring" else []), lines
+    steps = [line for line in lines if " as 4 steps each" in line]
+    # NOTE: the kernel is called causal with no mask tensor: ring attention and TokenRing are written as steps
+    want = {
+        "ring": [
+            "context parallel on 'cp': 2 ring attentions as 4 steps each, their keys and values passed by "
+            "comm.ppermute ops the overlap pass schedules"
+        ],
+        "tokenring": [
+            "context parallel on 'cp': 2 TokenRing attentions as 4 steps each, their queries and results "
+            "passed by comm.ppermute ops the overlap pass schedules"
+        ],
+    }
+    assert steps == want.get(method, []), lines
     graph = result.graph
     assert {str(i.value.layout) for i in graph.inputs if i.kind == "input"} == {"{cp: S(1)}"}
     queries = _queries(graph)
@@ -90,20 +94,21 @@ def test_a_sequence_split_attention_lowers_to_ring_attention_over_the_cp_group()
     (TokenRing), the plain kernel otherwise; ring attention written as its steps calls each step
     with this rank's coordinate on the axis, and each ``comm.ppermute`` is one all-to-all over the
     cp group."""
-    for method, ring in (("ring", True), ("tokenring", True), ("ulysses", False)):
-        graph = _compiled(method, "cp=2").graph
+    for method, pipeline in (("ring", None), ("tokenring", None), ("tokenring", "kernel"), ("ulysses", None)):
+        graph = _compiled(method, "cp=2", pipeline).graph
         assert graph.mesh is not None
         run = "tokenring" if method == "tokenring" else "ring"
         lowered = lower(graph, RankContext(graph.mesh, (1,), ("cp-group",), cp_method=run))
         calls = [n for m in (lowered.forward, lowered.backward) for n in m.graph.nodes if n.op == "call_function"]
         rings = [n for n in calls if n.target in (kernel_forward, kernel_backward)]
         attention = [op for op in graph.ops if "scaled_dot_product" in op.name]
-        assert len(rings) == (len(attention) if ring else 0)
+        kernel = pipeline == "kernel"
+        assert len(rings) == (len(attention) if kernel else 0) and bool(attention) == (kernel or method == "ulysses")
         assert all(n.args[:2] == ("cp-group", run) for n in rings)
         steps = [n for n in calls if n.target in (RING_STEP, RING_STEP_BACKWARD)]
         permutes = [op for op in graph.ops if op.target == PPERMUTE]
         exchanges = [n for n in calls if n.target == torch.ops._c10d_functional.all_to_all_single.default]
-        assert bool(steps) == (method == "ring") and not (method == "ring" and attention)
+        assert bool(steps) == (method != "ulysses" and not kernel)
         assert all(n.args[RANK_ARG[n.target]] == 1 for n in steps)  # NOTE: the IR holds -1 (every rank's part)
         assert len([n for n in exchanges if n.args[3] == "cp-group"]) >= len(permutes)
 

@@ -89,20 +89,27 @@ def _llama() -> tuple[torch.nn.Module, torch.Tensor, ir.Graph]:
 
 
 @cache
-def _compiled(n: int, steps: bool) -> ir.Graph:
+def _compiled(n: int, steps: bool, method: str = "ring") -> ir.Graph:
     pipeline = DEFAULT_PIPELINE if steps else DEFAULT_PIPELINE.replace("ring-steps,", "")
-    options = CompileOptions.of(mesh=f"cp={n}", plan="cp", cp={"method": "ring"}, pipeline=pipeline)
+    options = CompileOptions.of(mesh=f"cp={n}", plan="cp", cp={"method": method}, pipeline=pipeline)
     return compile_model(_llama()[2], None, options).graph
 
 
+@pytest.mark.parametrize("method", ["ring", "tokenring"])
 @pytest.mark.parametrize("n", [2, 4])
-def test_ring_steps_compute_every_value_the_kernel_does_on_whole_tensors(n: int) -> None:
-    """The compiled program with the steps, run on whole tensors, gives the loss and every gradient of
-    the one-device capture, and every value it shares with the program that keeps the kernel whole."""
+def test_ring_steps_compute_every_value_the_kernel_does_on_whole_tensors(n: int, method: str) -> None:
+    """The compiled program with the steps (ring attention's, or TokenRing's: the queries travel and
+    the results come back), run on whole tensors, gives the loss and every gradient of the one-device
+    capture, and every value it shares with the program that keeps the kernel whole."""
     net, ids, captured = _llama()
     feeds = {k: v.detach() for k, v in [*net.named_parameters(), *net.named_buffers()]}
     feeds |= {i.name: ids for i in captured.inputs if i.kind == "input"}
-    steps, kernel = _compiled(n, True), _compiled(n, False)
+    steps, kernel = _compiled(n, True, method), _compiled(n, False, method)
+    shifts = {op.kwarg("order") for op in steps.ops if op.target == PPERMUTE}
+    # NOTE: TokenRing's queries go straight to the rank s on and come straight back; ring attention's
+    # keys one rank on at a time
+    hops = range(1, n) if method == "tokenring" else [1]
+    assert {shift_order(n, s) for s in hops} <= shifts
     assert any(op.target == RING_STEP for op in steps.ops) and not any(op.target == RING_STEP for op in kernel.ops)
     want = interpret(captured, feeds)
     got = run_values(steps, feeds, global_view=True)

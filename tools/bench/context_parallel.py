@@ -7,8 +7,8 @@ The model is ``eager_vs_dtensor``'s Llama-style one (GQA, RoPE, SwiGLU; the kern
 on ONE sequence, so only the sequence can be split. Figures are printed, never asserted:
 
 1. Step time: the model compiled for ``--world`` gloo ranks (one thread each) under ``plan="cp"``
-   with ``cp={"method": m}`` for ``ring`` (written as its steps, and as one kernel: ``METHODS``),
-   ``tokenring`` and ``ulysses``, and the plain model in this process (one
+   with ``cp={"method": m}`` for ``ring`` and ``tokenring`` (each written as its steps, and as one
+   kernel: ``METHODS``) and ``ulysses``, and the plain model in this process (one
    thread) as the baseline measured in the same run: the median forward + backward after a
    warm-up step, its ratio to the baseline, the load average, how the compiled program's attention
    reads its queries (``sequence`` for ring attention and TokenRing, ``heads`` for Ulysses) and the loss
@@ -38,14 +38,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from meshfold.ir.ring import first_step
 from meshfold.session import DEFAULT_PIPELINE
 from meshfold.tools.bench.eager_vs_dtensor import Config, build, gloo_rank, spawn_ranks
 from meshfold.tools.measure import peak_new_bytes, timed_steps, train_step
 
-METHODS = ("ring", "ring-kernel", "tokenring", "ulysses")
-"""``ring``: ring attention written as its steps (``passes/cp/steps.py``: the keys' passes are ops of
-the program, scheduled by ``overlap``); ``ring-kernel``: the same, run as one kernel that passes
-them itself (the pipeline without ``ring-steps``)."""
+METHODS = ("ring", "ring-kernel", "tokenring", "tokenring-kernel", "ulysses")
+"""``ring``, ``tokenring``: written as their steps (``passes/cp/steps.py``: the passes are ops of the
+program, scheduled by ``overlap``); ``-kernel``: the same, run as one kernel that passes them
+itself (the pipeline without ``ring-steps``)."""
 KERNEL_PIPELINE = DEFAULT_PIPELINE.replace("ring-steps,", "")
 SIM_METHODS = ("ring", "tokenring", "ulysses")
 
@@ -54,8 +55,7 @@ def _splits(graph: Any) -> list[str]:
     """How each forward attention of ``graph`` reads its queries on the ``cp`` axis."""
     out = []
     for op in graph.ops:
-        first_step = op.name == "meshfold.ring_step" and op.args[5] == 0
-        if ("scaled_dot_product" in op.name or first_step) and op.prov.phase == "fwd":
+        if ("scaled_dot_product" in op.name or first_step(op)) and op.prov.phase == "fwd":
             q = op.operands[0]
             dim = getattr(q.layout.placement("cp"), "dim", None)
             out.append({q.type.rank - 2: "sequence", 1: "heads", 0: "batch"}.get(dim, "whole"))
