@@ -125,9 +125,7 @@ def _each_rank(
 
 
 def _forward(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
+    xs: Sequence[torch.Tensor],
     rank: int,
     size: int,
     step: int,
@@ -136,6 +134,8 @@ def _forward(
     scale: float | None,
     qstep: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``ring_step`` on one rank: ``xs`` is ``(q, k, v)``."""
+    q, k, v = xs
     n, times = 2 if zigzag else 1, q.shape[1] // k.shape[1]
     qs, ks, vs = q.chunk(n, 2), repeated(k, times).chunk(n, 2), repeated(v, times).chunk(n, 2)
     got: list[tuple[torch.Tensor | None, torch.Tensor | None]] = [(None, None)] * n
@@ -165,8 +165,8 @@ def ring_step(
     """See the module doc."""
     how = (size, step, causal, zigzag, scale, qstep)
     if rank >= 0:
-        return _forward(q, k, v, rank, *how)
-    out, lse = _each_rank(lambda r, *xs: _forward(*xs, r, *how), (q, k, v), size)
+        return _forward((q, k, v), rank, *how)
+    out, lse = _each_rank(lambda r, *xs: _forward(xs, r, *how), (q, k, v), size)
     return out, lse
 
 
@@ -176,12 +176,7 @@ def _(q, k, v, rank, size, step, causal, zigzag, scale=None, qstep=0):  # type: 
 
 
 def _backward(
-    grad: torch.Tensor,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    out: torch.Tensor,
-    lse: torch.Tensor,
+    xs: Sequence[torch.Tensor],
     rank: int,
     size: int,
     step: int,
@@ -190,6 +185,8 @@ def _backward(
     scale: float | None,
     qstep: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ring_step_backward`` on one rank: ``xs`` is ``(grad, q, k, v, out, lse)``."""
+    grad, q, k, v, out, lse = xs
     n, times = 2 if zigzag else 1, q.shape[1] // k.shape[1]
     gs, qs, os_, ls = (x.chunk(n, 2) for x in (grad.contiguous(), q, out, lse))
     ks, vs = repeated(k, times).chunk(n, 2), repeated(v, times).chunk(n, 2)
@@ -224,8 +221,8 @@ def ring_step_backward(
     """See the module doc."""
     how = (size, step, causal, zigzag, scale, qstep)
     if rank >= 0:
-        return _backward(grad, q, k, v, out, lse, rank, *how)
-    dq, dk, dv = _each_rank(lambda r, *xs: _backward(*xs, r, *how), (grad, q, k, v, out, lse), size)
+        return _backward((grad, q, k, v, out, lse), rank, *how)
+    dq, dk, dv = _each_rank(lambda r, *xs: _backward(xs, r, *how), (grad, q, k, v, out, lse), size)
     return dq, dk, dv
 
 

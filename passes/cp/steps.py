@@ -171,11 +171,17 @@ class _Steps:
         q, k, v = self._zigzag([q, k, v])
         o, lo = self._call(RING_STEP, (q, k, v, *self._how(0)), [out, lse], "s0")
         for s in range(1, self.n):
-            k, v = (self._permute(x, shift_order(self.n), f"s{s}") for x in (k, v))
-            os_, ls = self._call(RING_STEP, (q, k, v, *self._how(s)), [out, lse], f"s{s}")
+            os_, ls, k, v = self._step(s, q, k, v, [out, lse])
             last = self._last([out, lse]) if s == self.n - 1 else None
             o, lo = self._call(LSE_MERGE, (o, lo, os_, ls), [out, lse], f"m{s}", last)
         self._home([o, lo], [out, lse])
+
+    def _step(self, s: int, q: Value, k: Value, v: Value, like: list[Value]) -> tuple[Value, Value, Value, Value]:
+        """Forward step ``s``: its output and log-sum-exp for this rank's queries, and the keys and
+        values held for the next step (ring attention: those of the rank before, passed on)."""
+        k, v = (self._permute(x, shift_order(self.n), f"s{s}") for x in (k, v))
+        os_, ls = self._call(RING_STEP, (q, k, v, *self._how(s)), like, f"s{s}")
+        return os_, ls, k, v
 
     def _backward(self) -> None:
         grad, q, k, v, out, lse = self.op.operands[:6]
@@ -209,18 +215,12 @@ class _TokenSteps(_Steps):
     merged there. Backward: the queries, the output's gradient, the output and its log-sum-exp travel
     the same way, the query gradients come back, the key and value gradients add up where they are."""
 
-    def _forward(self) -> None:
-        q, k, v = self.op.operands[:3]
-        out, lse = self.op.results[:2]
-        q, k, v = self._zigzag([q, k, v])
-        o, lo = self._call(RING_STEP, (q, k, v, *self._how(0)), [out, lse], "s0")
-        for s in range(1, self.n):
-            there = self._permute(q, shift_order(self.n, s), f"t{s}")
-            os_, ls = self._call(RING_STEP, (there, k, v, *self._how(0, s)), [out, lse], f"s{s}")
-            back = [self._permute(x, shift_order(self.n, -s), "back") for x in (os_, ls)]
-            last = self._last([out, lse]) if s == self.n - 1 else None
-            o, lo = self._call(LSE_MERGE, (o, lo, *back), [out, lse], f"m{s}", last)
-        self._home([o, lo], [out, lse])
+    def _step(self, s: int, q: Value, k: Value, v: Value, like: list[Value]) -> tuple[Value, Value, Value, Value]:
+        """The queries of the rank ``s`` before against this rank's keys; the results back to them."""
+        there = self._permute(q, shift_order(self.n, s), f"t{s}")
+        os_, ls = self._call(RING_STEP, (there, k, v, *self._how(0, s)), like, f"s{s}")
+        back_o, back_l = (self._permute(x, shift_order(self.n, -s), "back") for x in (os_, ls))
+        return back_o, back_l, k, v
 
     def _backward(self) -> None:
         grad, q, k, v, out, lse = self.op.operands[:6]
