@@ -247,13 +247,14 @@ def _(out, lse, o, lo):  # type: ignore[no-untyped-def]
 RING_STEP = torch.ops.meshfold.ring_step.default
 RING_STEP_BACKWARD = torch.ops.meshfold.ring_step_backward.default
 LSE_MERGE = torch.ops.meshfold.lse_merge.default
-RANKED = (RING_STEP, RING_STEP_BACKWARD)
-"""The ops whose ``rank`` argument (index ``RANK_ARG``) a backend fills with the rank's coordinate."""
 RANK_ARG = {RING_STEP: 3, RING_STEP_BACKWARD: 6}
+"""The ops whose ``rank`` argument (at this index) a backend fills with the rank's coordinate."""
 
 
 def first_step(op: object) -> bool:
     """Whether ``op`` (an IR op) is the first step of an attention written as steps: ``ring_step`` on
     the rank's own queries and keys (one per attention, as the kernel it replaced)."""
-    args = getattr(op, "args", ())
-    return getattr(op, "target", None) == RING_STEP and args[5] == 0 and (len(args) < 10 or args[9] == 0)
+    args: Sequence[object] = getattr(op, "args", ())
+    if getattr(op, "target", None) != RING_STEP:
+        return False
+    return args[5] == 0 and (len(args) < 10 or args[9] == 0)

@@ -44,7 +44,8 @@ def test_context_parallel_equals_single_device(
 # over fsdp x cp); plan="auto" on one sequence of 2048 chooses the sequence split and ring attention itself; on 8 ranks ring attention over cp=4 beside tp=2; TokenRing with a mask and with the kernel's causal flag;
 # hf-llama-padded: a padding mask beside the causal one (a sequence padded on the left: its first rows
 # see no key at all; one on the right), ring attention and TokenRing, float64; hf-llama-eager: HF's eager
-# attention (softmax(QKᵀ)V written out), fused at capture and split by sequence like the others
+# attention (softmax(QKᵀ)V written out), fused at capture and split by sequence like the others;
+# llama-tiny's ring attention as steps (no mask tensor) beside fsdp, and on 8 ranks beside tp
 RING_CASES = [
     ("hf-llama", (4,), ("cp",), "cp", "ring", (1, 32), False, None),
     ("hf-llama", (2, 2), ("cp", "tp"), "cp+tp", "ring", (1, 32), False, None),
@@ -63,6 +64,8 @@ RING_CASES = [
     ("hf-llama-padded", (4,), ("cp",), "cp", "tokenring", None, True, None),
     ("hf-llama-eager", (4,), ("cp",), "cp", "ring", (1, 32), False, None),
     ("hf-llama-eager", (2, 2), ("cp", "tp"), "cp+tp", "tokenring", (1, 32), False, None),
+    ("llama-tiny", (2, 2), ("dp", "cp"), "fsdp+cp", "ring", (2, 32), True, None),
+    ("llama-tiny", (4, 2), ("cp", "tp"), "cp+tp", "ring", (1, 32), True, None),
 ]
 SPLIT = {"ring": "sequence", "tokenring": "sequence", "auto": "sequence", "ulysses": "heads", None: "sequence"}
 
