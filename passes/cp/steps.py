@@ -24,11 +24,12 @@ Forward and backward pass the keys and values each (the backward does not keep t
 copies: that would hold ``n`` blocks of them). The zigzag exchanges are ``ppermute``s of half-chunks.
 
 Under ``cp={"method": "tokenring"}`` the keys and values stay and the queries travel instead
-(``_TokenSteps``): at step ``s`` rank ``r`` gets the queries of rank ``r - s`` straight from their
-owner (``shift_order(n, s)``), computes them against its own keys (``ring_step``'s ``qstep``) and
-sends the result and its log-sum-exp straight back (``shift_order(n, -s)``), where it is merged;
-every step's queries may travel at once. Backward: queries, the output's gradient, the output and
-its log-sum-exp travel; the query gradients come back; the key and value gradients stay.
+(``_TokenSteps``), one way round the ring: at step ``s`` rank ``r`` holds the queries of rank
+``r - s`` (passed on one rank per step, like ring attention's keys, so they travel while the step
+before computes), computes them against its own keys (``ring_step``'s ``qstep``) and sends the
+result and its log-sum-exp straight back the other way (``shift_order(n, -s)``), where it is merged.
+Backward: the queries, the output's gradient, the output and its log-sum-exp go round; the query
+gradients come straight back; the key and value gradients stay.
 """
 
 from __future__ import annotations
@@ -170,18 +171,25 @@ class _Steps:
         out, lse = self.op.results[:2]
         q, k, v = self._zigzag([q, k, v])
         o, lo = self._call(RING_STEP, (q, k, v, *self._how(0)), [out, lse], "s0")
+        held = self._travels(q, k, v)
         for s in range(1, self.n):
-            os_, ls, k, v = self._step(s, q, k, v, [out, lse])
+            os_, ls, held = self._step(s, q, k, v, held, [out, lse])
             last = self._last([out, lse]) if s == self.n - 1 else None
             o, lo = self._call(LSE_MERGE, (o, lo, os_, ls), [out, lse], f"m{s}", last)
         self._home([o, lo], [out, lse])
 
-    def _step(self, s: int, q: Value, k: Value, v: Value, like: list[Value]) -> tuple[Value, Value, Value, Value]:
-        """Forward step ``s``: its output and log-sum-exp for this rank's queries, and the keys and
-        values held for the next step (ring attention: those of the rank before, passed on)."""
-        k, v = (self._permute(x, shift_order(self.n), f"s{s}") for x in (k, v))
+    def _travels(self, q: Value, k: Value, v: Value) -> tuple[Value, ...]:
+        """What goes round the ring in the forward: the keys and values."""
+        return (k, v)
+
+    def _step(
+        self, s: int, q: Value, k: Value, v: Value, held: tuple[Value, ...], like: list[Value]
+    ) -> tuple[Value, Value, tuple[Value, ...]]:
+        """Forward step ``s``: its output and log-sum-exp for this rank's queries, and what travels,
+        as held after the step (ring attention: the keys and values of the rank before, passed on)."""
+        k, v = (self._permute(x, shift_order(self.n), f"s{s}") for x in held)
         os_, ls = self._call(RING_STEP, (q, k, v, *self._how(s)), like, f"s{s}")
-        return os_, ls, k, v
+        return os_, ls, (k, v)
 
     def _backward(self) -> None:
         grad, q, k, v, out, lse = self.op.operands[:6]
@@ -209,26 +217,33 @@ class _Steps:
 
 
 class _TokenSteps(_Steps):
-    """Writes one attention op's TokenRing steps into ``b``: the keys and values stay; at step ``s`` the
-    queries of rank ``r - s`` come to rank ``r`` (``shift_order(n, s)``: every step's straight from
-    their owner, all at once) and the step's results go straight back (``shift_order(n, -s)``) to be
-    merged there. Backward: the queries, the output's gradient, the output and its log-sum-exp travel
-    the same way, the query gradients come back, the key and value gradients add up where they are."""
+    """Writes one attention op's TokenRing steps into ``b``: the keys and values stay; the queries go
+    round the ring one rank per step (``shift_order(n)``: at step ``s`` rank ``r`` holds those of rank
+    ``r - s``) and each step's results go straight back to their owner (``shift_order(n, -s)``), the
+    other way, to be merged there. Backward: the queries, the output's gradient, the output and its
+    log-sum-exp go round the same way, the query gradients come straight back, the key and value
+    gradients add up where they are."""
 
-    def _step(self, s: int, q: Value, k: Value, v: Value, like: list[Value]) -> tuple[Value, Value, Value, Value]:
+    def _travels(self, q: Value, k: Value, v: Value) -> tuple[Value, ...]:
+        return (q,)
+
+    def _step(
+        self, s: int, q: Value, k: Value, v: Value, held: tuple[Value, ...], like: list[Value]
+    ) -> tuple[Value, Value, tuple[Value, ...]]:
         """The queries of the rank ``s`` before against this rank's keys; the results back to them."""
-        there = self._permute(q, shift_order(self.n, s), f"t{s}")
+        (there,) = (self._permute(x, shift_order(self.n), f"t{s}") for x in held)
         os_, ls = self._call(RING_STEP, (there, k, v, *self._how(0, s)), like, f"s{s}")
         back_o, back_l = (self._permute(x, shift_order(self.n, -s), "back") for x in (os_, ls))
-        return back_o, back_l, k, v
+        return back_o, back_l, (there,)
 
     def _backward(self) -> None:
         grad, q, k, v, out, lse = self.op.operands[:6]
         dq_r, dk_r, dv_r = self.op.results[:3]
         grad, q, k, v, out, lse = self._zigzag([grad, q, k, v, out, lse])
         dq, dk, dv = self._call(RING_STEP_BACKWARD, (grad, q, k, v, out, lse, *self._how(0)), [q, k, v], "g0")
+        g_s, q_s, o_s, l_s = grad, q, out, lse
         for s in range(1, self.n):
-            g_s, q_s, o_s, l_s = (self._permute(x, shift_order(self.n, s), f"t{s}") for x in (grad, q, out, lse))
+            g_s, q_s, o_s, l_s = (self._permute(x, shift_order(self.n), f"t{s}") for x in (g_s, q_s, o_s, l_s))
             args = (g_s, q_s, k, v, o_s, l_s, *self._how(0, s))
             gq, gk, gv = self._call(RING_STEP_BACKWARD, args, [q, k, v], f"g{s}")
             last = s == self.n - 1

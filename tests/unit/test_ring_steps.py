@@ -106,10 +106,10 @@ def test_ring_steps_compute_every_value_the_kernel_does_on_whole_tensors(n: int,
     feeds |= {i.name: ids for i in captured.inputs if i.kind == "input"}
     steps, kernel = _compiled(n, True, method), _compiled(n, False, method)
     shifts = {op.kwarg("order") for op in steps.ops if op.target == PPERMUTE}
-    # NOTE: TokenRing's queries go straight to the rank s on and come straight back; ring attention's
-    # keys one rank on at a time
-    hops = range(1, n) if method == "tokenring" else [1]
-    assert {shift_order(n, s) for s in hops} <= shifts
+    # NOTE: ring attention's keys (TokenRing's queries) go one rank on at a time; TokenRing's results
+    # come straight back from the rank s on
+    back = {shift_order(n, -s) for s in range(1, n)} if method == "tokenring" else set()
+    assert {shift_order(n), *back} <= shifts
     assert any(op.target == RING_STEP for op in steps.ops) and not any(op.target == RING_STEP for op in kernel.ops)
     want = interpret(captured, feeds)
     got = run_values(steps, feeds, global_view=True)

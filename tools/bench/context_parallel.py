@@ -15,8 +15,8 @@ on ONE sequence, so only the sequence can be split. Figures are printed, never a
    against the baseline's.
 2. Memory: at ``--memory-seq`` the measured peak of one forward + backward (the CPU allocator's
    own count of bytes above what was live before it, the largest over the ranks) on 1 (the plain
-   model), 2 and 4 ranks under ring attention (as steps and as one kernel), and its ratio to one
-   device's beside ``1/cp``.
+   model), 2 and 4 ranks under ring attention and TokenRing (each as steps and as one kernel), and
+   its ratio to one device's beside ``1/cp``.
    Parameters and gradients are the same on every rank (cp splits the tokens only), so the
    activations are what shrink.
 3. The simulator: a Llama3-8B-shaped model at 131,072 tokens per sequence on H100 and Ascend 910C
@@ -123,17 +123,17 @@ def measured(cfg: Config, world: int, steps: int) -> None:
 
 def memory(cfg: Config, worlds: tuple[int, ...]) -> None:
     """Part 2: peak bytes of one step per rank against one device, ring attention as steps and as one kernel."""
-    print(f"\n== memory: one sequence of {cfg.seq} tokens, peak of one forward + backward per rank (ring attention)")
+    print(f"\n== memory: one sequence of {cfg.seq} tokens, peak of one forward + backward per rank")
     base = _baseline(cfg, 1, memory=True)["peak"]
-    print(f"{'ranks':<8} {'ring':<12} {'peak MiB':>9} {'ratio':>7} {'1/cp':>6} {'load':>5}")
-    print(f"{1:<8} {'-':<12} {base / 2**20:>9.1f} {1.0:>7.3f} {1.0:>6.3f} {os.getloadavg()[0]:>5.2f}")
+    print(f"{'ranks':<8} {'attention':<22} {'peak MiB':>9} {'ratio':>7} {'1/cp':>6} {'load':>5}")
+    print(f"{1:<8} {'-':<22} {base / 2**20:>9.1f} {1.0:>7.3f} {1.0:>6.3f} {os.getloadavg()[0]:>5.2f}")
     for world in worlds:
-        for method in ("ring", "ring-kernel"):
+        for method in ("ring", "ring-kernel", "tokenring", "tokenring-kernel"):
             got = spawn_ranks(_rank_main, world, cfg, {"method": method, "steps": 0, "memory": True})
             peak = got["peak"]
-            how = "as steps" if method == "ring" else "one kernel"
+            how = method.replace("-kernel", ", one kernel") if method.endswith("-kernel") else f"{method}, steps"
             load = os.getloadavg()[0]
-            print(f"{world:<8} {how:<12} {peak / 2**20:>9.1f} {peak / base:>7.3f} {1 / world:>6.3f} {load:>5.2f}")
+            print(f"{world:<8} {how:<22} {peak / 2**20:>9.1f} {peak / base:>7.3f} {1 / world:>6.3f} {load:>5.2f}")
 
 
 def simulated() -> None:
