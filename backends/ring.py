@@ -41,7 +41,7 @@ import torch.distributed as dist
 
 from meshfold.backends import p2p
 from meshfold.backends.ring_reach import Route, Span
-from meshfold.ir.ring import merge, repeated, summed
+from meshfold.ir.ring import merge, pairs, repeated, summed
 
 aten = torch.ops.aten
 
@@ -70,18 +70,7 @@ def chunks_of(rank: int, cp: int, layout: str = "zigzag") -> tuple[int, ...]:
 def ring_blocks(rank: int, cp: int, causal: bool, layout: str = "zigzag") -> list[list[Block]]:
     """Per ring step, the blocks ``rank`` computes (step ``s``: the keys of rank ``rank - s``)."""
     mine = chunks_of(rank, cp, layout)
-    out = []
-    for s in range(cp):
-        theirs = chunks_of((rank - s) % cp, cp, layout)
-        step = []
-        for qi, a in enumerate(mine):
-            for ki, b in enumerate(theirs):
-                if not causal or b < a:
-                    step.append(Block(qi, ki, False))
-                elif b == a:
-                    step.append(Block(qi, ki, True))
-        out.append(step)
-    return out
+    return [[Block(*b) for b in pairs(mine, chunks_of((rank - s) % cp, cp, layout), causal)] for s in range(cp)]
 
 
 def sequence_shard(x: torch.Tensor, dim: int, cp: int, rank: int, layout: str = "zigzag") -> torch.Tensor:

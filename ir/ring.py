@@ -90,9 +90,10 @@ def inverse(order: Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
-def blocks(rank: int, n: int, step: int, causal: bool, zigzag: bool, qstep: int = 0) -> list[tuple[int, int, bool]]:
-    """``(query chunk, key chunk, causal)`` (local indices) of the blocks ``ring_step`` computes."""
-    mine, theirs = held((rank - qstep) % n, n, zigzag), held((rank - step) % n, n, zigzag)
+def pairs(mine: Sequence[int], theirs: Sequence[int], causal: bool) -> list[tuple[int, int, bool]]:
+    """``(query chunk, key chunk, causal)`` (indices into ``mine`` and ``theirs``, chunks of the
+    sequence) of the blocks queries in ``mine`` attend to keys in ``theirs``: every pair without a
+    causal mask; with one, a key chunk before the query chunk whole, the same chunk causal."""
     out = []
     for qi, a in enumerate(mine):
         for ki, b in enumerate(theirs):
@@ -101,6 +102,11 @@ def blocks(rank: int, n: int, step: int, causal: bool, zigzag: bool, qstep: int 
             elif b == a:
                 out.append((qi, ki, True))
     return out
+
+
+def blocks(rank: int, n: int, step: int, causal: bool, zigzag: bool, qstep: int = 0) -> list[tuple[int, int, bool]]:
+    """``(query chunk, key chunk, causal)`` (local indices) of the blocks ``ring_step`` computes."""
+    return pairs(held((rank - qstep) % n, n, zigzag), held((rank - step) % n, n, zigzag), causal)
 
 
 def step_area(n: int, step: int, causal: bool, zigzag: bool, qstep: int = 0) -> float:

@@ -101,6 +101,18 @@ def train_step(model: Any, inputs: tuple[torch.Tensor, ...]) -> float:
     return float(loss.to_local() if hasattr(loss, "to_local") else loss)
 
 
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block on one intra-op thread (a one-device baseline beside ranks that have one each),
+    and restore the thread count after."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def timed_steps(model: Any, inputs: tuple[torch.Tensor, ...], steps: int, barrier: bool) -> tuple[list[float], float]:
     """Wall times of ``steps`` :func:`train_step` calls after one warm-up call, and the last loss;
     ``barrier``: every rank starts and ends each step together (``torch.distributed.barrier``)."""

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from meshfold.ir.ring import first_step
 from meshfold.session import DEFAULT_PIPELINE
 from meshfold.tools.bench.eager_vs_dtensor import Config, build, gloo_rank, spawn_ranks
-from meshfold.tools.measure import peak_new_bytes, timed_steps, train_step
+from meshfold.tools.measure import one_thread, peak_new_bytes, timed_steps, train_step
 
 METHODS = ("ring", "ring-kernel", "tokenring", "tokenring-kernel", "ulysses")
 """``ring``, ``tokenring``: written as their steps (``passes/cp/steps.py``: the passes are ops of the
@@ -91,17 +91,13 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
 
 def _baseline(cfg: Config, steps: int, memory: bool) -> dict[str, Any]:
     """The plain model in this process, one thread: step times and loss, or the step's peak."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         model, inputs = build(cfg)
         if memory:
             train_step(model, inputs)
             return {"peak": float(peak_new_bytes(lambda: train_step(model, inputs)))}
         times, loss = timed_steps(model, inputs, steps, barrier=False)
         return {"times": times, "loss": loss}
-    finally:
-        torch.set_num_threads(threads)
 
 
 def measured(cfg: Config, world: int, steps: int) -> None:
@@ -122,7 +118,8 @@ def measured(cfg: Config, world: int, steps: int) -> None:
 
 
 def memory(cfg: Config, worlds: tuple[int, ...]) -> None:
-    """Part 2: peak bytes of one step per rank against one device, ring attention as steps and as one kernel."""
+    """Part 2: peak bytes of one step per rank against one device, ring attention and TokenRing each as
+    steps and as one kernel."""
     print(f"\n== memory: one sequence of {cfg.seq} tokens, peak of one forward + backward per rank")
     base = _baseline(cfg, 1, memory=True)["peak"]
     print(f"{'ranks':<8} {'attention':<22} {'peak MiB':>9} {'ratio':>7} {'1/cp':>6} {'load':>5}")

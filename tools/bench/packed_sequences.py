@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from meshfold.tools.bench.eager_vs_dtensor import Config, gloo_rank, spawn_ranks
+from meshfold.tools.measure import one_thread
 
 MODES = ("per-sequence", "fixed")
 
@@ -174,17 +175,15 @@ def main(argv: list[str] | None = None) -> int:
             "per-sequence degrees (degree: sequences) "
             + ", ".join(f"{d}: {per.degrees.count(d)}" for d in sorted(set(per.degrees)))
         )
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     model = _model(cfg)
     base, base_times = [], []
-    for row in rows:
-        base.append(_step(model, row["one device"].inputs()))
-        for _ in range(args.repeats):
-            t0 = time.perf_counter()
-            _step(model, row["one device"].inputs())
-            base_times.append(time.perf_counter() - t0)
-    torch.set_num_threads(threads)
+    with one_thread():
+        for row in rows:
+            base.append(_step(model, row["one device"].inputs()))
+            for _ in range(args.repeats):
+                t0 = time.perf_counter()
+                _step(model, row["one device"].inputs())
+                base_times.append(time.perf_counter() - t0)
     got = spawn_ranks(_rank_main, args.world, cfg, opts)
     fixed_t, fixed_sent = statistics.median(got["fixed"]["times"]), statistics.median(got["fixed"]["sent"])
     head = f"{'median s':>9} {'ratio':>7} {'sent':>11} {'ratio':>7} {'work max/mean':>14} {'load':>5}"

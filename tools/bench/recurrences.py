@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 
 from meshfold.tools.bench.eager_vs_dtensor import Config, gloo_rank, spawn_ranks
-from meshfold.tools.measure import peak_new_bytes, timed_steps, train_step
+from meshfold.tools.measure import one_thread, peak_new_bytes, timed_steps, train_step
 
 
 def build(seq: int, hidden: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
@@ -77,14 +77,10 @@ def _rank_main(rank: int, world: int, port: int, _cfg: dict[str, Any], opts: dic
 
 
 def _baseline(seq: int, hidden: int, steps: int) -> dict[str, Any]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         model, inputs = build(seq, hidden)
         times, loss = timed_steps(model, inputs, steps, barrier=False)
         return {"times": times, "loss": loss, "peak": float(peak_new_bytes(lambda: train_step(model, inputs)))}
-    finally:
-        torch.set_num_threads(threads)
 
 
 def main(argv: list[str] | None = None) -> int:
