@@ -26,6 +26,7 @@ from meshfold.backends.interpret import runnable_target
 from meshfold.backends.local import LOCAL, LocalForms
 from meshfold.backends.moe import exchange_backward, exchange_forward
 from meshfold.backends.offload import offload, reload, reload_start, reload_wait
+from meshfold.backends.phases import phases
 from meshfold.backends.random import is_random, random_site
 from meshfold.backends.ring_lowering import KERNELS as RING_KERNELS
 from meshfold.backends.ring_lowering import kernel_backward as ring_kernel_backward
@@ -36,7 +37,7 @@ from meshfold.ir.conv import CONV, CONV_BACKWARD
 from meshfold.ir.graph import Arg
 from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, TOKENS_AND_WEIGHTS
 from meshfold.ir.moe import exchange_axes as exchange_axes_of
-from meshfold.ir.ops import OFFLOAD, REDISTRIBUTE, RELOAD, WAIT
+from meshfold.ir.ops import OFFLOAD, RELOAD, WAIT
 from meshfold.ir.ring import RANK_ARG
 from meshfold.ir.scan import SCAN, SCAN_BACKWARD
 from meshfold.passes.sharding.rules.common import int_arg, norm_dim, op_arg
@@ -98,6 +99,12 @@ class Lowered:
     """With ``record``: values the forward module returns after the saved ones."""
     bwd_recorded: tuple[Value, ...] = ()
     """With ``record``: values the backward module returns after the gradients."""
+    weights: fx.GraphModule | None = None
+    """With ``first``: the rest of the backward (``weight_outputs``' gradients), run after
+    ``backward``; it takes the saved values, the tangents, then the ``handoff`` values ``backward``
+    returns after its gradients."""
+    weight_outputs: tuple[str, ...] = ()
+    handoff: int = 0
 
 
 def lower(graph: Graph, rank: RankContext, *, record: bool = False, rng: torch.Generator | None = None) -> Lowered:
@@ -108,30 +115,16 @@ def lower(graph: Graph, rank: RankContext, *, record: bool = False, rng: torch.G
     ``rng``: the generator the program's random ops draw from (``backends/random.py``; default: this
     process's default generator, which gives every rank the same values only when all are seeded alike).
     """
-    if any(op.target == REDISTRIBUTE for op in graph.ops):
-        raise ValueError("graph still has comm.redistribute ops; run the boxing pass before lowering")
-    fwd_ops = [op for op in graph.ops if op.prov.phase == "fwd"]
-    bwd_ops = [op for op in graph.ops if op.prov.phase == "bwd"]
-    fwd_defined = {i.value for i in graph.inputs if i.kind != "tangent"} | {r for op in fwd_ops for r in op.results}
-    for op in fwd_ops:
-        for v in op.operands:
-            if v not in fwd_defined:
-                raise ValueError(f"{op.describe()}: forward op uses %{v.name}, which only the backward defines")
-    fwd_out = [o for o in graph.outputs if o.kind in ("out", "update")]
-    grads = [o for o in graph.outputs if o.kind == "grad"]
-    tangents = [i for i in graph.inputs if i.kind == "tangent"]
-    tangent_vals = {i.value for i in tangents}
-    bwd_defined = {r for op in bwd_ops for r in op.results} | tangent_vals
-    saved: list[Value] = []
-    for v in [*(u for op in bwd_ops for u in op.operands), *(o.value for o in grads)]:
-        if v not in bwd_defined and v not in saved:
-            saved.append(v)
-    fwd_inputs = [i for i in graph.inputs if i.kind != "tangent"]
-    fwd_rec = _recorded(fwd_ops) if record else []
-    bwd_rec = _recorded(bwd_ops) if record else []
+    ph = phases(graph)
+    fwd_inputs, fwd_out, grads, tangents, saved = ph.fwd_inputs, ph.fwd_out, ph.grads, ph.tangents, ph.saved
+    fwd_rec = _recorded(ph.fwd_ops) if record else []
+    bwd_rec = _recorded(ph.bwd_ops) if record else []
     gen = rng if rng is not None else torch.default_generator
-    forward = _build([i.value for i in fwd_inputs], fwd_ops, [o.value for o in fwd_out] + saved + fwd_rec, rank, gen)
-    backward = _build(saved + [i.value for i in tangents], bwd_ops, [o.value for o in grads] + bwd_rec, rank, gen)
+    fwd_results = [o.value for o in fwd_out] + saved + fwd_rec
+    forward = build_module([i.value for i in fwd_inputs], ph.fwd_ops, fwd_results, rank, gen)
+    backward = build_module(
+        saved + [i.value for i in tangents], ph.bwd_ops, [o.value for o in grads] + bwd_rec, rank, gen
+    )
     return Lowered(
         forward,
         backward,
@@ -151,7 +144,7 @@ def _recorded(ops: Sequence[Op]) -> list[Value]:
     return [r for op in ops for r in op.results if isinstance(r.type, TensorType) and r not in handles]
 
 
-def _build(
+def build_module(
     inputs: Sequence[Value],
     ops: Sequence[Op],
     outputs: Sequence[Value],

@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from meshfold.backends.watch import CollectiveError
     from meshfold.ir.moe import experts as moe_experts
     from meshfold.packing import PackedBatch, doc_mask, pack_sequences
+    from meshfold.pipelined import PipelinedModule
     from meshfold.session import DEFAULT_PIPELINE, CompileOptions, CompileResult, compile_model
     from meshfold.signature import CallMismatch
     from meshfold.tracer import CaptureError, capture
@@ -36,6 +37,7 @@ _HOME = {
     "moe_experts": ("meshfold.ir.moe", "experts"),
     "pack_sequences": ("meshfold.packing", "pack_sequences"),
     "PackedBatch": ("meshfold.packing", "PackedBatch"),
+    "PipelinedModule": ("meshfold.pipelined", "PipelinedModule"),
     "doc_mask": ("meshfold.packing", "doc_mask"),
     "DEFAULT_PIPELINE": ("meshfold.session", "DEFAULT_PIPELINE"),
     "CompileOptions": ("meshfold.session", "CompileOptions"),
@@ -62,6 +64,7 @@ __all__ = [
     "CompileOptions",
     "CompileResult",
     "PackedBatch",
+    "PipelinedModule",
     "VerificationError",
     "__version__",
     "capture",

@@ -17,7 +17,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshfold import ir
-from meshfold.backends.eager import lower
+from meshfold.backends.eager import Lowered, RankContext, lower
+from meshfold.backends.weights import lower_split
 from meshfold.groups import MeshGroups, as_timeout
 from meshfold.passes import PassError
 from meshfold.passes.base import quiet
@@ -29,6 +30,8 @@ from meshfold.programs import DEFAULT_CACHE, Program
 from meshfold.runtime import ParallelModule
 from meshfold.session import DEFAULT_PIPELINE, CompileOptions, MemoryPolicy, PlanSpec, compile_model, progress
 from meshfold.signature import Signature
+from meshfold.stages import PP, PipelineSpec, pipeline_line, split_program, stage_graphs
+from meshfold.tied import tied_parameters
 
 
 def ir_mesh(mesh: DeviceMesh) -> ir.Mesh:
@@ -54,6 +57,7 @@ def parallelize(
     memory: int | str | MemoryPolicy | None = None,
     moe: Mapping[str, Any] | None = None,
     cp: Mapping[str, Any] | str | None = None,
+    pp: Mapping[str, Any] | None = None,
     backend: str = "eager",
     cache_size: int = DEFAULT_CACHE,
     timeout: float | timedelta | None = None,
@@ -94,6 +98,12 @@ def parallelize(
     ``"ulysses"`` splits it by heads or batch through an all-to-all, ``"auto"`` (the default) takes
     whichever the sharding solve prices cheaper (ring attention, or Ulysses).
 
+    ``pp={"schedule": "1f1b", "microbatches": 4}`` on a mesh with a ``pp`` axis (``plan="pp+fsdp"``):
+    the layer stack is split into pipeline stages along it (``"gpipe"``, ``"1f1b"``, or
+    ``"interleaved"`` with ``"virtual"`` stages per rank, default 2), the rest of the plan laid out on
+    the other axes; the result is a ``PipelinedModule`` that trains by ``pm.step(*inputs)`` (see
+    ``meshfold.pipelined``).
+
     Every call is checked on every rank alike before any collective of the program. A call with
     other input shapes or dtypes, in the other mode (``pm.eval()``), or under ``torch.no_grad()``
     (a forward-only program) gets its own program, compiled on first use; the module keeps
@@ -118,6 +128,7 @@ def parallelize(
         plan=plan,
         moe=moe,
         cp=cp,
+        pp=pp,
         cluster=cluster,
         memory=memory,
         pipeline=pipeline,
@@ -128,7 +139,38 @@ def parallelize(
         return _decorator(mesh, options, example_inputs, cache_size, timeout, trace)
     if example_inputs is None:
         raise PassError("parallelize(model, mesh, example_inputs, plan=...) needs the example inputs")
+    if options.pp is not None:
+        return _pipelined(model, mesh, example_inputs, options, timeout)
     return _compile(model, mesh, example_inputs, options, cache_size, timeout, trace)
+
+
+def _pipelined(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    example_inputs: Sequence[Any],
+    options: CompileOptions,
+    timeout: float | timedelta | None,
+) -> Any:
+    """Compile one microbatch on the mesh's other axes, split it into stages, lower this rank's."""
+    from meshfold.pipelined import PipelinedModule, microbatch, stage_mesh  # NOTE: loads torch's pipelining
+
+    spec = options.pp
+    assert spec is not None and options.mesh is not None
+    if not dist.is_initialized():
+        raise PassError("parallelize needs torch.distributed initialized (run under torchrun or spawn ranks)")
+    full, sub = stage_mesh(mesh)
+    micro = microbatch(example_inputs, spec)
+    graph, rng_state, _, report = _compile_once(model, micro, options, first=True)
+    split = split_program(graph, spec.stages)
+    graphs = stage_graphs(graph, split)
+    groups = MeshGroups.of(sub, as_timeout(timeout))
+    rank = groups.rank_context(options.mesh, graph)  # NOTE: the same groups on every rank, whatever its stages
+    rng = torch.Generator()  # NOTE: random ops draw alike on every rank, as in ``_compile``
+    rng.set_state(rng_state)
+    held = {s: (graphs[s], _stage_program(graphs[s], spec, rank, rng)) for s in spec.held(full.get_local_rank(PP))}
+    names = [i.name for i in graph.inputs if i.kind == "input"]
+    lines = (*report, pipeline_line(split, spec))
+    return PipelinedModule(model, full, sub, spec, split, held, names, tied_parameters(graphs), lines)
 
 
 def _compile(
@@ -207,6 +249,15 @@ def _program(
         lowered = lower(graph, rank, rng=rng)
         checked = (lower(graph, rank, record=True, rng=rng), rank) if options.verify else None
     return Program(sig, graph, lowered, checked)
+
+
+def _stage_program(graph: ir.Graph, spec: PipelineSpec, rank: RankContext, rng: torch.Generator) -> Lowered:
+    """A stage's program for this rank; under ``zero-bubble`` its backward in two (its input's
+    gradient, which the stage before waits for, then its weights')."""
+    if spec.schedule != "zero-bubble":
+        return lower(graph, rank, rng=rng)
+    received = [i.name for i in graph.inputs if i.kind == "input" and any(o.name == i.name for o in graph.outputs)]
+    return lower_split(graph, rank, received[0] if received else "", rng)
 
 
 def _skeleton(model: nn.Module) -> nn.Module:

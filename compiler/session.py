@@ -33,6 +33,7 @@ from meshfold.passes.memory.policies import Saved
 from meshfold.passes.moe.spec import MoeSpec, check_spec
 from meshfold.passes.pipeline import Callback
 from meshfold.passes.sharding.plans import Plan, axis_roles, default_preset, sequence_axes
+from meshfold.stages import PP, PipelineSpec, marked_layers, split_program
 from meshfold.tracer import capture
 
 # NOTE: grows with every pass that lands. Without a mesh, sharding and boxing leave the
@@ -62,6 +63,8 @@ class CompileOptions:
     moe: MoeSpec | None = None
     cp: CpSpec | None = None
     """How attention reads a sequence split over the plan's ``cp`` axes (None: ``CpSpec()``)."""
+    pp: PipelineSpec | None = None
+    """Pipeline stages over a ``pp`` mesh axis (``mesh`` is then the other axes; ``meshfold.stages``)."""
     cluster: Cluster | None = None
     memory: int | None = None
     """Bytes per rank: the sharding solve's bound and the budget the ``memory`` pass recomputes to meet."""
@@ -87,6 +90,7 @@ class CompileOptions:
         plan: PlanSpec | None = None,
         moe: MoeSpec | Mapping[str, Any] | None = None,
         cp: CpSpec | Mapping[str, Any] | str | None = None,
+        pp: PipelineSpec | Mapping[str, Any] | None = None,
         cluster: Cluster | str | None = None,
         memory: int | str | MemoryPolicy | None = None,
         pipeline: str = DEFAULT_PIPELINE,
@@ -96,7 +100,7 @@ class CompileOptions:
     ) -> CompileOptions:
         """Read every form a user may write (strings from the shell, dicts from Python) and check
         them together; raises ``PassError`` naming what is wrong and what to write instead."""
-        the_mesh = _mesh_of(mesh)
+        the_mesh, plan, spec_pp = _pipeline_of(_mesh_of(mesh), plan, pp)
         the_plan = to_plan(plan, the_mesh) if plan is not None else None
         if the_plan is not None and the_mesh is None:
             raise PassError(f"plan {the_plan.preset!r} lays values out on a mesh; give a mesh (e.g. dp=2,tp=2)")
@@ -108,6 +112,7 @@ class CompileOptions:
             plan=the_plan,
             moe=spec,
             cp=None if cp is None else CpSpec.of(cp),
+            pp=spec_pp,
             cluster=_cluster_of(cluster),
             memory=_memory_bound(memory),
             memory_policy=memory if callable(memory) or memory in MEMORY_POLICIES else None,
@@ -165,6 +170,7 @@ class CompileOptions:
             cluster=self.cluster,
             memory=self.memory,
             memory_policy=self.memory_policy,
+            pipelined=self.pp is not None,
         )
         if status is not None:
             ctx.status = status
@@ -218,7 +224,8 @@ def compile_model(
     else:
         if example_inputs is None:
             raise PassError("compiling a model needs its example inputs")
-        with ctx.status(f"capturing {type(source).__name__}"):
+        marks = marked_layers(source) if opts.pp is not None else contextlib.nullcontext()
+        with ctx.status(f"capturing {type(source).__name__}"), marks:
             # NOTE: moe-fold applies the expert mapping
             captured = capture(source, tuple(example_inputs), dynamic=opts.dynamic, guards=guards)
         hints = _hints(captured, example_inputs, opts.dynamic)
@@ -228,6 +235,8 @@ def compile_model(
         before(captured)
     with size_hints(hints):
         graph, timings = passes.run(ctx, captured, callback, initial=assume | {JOINT})
+        if opts.pp is not None and opts.grad:
+            ctx.stats["pp.split"] = split_program(graph, opts.pp.stages)
     return CompileResult(
         captured, graph, passes, opts, tuple(timings), tuple(ctx.diagnostics), dict(ctx.stats), tuple(guards)
     )
@@ -274,6 +283,24 @@ def to_plan(plan: PlanSpec, mesh: ir.Mesh | None) -> Plan:
         if not isinstance(axes, Mapping):
             raise PassError(f"plan entry {glob!r} must map mesh axes to placements, e.g. {{'tp': 'S(0)'}}")
     return Plan.of(str(preset), entries)
+
+
+def _pipeline_of(
+    mesh: ir.Mesh | None, plan: PlanSpec | None, pp: PipelineSpec | Mapping[str, Any] | None
+) -> tuple[ir.Mesh | None, PlanSpec | None, PipelineSpec | None]:
+    """A mesh with a ``pp`` axis pipelines the model over it: the passes see the other axes (a mesh of
+    ``pp`` alone: one ``dp`` rank), the plan without its ``pp`` part (``"pp+fsdp"`` -> ``"fsdp"``)."""
+    parts = plan.split("+") if isinstance(plan, str) else []
+    if mesh is None or PP not in mesh.names:
+        if pp is not None or PP in parts:
+            raise PassError(f"pipeline parallelism runs over a mesh axis named {PP!r}; add one (e.g. pp=2,dp=2)")
+        return mesh, plan, None
+    spec = PipelineSpec.of(pp, mesh.size(PP))
+    rest = [(n, s) for n, s in zip(mesh.names, mesh.sizes, strict=True) if n != PP] or [("dp", 1)]
+    others = ir.Mesh(tuple(n for n, _ in rest), tuple(s for _, s in rest))
+    if isinstance(plan, str):
+        plan = "+".join(p for p in parts if p != PP) or None
+    return others, plan, spec
 
 
 def _mesh_of(mesh: ir.Mesh | str | None) -> ir.Mesh | None:

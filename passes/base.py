@@ -65,6 +65,9 @@ class PassContext:
     """What the ``memory`` pass does when its pipeline options do not say (``"full"``, or a function
     answering ``"save"``, ``"recompute"`` or ``"offload"`` for each saved activation; None: keep
     what a budget allows)."""
+    pipelined: bool = False
+    """The program is split into pipeline stages at its layer stack after the passes
+    (``meshfold.stages``): ``bucket`` then never groups ops of the code before the stack with those after it."""
     diagnostics: list[str] = field(default_factory=list)
     stats: dict[str, object] = field(default_factory=dict)
     """Figures passes report about their own work (e.g. ``sharding.solve``: per-axis program size)."""

@@ -27,7 +27,9 @@ from meshfold.passes import Pass, PassError, PassFailure, PassPipeline, PassTimi
 from meshfold.passes.memory import memory_line
 from meshfold.passes.schedule.timeline import predicted, to_chrome_trace, write_trace
 from meshfold.passes.sharding.problem import step_line
+from meshfold.passes.stages import StageSplit
 from meshfold.session import DEFAULT_PIPELINE, CompileOptions, compile_model, progress
+from meshfold.stages import pipeline_line
 from meshfold.tools.common import CliError, load_source, moe_items, moe_tables, parse_mesh, parse_moe, show_progress
 from meshfold.tools.dumps import DumpWriter, phase_counts
 from meshfold.tracer import CaptureError
@@ -240,7 +242,11 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
             out.print(table)
         attention = result.stats.get("cp.attention")
         cp = [str(x) for x in attention] if isinstance(attention, tuple) else []
-        for line in (memory_line(result.stats), _overlap_line(result.stats), *cp):
+        split = result.stats.get("pp.split")
+        staged = (
+            pipeline_line(split, result.options.pp) if isinstance(split, StageSplit) and result.options.pp else None
+        )
+        for line in (memory_line(result.stats), _overlap_line(result.stats), *cp, staged):
             if line:
                 out.print(line)
         solve = _solve_table(result.stats)

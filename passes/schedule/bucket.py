@@ -48,7 +48,7 @@ class Bucket(Pass):
             raise PassError(f"bucket{{mb={self.mb}}}: the bucket size must be positive (MiB)")
         if graph.mesh is None:
             return graph
-        groups = _groups(graph, self.mb * 2**20)
+        groups = _groups(graph, self.mb * 2**20, ctx.pipelined)
         anchor: dict[int, list[int]] = {}  # op index where a bucket is emitted -> member indices
         skip: set[int] = set()
         where: dict[int, str] = {}
@@ -70,9 +70,11 @@ class Bucket(Pass):
         return b.build()
 
 
-def _groups(graph: Graph, cap: float) -> list[tuple[str, str, list[int]]]:
+def _groups(graph: Graph, cap: float, pipelined: bool = False) -> list[tuple[str, str, list[int]]]:
     """(kind, block, op indices in program order) of every bucket. A gradient's reduce-scatter on
-    its way out belongs to the block that computed the gradient (``op_blocks``)."""
+    its way out belongs to the block that computed the gradient (``op_blocks``). ``pipelined``: ops of
+    no block group by their module (the embedding apart from the final norm and the output layer:
+    different pipeline stages run them)."""
     inputs = {i.value for i in graph.inputs}
     users: dict[Value, int] = defaultdict(int)
     for op in graph.ops:
@@ -80,11 +82,15 @@ def _groups(graph: Graph, cap: float) -> list[tuple[str, str, list[int]]]:
             users[v] += 1
     keyed: dict[tuple[object, ...], list[int]] = defaultdict(list)
     blocks = op_blocks(graph)
+    made = {r: op for op in graph.ops for r in op.results}
     for k, op in enumerate(graph.ops):
         (x,) = op.operands if op.target in (ALL_GATHER, REDUCE_SCATTER) else (None,)
         if x is None or not isinstance(x.type, TensorType):
             continue
         axis, block = op.kwarg("axis"), blocks[k]
+        if pipelined and not block:
+            source = made[x].prov.module if x in made else op.prov.module
+            block = op.prov.module or source
         if op.target == ALL_GATHER and x in inputs:
             keyed[("gather", axis, op.prov.phase, x.type.dtype, block)].append(k)
         elif op.target == REDUCE_SCATTER and users[op.result] == 0 and op.kwarg("reduce") in ("sum", "avg"):

@@ -11,6 +11,7 @@ import torch
 
 from meshfold.ir import Op
 from meshfold.ir.placement import ReduceOp
+from meshfold.ir.stage import MARKS
 from meshfold.passes.sharding.rules.common import broadcast_einsum, is_float, op_arg, tensor_type_of, with_partials
 from meshfold.passes.sharding.rules.registry import RuleSet
 from meshfold.passes.sharding.strategy import Strategy, einsum_strategies
@@ -124,6 +125,7 @@ PLAIN = (
 )
 
 COPIES = (
+    *MARKS,
     aten.clone.default,
     aten.alias.default,
     aten.detach.default,

@@ -1,0 +1,366 @@
+"""Pipeline parallelism on ranks: each stage's program run by ``torch.distributed.pipelining``.
+
+``parallelize(model, mesh, inputs, plan="pp+fsdp", pp={...})`` on a mesh with a ``pp`` axis compiles
+the model once for one microbatch on the other axes (``dp``/``tp``/... as the rest of the plan says),
+splits the program into ``pp * virtual`` stages at its layer stack (``meshfold.stages``) and gives
+rank ``r`` of the ``pp`` axis stages ``r, r + pp, ...`` (one each under ``gpipe`` and ``1f1b``;
+``virtual`` of them, looping, under ``interleaved``). Each stage is a ``PipelineStage`` whose module
+runs the stage's forward program under autograd and its backward program as the backward; the
+library's schedule (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``) sends the hidden
+states and their gradients between the stages.
+
+``pm.step(*inputs)`` takes the whole batch, splits it into ``microbatches`` along dim 0, runs the
+schedule and returns the mean of the microbatches' losses on every rank; each parameter's gradient
+is the mean of the microbatches' (the schedule scales the sum), so a loss that averages over equal
+microbatches (the mean cross-entropy of sequences without ignored labels, a mean-squared error) gets
+the gradient of the whole batch. A rank holds the parameters of its own stages only.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from meshfold import ir
+from meshfold.backends.eager import Lowered
+from meshfold.passes.base import PassError
+from meshfold.passes.stages import StageSplit
+from meshfold.signature import Signature, agree
+from meshfold.stages import PP, PipelineSpec
+
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved": ScheduleInterleaved1F1B,
+    "zero-bubble": ScheduleInterleavedZeroBubble,
+}
+
+
+def microbatch(inputs: Sequence[Any], spec: PipelineSpec) -> list[Any]:
+    """The first microbatch of ``inputs`` (what the program is compiled for); raises when dim 0 of a
+    tensor input does not split into ``spec.microbatches`` equal parts."""
+    out = []
+    for k, x in enumerate(inputs):
+        if isinstance(x, torch.Tensor):
+            if x.dim() == 0 or x.shape[0] % spec.microbatches:
+                raise PassError(
+                    f"pp: input {k} has shape {tuple(x.shape)}; a step splits dim 0 into {spec.microbatches} "
+                    "equal microbatches: give a batch they divide (or another microbatches=)"
+                )
+            x = x[: x.shape[0] // spec.microbatches]
+        out.append(x)
+    return out
+
+
+def stage_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
+    """``mesh`` (with a ``pp`` axis) and the mesh of its other axes each stage's program runs on; a
+    mesh of ``pp`` alone gets a ``dp`` axis of one rank."""
+    names = list(mesh.mesh_dim_names or ())
+    if PP not in names:
+        raise PassError(f"pipeline parallelism needs a mesh axis named {PP!r}; the mesh has {names}")
+    rest = tuple(n for n in names if n != PP)
+    if not rest:
+        mesh = init_device_mesh(mesh.device_type, (mesh.size(), 1), mesh_dim_names=(PP, "dp"))
+        rest = ("dp",)
+    return mesh, mesh[rest]
+
+
+@dataclass
+class StepTime:
+    """One ``step``'s wall time on this rank and the time its stages' programs ran in it; the rest is
+    the pipeline's bubble (waiting for another stage), sends and receives included."""
+
+    seconds: float = 0.0
+    busy: float = 0.0
+
+    @property
+    def bubble(self) -> float:
+        return 1.0 - self.busy / self.seconds if self.seconds > 0 else 0.0
+
+
+class _StageStep(torch.autograd.Function):
+    """A stage's forward program, its backward program as the backward."""
+
+    @staticmethod
+    def forward(ctx: Any, stage: _Stage, clock: StepTime, *tensors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        low = stage.low
+        start = time.perf_counter()
+        outs = low.forward(*tensors)
+        clock.busy += time.perf_counter() - start
+        ctx.stage, ctx.clock = stage, clock
+        ctx.save_for_backward(*outs[1 : 1 + low.n_saved])
+        return outs[0]
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        stage: _Stage = ctx.stage
+        low = stage.low
+        start = time.perf_counter()
+        outs = low.backward(*ctx.saved_tensors, grad)
+        ctx.clock.busy += time.perf_counter() - start
+        n = len(low.bwd_outputs)
+        if low.weights is not None:
+            # NOTE: the weights' gradients later, in the schedule's W step (``_Stage.weight_step``)
+            stage.pending.append((ctx.saved_tensors, grad, outs[n:], ctx.clock))
+        by_name = dict(zip(low.bwd_outputs, outs[:n], strict=True))
+        return (None, None, *[by_name.get(name) for name in low.fwd_inputs])
+
+
+class _Stage(nn.Module):
+    """One stage's program as a module: ``forward(*received, **inputs)`` -> what it sends on (the
+    last stage: the loss). Holds the owner's parameters it reads, so the schedule scales their
+    gradients."""
+
+    def __init__(self, owner: PipelinedModule, graph: ir.Graph, low: Lowered, taken: set[str]) -> None:
+        super().__init__()
+        self.graph_ = graph
+        self.low = low
+        self._owner = (owner,)  # NOTE: a tuple, not a submodule
+        self.pending: list[tuple[Any, ...]] = []
+        self.kinds = {i.name: i.kind for i in graph.inputs}
+        self.layouts = {i.name: i.value.layout for i in graph.inputs}
+        for name in low.fwd_inputs:
+            # NOTE: a weight two of this rank's stages read is scaled by the schedule once, in the first
+            if self.kinds[name] == "param" and name not in taken:
+                taken.add(name)
+                self.register_parameter(name.replace(".", "__"), owner.get_parameter(name))
+
+    def forward(self, *received: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
+        owner = self._owner[0]
+        got = iter(received)
+        tensors = []
+        for name in self.low.fwd_inputs:
+            kind = self.kinds[name]
+            if kind in ("param", "buffer"):
+                t = owner.get_parameter(name) if kind == "param" else owner.get_buffer(name)
+                tensors.append(t.to_local() if isinstance(t, DTensor) else t)
+            elif name in inputs:
+                dt = distribute_tensor(
+                    inputs[name], owner.stage_mesh, _placements(self.layouts[name]), src_data_rank=None
+                )
+                tensors.append(dt.to_local())
+            else:
+                tensors.append(next(got))
+        return _StageStep.apply(self, owner.last_step, *tensors)
+
+    def weight_step(self) -> Any:
+        """The W step of the backward just run (zero-bubble schedules): a function computing this
+        stage's weights' gradients, adding them to the parameters' ``.grad``."""
+        saved, grad, handoff, clock = self.pending.pop()
+        low, owner = self.low, self._owner[0]
+        assert low.weights is not None
+
+        def run() -> None:
+            start = time.perf_counter()
+            outs = low.weights(*saved, grad, *handoff)  # type: ignore[misc]
+            clock.busy += time.perf_counter() - start
+            for name, g in zip(low.weight_outputs, outs, strict=True):
+                p = owner.get_parameter(name)
+                part = DTensor.from_local(g, owner.stage_mesh, _placements(self.layouts[name]), run_check=False)
+                p.grad = part if p.grad is None else p.grad + part
+
+        return run
+
+
+def _placements(layout: ir.Layout) -> list[Any]:
+    from meshfold.runtime import dtensor_placements
+
+    return dtensor_placements(layout)
+
+
+class PipelinedModule(nn.Module):
+    """The model on one rank of a pipeline: the parameters of its stages, and ``step``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        mesh: DeviceMesh,
+        sub: DeviceMesh,
+        spec: PipelineSpec,
+        split: StageSplit,
+        stages: Mapping[int, tuple[ir.Graph, Lowered]],
+        input_names: Sequence[str],
+        tied: Mapping[str, tuple[int, ...]],
+        report: Sequence[str] = (),
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.split = split
+        self.stage_mesh = sub
+        self._mesh = mesh
+        self._group = mesh.get_group(PP)
+        self._input_names = tuple(input_names)
+        self._report = tuple(report)
+        self._stage_graphs = {s: g for s, (g, _) in stages.items()}
+        state = dict(model.named_parameters()) | dict(model.named_buffers())
+        for graph, low in stages.values():
+            layouts = {i.name: i.value.layout for i in graph.inputs}
+            kinds = {i.name: i.kind for i in graph.inputs}
+            for name in low.fwd_inputs:
+                if kinds[name] not in ("param", "buffer") or _has(self, name):
+                    continue
+                src = state[name].detach().clone()
+                dt = distribute_tensor(src, sub, _placements(layouts[name]), src_data_rank=None)
+                parent, leaf = _parent(self, name)
+                if kinds[name] == "param":
+                    parent.register_parameter(leaf, nn.Parameter(dt, requires_grad=state[name].requires_grad))
+                else:
+                    parent.register_buffer(leaf, dt)
+        taken: set[str] = set()
+        self._modules_ = {s: _Stage(self, g, low, taken) for s, (g, low) in sorted(stages.items())}
+        self._tied = _tied_groups(mesh, spec, tied, set(taken))
+        device = (
+            torch.device("cpu")
+            if mesh.device_type == "cpu"
+            else torch.device(mesh.device_type, torch.cuda.current_device())
+        )
+        self._pipeline_stages = [
+            PipelineStage(
+                self._modules_[s],
+                s,
+                spec.stages,
+                device,
+                input_args=_examples(self._stage_graphs[s], sub, "input") if s > 0 else None,
+                output_args=_examples(self._stage_graphs[s], sub, "out"),
+                group=self._group,
+                dw_builder=self._modules_[s].weight_step if self._modules_[s].low.weights is not None else None,
+            )
+            for s in sorted(stages)
+        ]
+        kind = SCHEDULES[spec.schedule]
+        loss = _own_loss
+        if spec.schedule in ("interleaved", "zero-bubble"):
+            self._schedule: Any = kind(self._pipeline_stages, spec.microbatches, loss_fn=loss)
+        else:
+            (stage,) = self._pipeline_stages
+            self._schedule = kind(stage, spec.microbatches, loss_fn=loss)
+        self._last_rank = dist.get_global_rank(self._group, (spec.stages - 1) % spec.ranks)
+        self._sig: Signature | None = None
+        self.last_step = StepTime()
+        """The last ``step``'s wall time and the time this rank's programs ran in it."""
+
+    def forward(self, *inputs: Any) -> Any:
+        raise PassError(
+            "a pipelined module runs forward and backward together, microbatch by microbatch: call "
+            "pm.step(*inputs) (it returns the loss; the gradients are then in the parameters' .grad)"
+        )
+
+    def step(self, *inputs: Any) -> torch.Tensor:
+        """One training step's forward and backward on the whole batch ``inputs`` (split into the
+        spec's microbatches); returns the loss (the microbatches' mean) on every rank."""
+        sig = Signature.of(inputs, self.training)
+        if self._sig is None:
+            self._sig = sig
+        problem = None if sig == self._sig else "the inputs' shapes or dtypes differ from the first step's"
+        agree(sig, problem, self._input_names)
+        if problem:
+            raise PassError(f"pp: {problem}; a pipelined module runs the shapes it was compiled for")
+        kwargs = {
+            n: x for n, x in zip(self._input_names, [x for x in inputs if isinstance(x, torch.Tensor)], strict=True)
+        }
+        losses: list[torch.Tensor] = []
+        target = torch.zeros(self.spec.microbatches)
+        self.last_step = StepTime()
+        start = time.perf_counter()
+        self._schedule.step(target=target, losses=losses, return_outputs=False, **kwargs)
+        self.last_step.seconds = time.perf_counter() - start
+        for name, group in self._tied:  # NOTE: each holder of a tied weight adds the others' parts
+            grad = self.get_parameter(name).grad
+            if grad is not None:
+                dist.all_reduce(grad.to_local() if isinstance(grad, DTensor) else grad, group=group)
+        loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros(())
+        dist.broadcast(loss, self._last_rank, group=self._group)
+        return loss
+
+    def stage_graph(self, stage: int) -> ir.Graph:
+        """The program of ``stage`` (one this rank runs)."""
+        return self._stage_graphs[stage]
+
+    def stages(self) -> list[int]:
+        """The stages this rank runs."""
+        return sorted(self._stage_graphs)
+
+    def plan_report(self) -> list[str]:
+        return list(self._report)
+
+
+def _tied_groups(
+    mesh: DeviceMesh, spec: PipelineSpec, tied: Mapping[str, tuple[int, ...]], held: set[str]
+) -> list[tuple[str, dist.ProcessGroup]]:
+    """For each tied weight held by several pipeline ranks, the group of those ranks (one per
+    coordinate of the other axes) this rank is in, if it holds the weight. Collective: every rank
+    makes every group, in one order."""
+    ranks = mesh.mesh.reshape(spec.ranks, -1)
+    out = []
+    made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
+    for name in sorted(tied):
+        holders = tuple(sorted({s % spec.ranks for s in tied[name]}))
+        if len(holders) < 2:
+            continue
+        if holders not in made:
+            rows = [[int(ranks[r, c]) for r in holders] for c in range(ranks.shape[1])]
+            made[holders], _ = dist.new_subgroups_by_enumeration(rows)
+        group = made[holders]
+        if name in held and group is not None:
+            out.append((name, group))
+    return out
+
+
+def _own_loss(output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+    """The model computes its loss itself: the last stage's output is it (the target is unused)."""
+    return output
+
+
+def _examples(graph: ir.Graph, mesh: DeviceMesh, kind: str) -> tuple[torch.Tensor, ...]:
+    """Empty tensors of the local shapes of ``graph``'s boundary input (``input`` kind, not a user
+    input) or its outputs (``out``)."""
+    coord = mesh.get_coordinate()
+    if kind == "input":
+        values = [i.value for i in graph.inputs if i.kind == "input"][-1:]  # NOTE: after the user inputs
+    else:
+        values = [o.value for o in graph.outputs if o.kind == "out"]
+    out = []
+    for v in values:
+        t = v.type
+        assert isinstance(t, ir.TensorType)
+        shape = v.layout.local_shape(t.shape, graph.mesh, coord) if graph.mesh is not None else t.shape
+        out.append(torch.empty(tuple(int(d) for d in shape), dtype=t.dtype))
+    return tuple(out)
+
+
+def _has(module: nn.Module, fqn: str) -> bool:
+    try:
+        module.get_parameter(fqn)
+        return True
+    except AttributeError:
+        try:
+            module.get_buffer(fqn)
+            return True
+        except AttributeError:
+            return False
+
+
+def _parent(module: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    *path, leaf = fqn.split(".")
+    for part in path:
+        child = module._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            module.add_module(part, child)
+        module = child
+    return module, leaf

@@ -1,0 +1,343 @@
+"""A compiled program split into pipeline stages at its layer stack's boundaries.
+
+Pipeline parallelism starts at capture: every layer of the model's layer stack (its longest
+``nn.ModuleList``/``nn.Sequential``) reads its hidden states through ``meshfold.stage_in``
+(``marked_layers``), whose backward is ``meshfold.stage_in_grad``, so the joint graph names at each
+layer the value that enters it and the gradient that leaves it (``ir.stage``). After the passes,
+each rank's program is cut at the layers ``passes.stages.split_layers`` chooses:
+
+* an op of layer ``k`` runs on the stage holding ``k``; a forward op of no layer runs on the latest
+  stage among its operands' (the final norm and the loss after the stack), a backward op on the
+  earliest (the embedding's gradient before it); an op reading only the program's inputs (the
+  embedding lookup, the rotary tables, a parameter's all-gather) runs on every stage that reads
+  its result, so what every layer reads is computed where it is read instead of sent;
+* stage ``s`` receives ``stage_in``'s operand at its first layer and returns that layer's
+  ``stage_in_grad`` result as the gradient of it; it sends the operand of the next stage's first
+  ``stage_in`` and takes its gradient as its one tangent;
+* a weight several stages read (input and output embeddings tied) is held by each of them; each
+  returns its part of the gradient (the terms of the sum the joint graph adds them in), and the
+  ranks holding it add the parts after the step (``meshfold.pipelined``), so the copies stay equal;
+* anything else crossing a boundary (a layer's value read by a later stage: a skip connection, an
+  auxiliary loss pooled over all layers) is refused, naming the op, its module and source line.
+
+Each stage is then a program of its own (``stage_graphs``), lowered like any other.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshfold.ir import Graph, GraphInput, GraphOutput, Op, Value
+from meshfold.ir.stage import STAGE_IN, STAGE_IN_GRAD, stage_in
+from meshfold.passes.base import PassError
+from meshfold.passes.blocks import op_blocks
+from meshfold.passes.sharding.opwork import op_flops
+from meshfold.passes.stages import StageSplit, split_layers
+from meshfold.tied import tied_parts
+
+PP = "pp"
+"""The mesh axis pipeline stages are laid along."""
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
+"""The schedules ``torch.distributed.pipelining`` runs a pipeline by (``meshfold.pipelined``)."""
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    """How a model is pipelined: ``ranks`` along the ``pp`` axis, the ``schedule``, the ``microbatches``
+    one step runs, and the ``virtual`` stages each rank holds (more than one only when interleaved)."""
+
+    ranks: int
+    schedule: str = "1f1b"
+    microbatches: int = 0
+    virtual: int = 1
+
+    @property
+    def stages(self) -> int:
+        return self.ranks * self.virtual
+
+    @staticmethod
+    def of(spec: Mapping[str, Any] | PipelineSpec | None, ranks: int) -> PipelineSpec:
+        """Read ``parallelize(pp={"schedule": ..., "microbatches": ..., "virtual": ...})``."""
+        if isinstance(spec, PipelineSpec):
+            return dataclasses.replace(spec, ranks=ranks)
+        given = dict(spec or {})
+        unknown = set(given) - {"schedule", "microbatches", "virtual"}
+        if unknown:
+            raise PassError(f"pp= takes schedule, microbatches and virtual; not {', '.join(sorted(unknown))}")
+        schedule = str(given.get("schedule", "1f1b"))
+        if schedule not in SCHEDULES:
+            raise PassError(f"pp schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+        looped = schedule in ("interleaved", "zero-bubble")
+        virtual = int(given.get("virtual", 2 if schedule == "interleaved" else 1))
+        if virtual < 1 or (virtual > 1 and not looped):
+            raise PassError(
+                f"pp virtual={virtual}: only the interleaved and zero-bubble schedules run several stages per rank "
+                "(virtual >= 2); the others run one"
+            )
+        micro = int(given.get("microbatches", ranks))
+        if micro < 1:
+            raise PassError(f"pp microbatches={micro}: a step runs at least one microbatch")
+        if looped and micro % ranks:
+            raise PassError(
+                f"pp microbatches={micro}: the {schedule} schedule runs microbatches in rounds of the {ranks} "
+                f"pipeline ranks; give a multiple of {ranks}"
+            )
+        return PipelineSpec(ranks, schedule, micro, virtual)
+
+    def bubble(self) -> float:
+        """The share of a step a rank idles under this schedule with every stage equally fast and
+        communication free: ``(p - 1) / (v m + p - 1)`` for ``p`` ranks, ``m`` microbatches and ``v``
+        stages per rank (GPipe and 1F1B alike; interleaving divides the ramp by ``v``). Zero bubble
+        (ZB-H1's analysis, a forward, an input-gradient and a weight-gradient step taking equal time):
+        the weights' steps fill two thirds of the ramp, ``(p - 1) / (3 v m + p - 1)``."""
+        p, m, v = self.ranks, self.microbatches, self.virtual
+        work = 3 * v * m if self.schedule == "zero-bubble" else v * m
+        return (p - 1) / (work + p - 1)
+
+    def held(self, rank: int) -> list[int]:
+        """The stages pipeline rank ``rank`` runs (looping: ``rank, rank + ranks, ...``)."""
+        return list(range(rank, self.stages, self.ranks))
+
+
+def layer_stack(model: nn.Module) -> str:
+    """The path of ``model``'s layer stack: its ``nn.ModuleList``/``nn.Sequential`` of numbered
+    children with the most layers (the first of the longest)."""
+    best: tuple[int, str] | None = None
+    for path, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) < 2:
+            continue
+        if list(mod._modules) != [str(i) for i in range(len(mod))]:
+            continue
+        if best is None or len(mod) > best[0]:
+            best = (len(mod), path)
+    if best is None:
+        raise PassError(
+            f"pipeline parallelism splits a model between the layers of its layer stack (an nn.ModuleList or "
+            f"nn.Sequential of two or more layers); {type(model).__name__} has none: hold the layers in one"
+        )
+    return best[1]
+
+
+@contextlib.contextmanager
+def marked_layers(model: nn.Module) -> Iterator[str]:
+    """For the duration, every layer of ``model``'s layer stack reads its hidden states (its first
+    tensor argument, or ``hidden_states=``) through ``stage_in``; yields the stack's path."""
+    path = layer_stack(model)
+    handles = [layer.register_forward_pre_hook(_mark, with_kwargs=True) for layer in model.get_submodule(path)]
+    try:
+        yield path
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _mark(_layer: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            return (*args[:i], stage_in(a), *args[i + 1 :]), kwargs
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return args, kwargs | {"hidden_states": stage_in(kwargs["hidden_states"])}
+    raise PassError("pipeline parallelism: a layer of the layer stack was called without a tensor to pass on")
+
+
+@dataclass(frozen=True)
+class Layers:
+    """Where a program's layer stack is: its path and, per op, the layer it belongs to (-1: none)."""
+
+    family: str
+    layer: tuple[int, ...]
+    count: int
+
+    @staticmethod
+    def of(graph: Graph) -> Layers:
+        marks = [b for op, b in zip(graph.ops, op_blocks(graph), strict=True) if op.target == STAGE_IN]
+        if not marks:
+            raise PassError(
+                "this program has no stage marks: it was not captured for pipeline parallelism (CompileOptions pp=)"
+            )
+        family = marks[0].rsplit(".", 1)[0]
+        prefix = family + "."
+        layer = [
+            int(b[len(prefix) :]) if b.startswith(prefix) and b[len(prefix) :].isdigit() else -1
+            for b in op_blocks(graph)
+        ]
+        _before_the_marks(graph, layer)
+        return Layers(family, tuple(layer), len(marks))
+
+
+def _before_the_marks(graph: Graph, layer: list[int]) -> None:
+    """Ops a pass put between a layer's mark and the layer before it (a layout change of the hidden
+    states on their way in, of their gradient on its way out) carry the layer's module; they belong
+    to the layer before, so that what passes between two stages is the mark's operand and result."""
+    made = {r: i for i, op in enumerate(graph.ops) for r in op.results}
+    users: dict[Value, list[int]] = defaultdict(list)
+    for i, op in enumerate(graph.ops):
+        for v in op.operands:
+            users[v].append(i)
+    for i, op in enumerate(graph.ops):
+        k = layer[i]
+        if op.target == STAGE_IN:
+            todo = [made[v] for v in op.operands if v in made]
+            while todo:
+                j = todo.pop()
+                if layer[j] == k:
+                    layer[j] = k - 1
+                    todo += [made[v] for v in graph.ops[j].operands if v in made]
+        elif op.target == STAGE_IN_GRAD:
+            after = [u for r in op.results for u in users[r]]
+            while after:
+                j = after.pop()
+                if layer[j] == k:
+                    layer[j] = k - 1
+                    after += [u for r in graph.ops[j].results for u in users[r]]
+
+
+def placement(graph: Graph, layers: Layers, stage_of: Callable[[int], int]) -> list[frozenset[int]]:
+    """The stages each op runs on (see the module docstring), given the stage of each layer."""
+    ops = graph.ops
+    made: dict[Value, int] = {r: i for i, op in enumerate(ops) for r in op.results}
+    # NOTE: values of the buffers and user inputs alone (the rotary tables, a mask): common-subexpression
+    # elimination keeps one copy of what every layer computed alike, in whichever layer came first, so
+    # where they are computed follows where they are read, never the module they were found in
+    plain = {i.value for i in graph.inputs if i.kind in ("buffer", "input")}
+    fixed: list[int | None] = [None] * len(ops)
+    for i, op in enumerate(ops):
+        if all(v in plain for v in op.operands):
+            plain.update(op.results)
+            continue
+        if layers.layer[i] >= 0:
+            fixed[i] = stage_of(layers.layer[i])
+            continue
+        staged = [s for v in op.operands if v in made and (s := fixed[made[v]]) is not None]
+        if staged:
+            fixed[i] = max(staged) if op.prov.phase == "fwd" else min(staged)
+    users: dict[int, list[int]] = defaultdict(list)
+    for i, op in enumerate(ops):
+        for v in op.operands:
+            if v in made:
+                users[made[v]].append(i)
+    out: list[frozenset[int]] = [frozenset()] * len(ops)
+    for i in reversed(range(len(ops))):
+        f = fixed[i]
+        if f is not None:
+            out[i] = frozenset({f})
+        else:
+            # NOTE: an op of the inputs alone runs where its result is read (nowhere read: the first stage)
+            out[i] = frozenset().union(*(out[u] for u in users[i])) or frozenset({0})
+    return out
+
+
+def split_program(graph: Graph, stages: int) -> StageSplit:
+    """The layers of each of ``stages`` stages, balanced by each layer's FLOPs (forward and backward);
+    the ops before the stack weigh on the first stage, those after it on the last (with one layer,
+    both count as the last stage's)."""
+    layers = Layers.of(graph)
+    times = [0.0] * layers.count
+    head = tail = 0.0
+    where = placement(graph, layers, lambda k: k)
+    for op, k, at in zip(graph.ops, layers.layer, where, strict=True):
+        flops = op_flops(op)
+        if k >= 0:
+            times[k] += flops
+        elif at == {0}:
+            head += flops
+        elif at == {layers.count - 1}:
+            tail += flops
+        # NOTE: an op of the inputs every layer reads (the rotary tables) runs on every stage alike
+    return split_layers(times, stages, head=head, tail=tail)
+
+
+def stage_graphs(graph: Graph, split: StageSplit) -> list[Graph]:
+    """``graph`` as one program per stage of ``split`` (see the module docstring)."""
+    layers = Layers.of(graph)
+    n = len(split.times)
+    where = placement(graph, layers, split.stage_of)
+    joins, parts, extra = tied_parts(graph, where)
+    tied = {name for _, name in parts}
+    marks: dict[tuple[Any, int], Op] = {}
+    for op, k in zip(graph.ops, layers.layer, strict=True):
+        if op.target in (STAGE_IN, STAGE_IN_GRAD) and k >= 0:
+            marks[(op.target, k)] = op
+    made = {r: op for op in graph.ops for r in op.results}
+    out = []
+    for s in range(n):
+        first, end = split.bounds[s], split.bounds[s + 1]
+        received = marks[(STAGE_IN, first)].operands[0] if s > 0 else None
+        sent_back = marks[(STAGE_IN_GRAD, first)].results[0] if s > 0 else None
+        sent = marks[(STAGE_IN, end)].operands[0] if s < n - 1 else None
+        tangent = marks[(STAGE_IN_GRAD, end)].results[0] if s < n - 1 else None
+        ops = [op for i, (op, at) in enumerate(zip(graph.ops, where, strict=True)) if s in at and i not in joins]
+        ops += extra.get(s, [])
+        defined = {r for op in ops for r in op.results}
+        given = {i.value for i in graph.inputs}
+        crossing = {v for v in (received, tangent) if v is not None}
+        for op in ops:
+            for v in op.operands:
+                if v not in defined and v not in given and v not in crossing:
+                    raise PassError(_crossing(op, v, made[v], s, where[graph.ops.index(made[v])]))
+        used = {v for op in ops for v in op.operands}
+        outputs: list[GraphOutput] = []
+        if s == n - 1:
+            outputs += [o for o in graph.outputs if o.kind == "out"]
+        else:
+            assert sent is not None
+            outputs.append(GraphOutput("out", f"stage{s}", sent))
+        outputs += [
+            o for o in graph.outputs if o.kind == "grad" and o.name not in tied and o.value in defined | (used & given)
+        ]
+        outputs += [GraphOutput("grad", name, v) for (at, name), v in sorted(parts.items(), key=_by_name) if at == s]
+        for o in outputs:
+            if o.value not in defined and o.value not in given:
+                raise PassError(
+                    f"pipeline stage {s} (layers {first}-{end - 1}) returns {o.kind} {o.name!r}, which another stage "
+                    f"computes: a model output must come from the last stage"
+                )
+        if received is not None and sent_back is not None:
+            outputs.append(GraphOutput("grad", received.name, sent_back))
+        updates = [o.name for o in graph.outputs if o.kind == "update" and o.value in defined]
+        if updates:
+            raise PassError(
+                f"pipeline stage {s} updates buffers in place ({', '.join(updates)}): under pipeline "
+                "parallelism each microbatch would update them again; use a model without running statistics"
+            )
+        returned = {o.value for o in outputs}
+        inputs = [i for i in graph.inputs if i.kind != "tangent" and (i.value in used or i.value in returned)]
+        if received is not None:
+            inputs.append(GraphInput("input", received))
+        inputs += [i for i in graph.inputs if i.kind == "tangent" and i.value in used]
+        if tangent is not None:
+            inputs.append(GraphInput("tangent", tangent))
+        name = f"{graph.name}_stage{s}"
+        out.append(replace(graph, name=name, inputs=tuple(inputs), ops=tuple(ops), outputs=tuple(outputs)))
+    return out
+
+
+def _by_name(item: tuple[tuple[int, str], Value]) -> tuple[int, str]:
+    return item[0]
+
+
+def _crossing(op: Op, v: Value, src: Op, s: int, at: frozenset[int]) -> str:
+    return (
+        f"{op.describe()} on pipeline stage {s} reads %{v.name}, made by {src.describe()} on stage "
+        f"{'/'.join(map(str, sorted(at)))}: only the hidden states a layer of the layer stack receives (and "
+        "their gradient) pass between stages. Values a later layer reads from an earlier one (a skip "
+        "connection, an auxiliary loss collected over all layers) cannot be split there; keep them inside one "
+        "stage or compute them from the hidden states"
+    )
+
+
+def pipeline_line(split: StageSplit, spec: PipelineSpec) -> str:
+    """The plan report's line for a pipeline: schedule, microbatches and each stage's layers."""
+    per = f", {spec.virtual} per rank" if spec.virtual > 1 else ""
+    return (
+        f"pipeline over {PP!r} ({spec.ranks} ranks{per}), {spec.schedule} schedule, {spec.microbatches} "
+        f"microbatches: {split.describe()}"
+    )

@@ -1,0 +1,55 @@
+"""Pipeline parallelism on gloo ranks: llama-style models trained by ``pm.step`` over a ``pp`` mesh axis
+(with FSDP, DDP, tensor or expert parallelism on the other axis, or on ``pp`` alone), under each
+schedule (GPipe, 1F1B, interleaved, zero bubble): the loss, every gradient a rank holds and the
+parameters after AdamW steps equal the single-device model trained on the whole batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.dist.conftest import RankPools
+
+Case = tuple[str, tuple[int, ...], tuple[str, ...], str, dict[str, Any], int]
+# NOTE: (model, mesh shape, axis names, plan, pp options, layers); 5 layers split unevenly over 2
+# stages; HF Llama with its output layer tied to the token embedding, which both stages then hold;
+# HF Mixtral's experts split over each stage's ranks (EP 2)
+CASES: list[Case] = [
+    ("llama", (2, 2), ("pp", "dp"), "pp+fsdp", {"schedule": "1f1b", "microbatches": 4}, 5),
+    ("llama", (2, 2), ("pp", "tp"), "pp+tp", {"schedule": "1f1b", "microbatches": 4}, 4),
+    ("llama", (2, 2), ("pp", "dp"), "pp+ddp", {"schedule": "gpipe", "microbatches": 2}, 4),
+    ("llama", (4,), ("pp",), "pp", {"schedule": "interleaved", "microbatches": 4}, 8),
+    ("llama", (2, 2), ("pp", "dp"), "pp+fsdp", {"schedule": "zero-bubble", "microbatches": 4}, 4),
+    ("llama", (4,), ("pp",), "pp", {"schedule": "zero-bubble", "microbatches": 4, "virtual": 2}, 8),
+    ("hf-llama-tied", (2, 2), ("pp", "dp"), "pp+fsdp", {"schedule": "1f1b", "microbatches": 4}, 4),
+    ("hf-mixtral", (2, 2), ("pp", "dp"), "pp+fsdp", {"schedule": "1f1b", "microbatches": 4}, 4),
+]
+MOE = {"hf-mixtral": {"ep": 2}}
+"""The expert mapping of a case's model: HF Mixtral's experts split over the 2 ``dp`` ranks of each stage."""
+
+
+@pytest.mark.parametrize(
+    "case", CASES, ids=[f"{m}-{p}-{o['schedule']}-{'x'.join(map(str, s))}-{n}layers" for m, s, _, p, o, n in CASES]
+)
+def test_pipelined_training_equals_single_device(rank_pools: RankPools, case: Case) -> None:
+    model, shape, names, plan, pp, layers = case
+    out = rank_pools.get(4).run(
+        "tests.dist.cases_pipeline:pipelined_equivalence",
+        shape=shape,
+        names=names,
+        plan=plan,
+        pp=pp,
+        layers=layers,
+        model=model,
+        moe=MOE.get(model),
+    )
+    stages = shape[0] * pp.get("virtual", 2 if pp["schedule"] == "interleaved" else 1)
+    # NOTE: every stage runs on some rank, and the ranks of one pp coordinate run the same ones
+    assert sorted({s for r in out for s in r["stages"]}) == list(range(stages))
+    assert all(r["losses"] == out[0]["losses"] for r in out)
+    assert any(line.startswith("pipeline over 'pp'") for line in out[0]["report"])
+    if model == "hf-llama-tied":
+        assert all("model.embed_tokens.weight" in r["held"] for r in out)
+    if model in MOE:  # NOTE: the experts run as one op, on the experts this rank holds
+        assert all(any(t.startswith("meshfold.moe_experts") for t in r["ops"]) for r in out), out[0]["ops"]
