@@ -161,7 +161,7 @@ def _pipelined(
     full, sub = stage_mesh(mesh)
     micro = microbatch(example_inputs, spec)
     graph, rng_state, _, report = _compile_once(model, micro, options, first=True)
-    split = split_program(graph, spec.stages)
+    split = split_program(graph, spec, options.cluster, options.memory)
     graphs = stage_graphs(graph, split)
     groups = MeshGroups.of(sub, as_timeout(timeout))
     rank = groups.rank_context(options.mesh, graph)  # NOTE: the same groups on every rank, whatever its stages

@@ -236,7 +236,7 @@ def compile_model(
     with size_hints(hints):
         graph, timings = passes.run(ctx, captured, callback, initial=assume | {JOINT})
         if opts.pp is not None and opts.grad:
-            ctx.stats["pp.split"] = split_program(graph, opts.pp.stages)
+            ctx.stats["pp.split"] = split_program(graph, opts.pp, opts.cluster, opts.memory)
     return CompileResult(
         captured, graph, passes, opts, tuple(timings), tuple(ctx.diagnostics), dict(ctx.stats), tuple(guards)
     )

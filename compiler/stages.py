@@ -36,10 +36,15 @@ import torch
 from torch import nn
 
 from meshfold.ir import Graph, GraphInput, GraphOutput, Op, Value
+from meshfold.ir.graph import local_nbytes
 from meshfold.ir.stage import STAGE_IN, STAGE_IN_GRAD, stage_in
 from meshfold.passes.base import PassError
 from meshfold.passes.blocks import op_blocks
+from meshfold.passes.cost.axis import axis_models
+from meshfold.passes.cost.hardware import Cluster
+from meshfold.passes.schedule.timeline import Costs
 from meshfold.passes.sharding.opwork import op_flops
+from meshfold.passes.sharding.program import STATE_COPIES
 from meshfold.passes.stages import StageSplit, split_layers
 from meshfold.tied import tied_parts
 
@@ -91,6 +96,14 @@ class PipelineSpec:
                 f"pipeline ranks; give a multiple of {ranks}"
             )
         return PipelineSpec(ranks, schedule, micro, virtual)
+
+    def in_flight(self, stage: int) -> int:
+        """Microbatches whose activations ``stage`` holds at once under the schedule: all of them
+        under GPipe; under 1F1B the stages still to run their forward before its first backward
+        (``p - s``), and about that over the looped stages of interleaved schedules."""
+        if self.schedule == "gpipe":
+            return self.microbatches
+        return min(self.microbatches, self.stages - stage)
 
     def bubble(self) -> float:
         """The share of a step a rank idles under this schedule with every stage equally fast and
@@ -235,24 +248,49 @@ def placement(graph: Graph, layers: Layers, stage_of: Callable[[int], int]) -> l
     return out
 
 
-def split_program(graph: Graph, stages: int) -> StageSplit:
-    """The layers of each of ``stages`` stages, balanced by each layer's FLOPs (forward and backward);
-    the ops before the stack weigh on the first stage, those after it on the last (with one layer,
-    both count as the last stage's)."""
+def split_program(
+    graph: Graph, spec: PipelineSpec, cluster: Cluster | None = None, memory: int | None = None
+) -> StageSplit:
+    """The layers of each of ``spec.stages`` stages, balanced by each layer's time on one rank
+    (forward and backward, kernels and collectives, by the time model the passes use for
+    ``cluster``); the ops before the stack weigh on the first stage, those after it on the last
+    (with one layer, both count as the last stage's). ``memory``: bytes a device holds at most; a
+    stage must fit its parameters with their gradient and two optimizer states, and the activations
+    its backward reads for each microbatch the schedule keeps in flight on it (``in_flight``)."""
     layers = Layers.of(graph)
-    times = [0.0] * layers.count
-    head = tail = 0.0
+    n = layers.count
+    costs = Costs(graph, axis_models(graph.mesh, cluster)) if graph.mesh is not None else None
+    # NOTE: per layer, then the head (index n) and the tail (n + 1): seconds, parameter and saved bytes
+    times, params, saved = [0.0] * (n + 2), [0.0] * (n + 2), [0.0] * (n + 2)
     where = placement(graph, layers, lambda k: k)
+    made_at: dict[Value, int] = {}
+    param_at: dict[Value, int] = {}
+    kinds = {i.value: i.kind for i in graph.inputs}
     for op, k, at in zip(graph.ops, layers.layer, where, strict=True):
-        flops = op_flops(op)
-        if k >= 0:
-            times[k] += flops
-        elif at == {0}:
-            head += flops
-        elif at == {layers.count - 1}:
-            tail += flops
         # NOTE: an op of the inputs every layer reads (the rotary tables) runs on every stage alike
-    return split_layers(times, stages, head=head, tail=tail)
+        at_k = k if k >= 0 else n if at == {0} else n + 1 if at == {n - 1} else -1
+        if at_k < 0:
+            continue
+        times[at_k] += (costs.compute(op) + costs.comm(op)) if costs is not None else op_flops(op)
+        for v in op.operands:
+            if kinds.get(v) == "param":
+                param_at.setdefault(v, at_k)
+            elif op.prov.phase == "bwd" and v in made_at:  # NOTE: a forward value the backward reads
+                saved[made_at.pop(v)] += local_nbytes(v, graph.mesh)
+        if op.prov.phase == "fwd":
+            made_at.update((r, at_k) for r in op.results)
+    for v, at_k in param_at.items():
+        params[at_k] += STATE_COPIES * local_nbytes(v, graph.mesh)
+
+    def fits(stage: int, first: int, end: int) -> bool:
+        assert memory is not None
+        ends = (n if stage == 0 else None, n + 1 if stage == spec.stages - 1 else None)
+        extra = [e for e in ends if e is not None]
+        held = sum(params[first:end]) + sum(params[e] for e in extra)
+        acts = sum(saved[first:end]) + sum(saved[e] for e in extra)
+        return held + acts * spec.in_flight(stage) <= memory
+
+    return split_layers(times[:n], spec.stages, head=times[n], tail=times[n + 1], fits=fits if memory else None)
 
 
 def stage_graphs(graph: Graph, split: StageSplit) -> list[Graph]:

@@ -102,7 +102,7 @@ def test_a_program_splits_into_stages_that_pass_on_the_hidden_states_alone() -> 
     graph = result.graph  # type: ignore[attr-defined]
     layers = Layers.of(graph)
     assert layers.family == "layers" and layers.count == 5
-    split = split_program(graph, 2)
+    split = split_program(graph, PipelineSpec(2))
     assert result.stats["pp.split"] == split  # type: ignore[attr-defined]
     assert sum(split.counts) == 5 and split.counts[0] != split.counts[1]  # NOTE: uneven: 5 layers on 2 stages
     first, last = stage_graphs(graph, split)
@@ -144,14 +144,14 @@ def test_a_value_that_skips_a_stage_boundary_is_refused_naming_the_op() -> None:
     result = _compiled(_Skip(), (torch.randn(4, 8),), 2)
     graph = result.graph  # type: ignore[attr-defined]
     with pytest.raises(PassError, match=r"on pipeline stage \d reads %\w+, made by .* only the hidden states"):
-        stage_graphs(graph, split_program(graph, 2))
+        stage_graphs(graph, split_program(graph, PipelineSpec(2)))
 
 
 def test_a_weight_two_stages_read_is_held_by_both_each_returning_its_part_of_the_gradient() -> None:
     model, inputs = build("gpt2-tiny")  # NOTE: its output layer is its token embedding, tied
     result = _compiled(model, inputs, 2)
     graph = result.graph  # type: ignore[attr-defined]
-    stages = stage_graphs(graph, split_program(graph, 2))
+    stages = stage_graphs(graph, split_program(graph, PipelineSpec(2)))
     tied = tied_parameters(stages)
     assert list(tied) == ["wte.weight"] and tied["wte.weight"] == (0, 1)
     for g in stages:
@@ -173,7 +173,7 @@ def test_a_zero_bubble_stage_computes_its_input_gradient_before_its_weights() ->
 
     model, inputs = _llama(4)
     graph = _compiled(model, inputs, 2).graph  # type: ignore[attr-defined]
-    _, last = stage_graphs(graph, split_program(graph, 2))
+    _, last = stage_graphs(graph, split_program(graph, PipelineSpec(2)))
     (received,) = [i.name for i in last.inputs if i.kind == "input" and i.name not in ("input_ids", "labels")]
     rank = RankContext(last.mesh, (0,), ("dp-group",))
     whole, split = lower(last, rank), lower_split(last, rank, received)
@@ -187,3 +187,27 @@ def test_a_zero_bubble_stage_computes_its_input_gradient_before_its_weights() ->
     # NOTE: the weights' gradient products (one per linear layer) move out of the first program
     assert matmuls(split.backward) + matmuls(split.weights) == matmuls(whole.backward)
     assert matmuls(split.weights) >= len([p for p in params if "proj" in p or "lm_head" in p])
+
+
+def test_under_a_memory_bound_the_stage_holding_more_microbatches_gets_fewer_layers() -> None:
+    """Under 1F1B on 4 ranks the first stage keeps four microbatches' activations to the last stage's
+    one: at the tightest bound any split meets, the first stage holds fewer layers than without a
+    bound, the last more."""
+    model, inputs = _llama(8)
+    graph = _compiled(model, inputs, 4).graph  # type: ignore[attr-defined]
+    spec = PipelineSpec(4, "1f1b", 8)
+    assert [spec.in_flight(s) for s in range(4)] == [4, 3, 2, 1]
+    free = split_program(graph, spec)
+    assert split_program(graph, spec, memory=2**40) == free
+    with pytest.raises(SplitError, match="fits"):
+        split_program(graph, spec, memory=1)
+    low, high = 1, 2**40
+    while high - low > 1:  # NOTE: the smallest bound some split meets
+        mid = (low + high) // 2
+        try:
+            split_program(graph, spec, memory=mid)
+            high = mid
+        except SplitError:
+            low = mid
+    tight = split_program(graph, spec, memory=high)
+    assert tight.counts[0] < free.counts[0] and tight.counts[-1] > free.counts[-1], (tight.counts, free.counts)
