@@ -171,7 +171,8 @@ class Layers:
 
     @staticmethod
     def of(graph: Graph) -> Layers:
-        marks = [b for op, b in zip(graph.ops, op_blocks(graph), strict=True) if op.target == STAGE_IN]
+        # NOTE: forward marks only (a layer the memory pass recomputes runs its mark again in the backward)
+        marks = [b for op, b in zip(graph.ops, op_blocks(graph), strict=True) if _is_mark(op, STAGE_IN)]
         if not marks:
             raise PassError(
                 "this program has no stage marks: it was not captured for pipeline parallelism (CompileOptions pp=)"
@@ -183,7 +184,7 @@ class Layers:
             for b in op_blocks(graph)
         ]
         _before_the_marks(graph, layer)
-        return Layers(family, tuple(layer), len(marks))
+        return Layers(family, tuple(layer), max(layer) + 1)
 
 
 def _before_the_marks(graph: Graph, layer: list[int]) -> None:
@@ -302,7 +303,7 @@ def stage_graphs(graph: Graph, split: StageSplit) -> list[Graph]:
     tied = {name for _, name in parts}
     marks: dict[tuple[Any, int], Op] = {}
     for op, k in zip(graph.ops, layers.layer, strict=True):
-        if op.target in (STAGE_IN, STAGE_IN_GRAD) and k >= 0:
+        if (_is_mark(op, STAGE_IN) or _is_mark(op, STAGE_IN_GRAD)) and k >= 0:
             marks[(op.target, k)] = op
     made = {r: op for op in graph.ops for r in op.results}
     out = []
@@ -356,6 +357,11 @@ def stage_graphs(graph: Graph, split: StageSplit) -> list[Graph]:
         name = f"{graph.name}_stage{s}"
         out.append(replace(graph, name=name, inputs=tuple(inputs), ops=tuple(ops), outputs=tuple(outputs)))
     return out
+
+
+def _is_mark(op: Op, target: Any) -> bool:
+    """``op`` is the forward's ``stage_in`` or the backward's ``stage_in_grad`` (not a recomputed copy)."""
+    return op.target == target and op.prov.phase == ("fwd" if target == STAGE_IN else "bwd")
 
 
 def _by_name(item: tuple[tuple[int, str], Value]) -> tuple[int, str]:

@@ -74,13 +74,14 @@ def pipelined_equivalence(
     steps: int = 2,
     model: str = "llama",
     moe: dict[str, Any] | None = None,
+    memory: str | None = None,
 ) -> dict[str, Any]:
     """Train ``steps`` AdamW steps pipelined and on one device side by side; raise on any difference."""
     warnings.filterwarnings("ignore")
     mesh = device_mesh(tuple(shape), tuple(names))
     net, inputs = MODELS[model](layers)
     ref, _ = MODELS[model](layers)
-    pm = parallelize(net, mesh, inputs, plan=plan, pp=pp, moe=moe)
+    pm = parallelize(net, mesh, inputs, plan=plan, pp=pp, moe=moe, memory=memory)
     held = dict(pm.named_parameters())
     assert held, "this rank holds no parameters"
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)

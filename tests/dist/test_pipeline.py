@@ -12,9 +12,11 @@ import pytest
 from tests.dist.conftest import RankPools
 
 Case = tuple[str, tuple[int, ...], tuple[str, ...], str, dict[str, Any], int]
+PP4 = {"schedule": "1f1b", "microbatches": 4}
 # NOTE: (model, mesh shape, axis names, plan, pp options, layers); 5 layers split unevenly over 2
 # stages; HF Llama with its output layer tied to the token embedding, which both stages then hold;
-# HF Mixtral's experts split over each stage's ranks (EP 2)
+# HF Mixtral's experts split over each stage's ranks (EP 2); the solve choosing the layouts on dp;
+# every block recomputed
 CASES: list[Case] = [
     ("llama", (2, 2), ("pp", "dp"), "pp+fsdp", {"schedule": "1f1b", "microbatches": 4}, 5),
     ("llama", (2, 2), ("pp", "tp"), "pp+tp", {"schedule": "1f1b", "microbatches": 4}, 4),
@@ -23,10 +25,14 @@ CASES: list[Case] = [
     ("llama", (2, 2), ("pp", "dp"), "pp+fsdp", {"schedule": "zero-bubble", "microbatches": 4}, 4),
     ("llama", (4,), ("pp",), "pp", {"schedule": "zero-bubble", "microbatches": 4, "virtual": 2}, 8),
     ("hf-llama-tied", (2, 2), ("pp", "dp"), "pp+fsdp", {"schedule": "1f1b", "microbatches": 4}, 4),
-    ("hf-mixtral", (2, 2), ("pp", "dp"), "pp+fsdp", {"schedule": "1f1b", "microbatches": 4}, 4),
+    ("hf-mixtral", (2, 2), ("pp", "dp"), "pp+fsdp", PP4, 4),
+    ("llama", (2, 2), ("pp", "dp"), "pp+auto", PP4, 4),
+    ("llama-full", (2, 2), ("pp", "dp"), "pp+fsdp", PP4, 4),
 ]
 MOE = {"hf-mixtral": {"ep": 2}}
 """The expert mapping of a case's model: HF Mixtral's experts split over the 2 ``dp`` ranks of each stage."""
+MEMORY = {"llama-full": "full"}
+"""The memory policy of a case: every block recomputed in the backward (the marks recomputed too)."""
 
 
 @pytest.mark.parametrize(
@@ -41,8 +47,9 @@ def test_pipelined_training_equals_single_device(rank_pools: RankPools, case: Ca
         plan=plan,
         pp=pp,
         layers=layers,
-        model=model,
+        model=model.removesuffix("-full"),
         moe=MOE.get(model),
+        memory=MEMORY.get(model),
     )
     stages = shape[0] * pp.get("virtual", 2 if pp["schedule"] == "interleaved" else 1)
     # NOTE: every stage runs on some rank, and the ranks of one pp coordinate run the same ones
