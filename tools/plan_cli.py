@@ -10,7 +10,9 @@ configuration; ``--mesh dp=8,tp=8`` pins the mesh and searches the rest (micro-b
 ZeRO stage, overlap; for MoE models also ep, etp and the folded / unfolded expert mapping, e.g.
 ``--fixed "tp=2,dp=32,ep=8,etp=1"`` or ``--fixed "tp=2,dp=32,ep=8,moe_mapping=unfolded"``).
 ``--routing-imbalance`` sets the busiest expert rank's load over the mean (default: the model's,
-1.0 for presets).
+1.0 for presets). ``--cluster`` may join node groups with different NICs, e.g.
+``h100:8x4@ib+h100:8x4@roce`` (``passes.cost.hardware.parse_cluster``). For plans with a pipeline
+the table is followed by each plan's schedule and layers per stage.
 """
 
 from __future__ import annotations
@@ -48,7 +50,12 @@ GIB = 2**30
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``plan`` subcommand's options."""
     p.add_argument("--model", required=True, help="HF config .json, zoo name, llama3-8b..., or module:factory")
-    p.add_argument("--cluster", required=True, help="DEVICE:GPUS_PER_NODExNODES, e.g. h100:8x64")
+    p.add_argument(
+        "--cluster",
+        required=True,
+        help="DEVICE:GPUS_PER_NODExNODES[@NIC], e.g. h100:8x64; node groups with different NICs joined by +, e.g. "
+        "h100:8x4@ib+h100:8x4@roce (ib = InfiniBand NDR 400, roce = RoCE 200 GbE, or a link name)",
+    )
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step")
     p.add_argument("--dtype", default="bf16")
@@ -179,6 +186,8 @@ def _row(cfg: ParallelConfig, res: SimResult, solve_s: float) -> dict[str, Any]:
         "a2a_exposed_s": res.a2a_exposed_s,
         "solve_time_s": solve_s,
         "fits": res.fits,
+        "schedule": cfg.schedule_name,
+        "stage_layers": list(res.stage_layers),
     }
 
 
@@ -215,6 +224,8 @@ def _table(
         t.add_row(*cells)
     console.print(t)
     for i, (_, r) in enumerate(ranked, 1):
+        if r.stages_text():
+            console.print(f"plan {i} pipeline: {r.stages_text()}")
         if not r.fits:
             console.print(f"[red]plan {i} does not fit: {r.peak_memory_bytes / GIB:.1f} GiB per device[/red]")
     console.print(f"solve time: {solve_s:.2f} s")

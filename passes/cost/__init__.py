@@ -2,9 +2,11 @@
 
 ``hardware`` (devices, links, clusters), ``model`` (ModelSpec, parameter and FLOP counts),
 ``opcost`` (roofline kernel times), ``comm`` (collective times on two-level topologies),
-``simulate`` (one training step under a ParallelConfig), ``search`` (outer search over
-configurations). Everything is frozen data and pure functions; results are deterministic.
-What this package exports needs no torch, so ``meshfold plan`` starts fast. The one analysis
+``stagesplit`` (which layers each pipeline stage holds), ``dataparallel`` (gradient and parameter
+traffic), ``simulate`` (one training step under a ParallelConfig), ``search`` (outer search over
+configurations), ``calibration`` (the published runs the Hopper constants are fitted on and scored
+against; scipy fits them). Everything is frozen data and pure functions; results are
+deterministic. What this package exports needs no torch, so ``meshfold plan`` starts fast. The one analysis
 over compiled graphs, ``passes.cost.memory`` (liveness of a rank's SPMD graph), reads ``ir``
 values and is imported by name only.
 """
@@ -19,7 +21,7 @@ from meshfold.passes.cost.comm import (
     place_axis,
     reduce_scatter,
 )
-from meshfold.passes.cost.footprint import layer_activation_bytes, peak_memory
+from meshfold.passes.cost.footprint import layer_activation_bytes
 from meshfold.passes.cost.hardware import (
     DEVICES,
     LINKS,
@@ -27,16 +29,25 @@ from meshfold.passes.cost.hardware import (
     Device,
     Efficiency,
     Link,
+    NodeGroup,
     device,
     make_cluster,
     parse_cluster,
 )
 from meshfold.passes.cost.model import PRESETS, Matmul, ModelSpec, from_hf_config, gpt, preset
 from meshfold.passes.cost.opcost import attention_time, gemm_time, memory_time, roofline
-from meshfold.passes.cost.parallel import MOE_MAPPINGS, RECOMPUTE, ConfigError, ParallelConfig, TrainSpec
+from meshfold.passes.cost.parallel import (
+    MOE_MAPPINGS,
+    RECOMPUTE,
+    SCHEDULES,
+    STAGE_SPLITS,
+    ConfigError,
+    ParallelConfig,
+    TrainSpec,
+)
 from meshfold.passes.cost.result import MemoryBreakdown, MemoryPoint, SimResult, TimelineEvent
 from meshfold.passes.cost.search import Ranked, candidates, search_configs
-from meshfold.passes.cost.simulate import simulate
+from meshfold.passes.cost.simulate import peak_memory, simulate, stage_memories
 from meshfold.passes.cost.trace import plot_memory, to_chrome_trace
 
 __all__ = [
@@ -45,6 +56,8 @@ __all__ = [
     "MOE_MAPPINGS",
     "PRESETS",
     "RECOMPUTE",
+    "SCHEDULES",
+    "STAGE_SPLITS",
     "Cluster",
     "ConfigError",
     "Device",
@@ -55,6 +68,7 @@ __all__ = [
     "MemoryBreakdown",
     "MemoryPoint",
     "ModelSpec",
+    "NodeGroup",
     "ParallelConfig",
     "Ranked",
     "SimResult",
@@ -83,5 +97,6 @@ __all__ = [
     "roofline",
     "search_configs",
     "simulate",
+    "stage_memories",
     "to_chrome_trace",
 ]

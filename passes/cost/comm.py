@@ -11,11 +11,17 @@ inter-node phase on ``1/per_node`` of it. NCCL/HCCL pipeline chunks through both
 slower phase bounds the transfer; latencies of both phases add. ``nbytes`` is always the FULL
 logical buffer: the gathered output of an all-gather, the input of a reduce-scatter or all-reduce,
 everything one rank sends in an all-to-all, the message of a send/recv.
+
+On a cluster of node groups with different NICs (``Cluster.groups``) a collective runs as fast as
+the slowest NIC among the nodes its members sit on: ``instance_view`` gives the cluster one
+instance of a group sees (the dp group of pipeline stage ``r``, say), ``hop`` the two ends of one
+pipeline send.
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -74,6 +80,41 @@ def _place(cluster: Cluster, axes: tuple[tuple[str, int], ...], names: tuple[str
         offsets = [o + c * strides[n] for o in offsets for c in range(reach) if o + c * strides[n] < dpn]
     per_node = max(1, min(size, len(offsets)))
     return Group(size, per_node, math.ceil(size / per_node))
+
+
+def _strides(axes: tuple[tuple[str, int], ...]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    stride = 1
+    for name, size in axes:
+        out[name] = stride
+        stride *= size
+    return out
+
+
+@functools.lru_cache(maxsize=8192)
+def instance_view(
+    cluster: Cluster, axes: tuple[tuple[str, int], ...], names: tuple[str, ...], fixed: tuple[tuple[str, int], ...]
+) -> Cluster:
+    """The cluster as the group over mesh axes ``names`` sees it in the instance whose coordinates on
+    the other axes are ``fixed`` ((axis, coordinate) pairs; 0 on axes not named): ``Cluster.view`` of
+    the node groups its members sit on. A cluster with one kind of NIC is returned as it is."""
+    if not cluster.heterogeneous:
+        return cluster
+    strides, sizes = _strides(axes), dict(axes)
+    base = sum(c * strides[a] for a, c in fixed)
+    dpn = cluster.devices_per_node
+    ranges = [range(0, sizes[n] * strides[n], strides[n]) for n in names if n in sizes]
+    groups = frozenset(cluster.group_of_node((base + sum(offs)) // dpn) for offs in itertools.product(*ranges))
+    return cluster.view(groups)
+
+
+def hop(cluster: Cluster, axes: tuple[tuple[str, int], ...], axis: str, i: int) -> tuple[Cluster, bool]:
+    """(cluster view, crosses nodes) of the send from coordinate ``i`` to ``i + 1`` of mesh ``axis``
+    (coordinates 0 on the other axes): a send between node groups runs at the slower NIC."""
+    stride = _strides(axes)[axis]
+    dpn = cluster.devices_per_node
+    a, b = i * stride // dpn, (i + 1) * stride // dpn
+    return cluster.view(frozenset({cluster.group_of_node(a), cluster.group_of_node(b)})), a != b
 
 
 def place_axis(cluster: Cluster, axes: Sequence[tuple[str, int]], axis: str) -> Group:

@@ -16,7 +16,7 @@ from meshfold.passes.cost import comm, opcost
 from meshfold.passes.cost.hardware import Cluster
 from meshfold.passes.cost.layer import LayerBuilder, LayerPlan
 from meshfold.passes.cost.model import Matmul, ModelSpec
-from meshfold.passes.cost.streams import LayerCost, Streams
+from meshfold.passes.cost.streams import LayerCost, Streams, weight_grad_s
 
 CE_FWD_BYTES = 42.0
 CE_BWD_BYTES = 22.0
@@ -48,7 +48,15 @@ def head_cost(model: ModelSpec, cluster: Cluster, dtype: str, grad_dtype: str, s
     lay.col_bwd(b, [lm], tp, lay.T, True)
     b.compute("final norm bwd", lay.eltwise(3 * lay.Tsp * h))
     return LayerCost(
-        f.now, b.now, f.exposed, b.exposed, f.comm_busy + b.comm_busy, 0.0, tuple(f.events), tuple(b.events)
+        f.now,
+        b.now,
+        f.exposed,
+        b.exposed,
+        f.comm_busy + b.comm_busy,
+        0.0,
+        tuple(f.events),
+        tuple(b.events),
+        wgrad_s=weight_grad_s(b.events),
     )
 
 

@@ -9,6 +9,10 @@ Without dropout and with fused attention a GPT layer saves ``s b h (32 / tp)`` b
 ``34 / tp`` minus the two dropout masks). ``selective`` recomputation drops the norm outputs and
 the MLP activation output (and the score matrix when attention is unfused); ``full`` keeps only
 each layer's input.
+
+Each pipeline rank is priced on its own layers (``StageLayers``, from the stage split) and edges,
+with the micro-batches the schedule keeps in flight on it (``chunks_in_flight``); ``StageMemory``
+holds the per-layer figures so the split can ask whether a stage fits many times over.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass, replace
 
-from meshfold.passes.cost.hardware import GIB, Cluster
+from meshfold.passes.cost.hardware import GIB
 from meshfold.passes.cost.model import Matmul, ModelSpec
 from meshfold.passes.cost.parallel import ParallelConfig, TrainSpec
 from meshfold.passes.cost.result import MemoryBreakdown
@@ -43,6 +47,24 @@ class StageParams:
         return self.dense + self.expert
 
 
+@dataclass(frozen=True, slots=True)
+class StageLayers:
+    """What pipeline rank ``rank`` holds over all its virtual chunks: ``dense`` and ``moe`` layers,
+    the embedding (on the rank of chunk 0) and the final norm, LM head and loss (``head``, on the
+    rank of the last chunk)."""
+
+    rank: int
+    dense: int
+    moe: int
+    embedding: bool
+    head: bool
+
+    @property
+    def layers(self) -> int:
+        """Transformer layers on the rank."""
+        return self.dense + self.moe
+
+
 def _split_params(model: ModelSpec, tp: int, matmuls: tuple[Matmul, ...]) -> float:
     total = 0.0
     for mm in matmuls:
@@ -52,31 +74,38 @@ def _split_params(model: ModelSpec, tp: int, matmuls: tuple[Matmul, ...]) -> flo
     return total
 
 
-def stage_params(model: ModelSpec, cfg: ParallelConfig, stage: str) -> StageParams:
-    """Per-device parameters of pipeline ``stage`` in {"first", "middle", "last"} (layers spread
-    evenly; the embedding sits on the first stage, the final norm and LM head on the last)."""
-    return _stage_params(model, cfg.tp, cfg.pp, cfg.ep * cfg.etp_size, stage)
-
-
 @functools.lru_cache(maxsize=4096)
-def _stage_params(model: ModelSpec, tp: int, pp: int, expert_split: int, stage: str) -> StageParams:
-    """``stage_params`` from the sizes it depends on; experts are split over ``ep x etp``."""
+def layer_params(model: ModelSpec, tp: int, expert_split: int, kind: str) -> StageParams:
+    """Per-device parameters of one ``kind`` ("dense" / "moe") layer; experts split over ``ep x etp``."""
     attn = _split_params(model, tp, model.attention_matmuls()) + 2 * model.norm_params()
-    dense = attn + _split_params(model, tp, model.mlp_matmuls())
-    moe_dense = attn + model.hidden * model.num_experts
+    if kind == "dense":
+        return StageParams(attn + _split_params(model, tp, model.mlp_matmuls()), 0.0)
+    dense = attn + model.hidden * model.num_experts
     if model.shared_experts:
-        moe_dense += _split_params(model, tp, model.mlp_matmuls(model.moe_ffn_hidden * model.shared_experts))
-    experts = model.expert_params() / expert_split if model.num_experts else 0.0
-    d = (model.dense_layers * dense + model.moe_layers * moe_dense) / pp
-    e = model.moe_layers * experts / pp
+        dense += _split_params(model, tp, model.mlp_matmuls(model.moe_ffn_hidden * model.shared_experts))
+    return StageParams(dense, model.expert_params() / expert_split)
+
+
+def edge_params(model: ModelSpec, tp: int, pp: int, embedding: bool, head: bool) -> float:
+    """Per-device parameters of the pipeline edges a rank holds (the LM head shares the embedding's
+    weight only when both sit on one rank and the model ties them)."""
     emb = model.vocab * model.hidden / tp
-    if stage == "first" or pp == 1:
-        d += emb + model.learned_positions * model.hidden
-    if stage == "last" or pp == 1:
+    d = emb + model.learned_positions * model.hidden if embedding else 0.0
+    if head:
         d += model.norm_params()
         if not model.tied_embeddings or pp > 1:
             d += emb
-    return StageParams(d, e)
+    return d
+
+
+def stage_params(model: ModelSpec, cfg: ParallelConfig, stage: StageLayers) -> StageParams:
+    """Per-device parameters of pipeline rank ``stage`` (its layers and edges)."""
+    split = cfg.ep * cfg.etp_size
+    d, e = layer_params(model, cfg.tp, split, "dense"), layer_params(model, cfg.tp, split, "moe")
+    dense = (
+        stage.dense * d.dense + stage.moe * e.dense + edge_params(model, cfg.tp, cfg.pp, stage.embedding, stage.head)
+    )
+    return StageParams(dense, stage.moe * e.expert)
 
 
 def layer_activation_bytes(model: ModelSpec, cfg: ParallelConfig, train: TrainSpec, kind: str) -> float:
@@ -113,47 +142,117 @@ def layer_activation_bytes(model: ModelSpec, cfg: ParallelConfig, train: TrainSp
     return elems * a
 
 
-def chunks_in_flight(cfg: ParallelConfig, m: int, stage: str) -> int:
-    """Micro-batch chunks whose activations a stage holds at its peak under (interleaved) 1F1B."""
+def chunks_in_flight(cfg: ParallelConfig, m: int, rank: int) -> int:
+    """Micro-batch chunks whose activations pipeline rank ``rank`` holds at its peak: under 1F1B
+    rank ``r`` runs ``pp - r - 1`` warm-up forwards, so it keeps ``min(pp - r, m)``; under
+    interleaved 1F1B Megatron's warm-up is ``2 (pp - r - 1) + (vpp - 1) pp`` chunk-passes. ZB-H1
+    keeps 1F1B's (its deferred weight gradients free their inputs within the same slot)."""
     if cfg.pp == 1:
         return 1
     if cfg.vpp == 1:
-        return min(m, cfg.pp) if stage == "first" else 1
-    warmup = 2 * (cfg.pp - 1) + (cfg.vpp - 1) * cfg.pp if stage == "first" else (cfg.vpp - 1) * cfg.pp
-    return min(m * cfg.vpp, warmup + 1)
+        return min(m, cfg.pp - rank)
+    return min(m * cfg.vpp, 2 * (cfg.pp - rank - 1) + (cfg.vpp - 1) * cfg.pp + 1)
 
 
-def memory_breakdown(
-    model: ModelSpec, cluster: Cluster, cfg: ParallelConfig, train: TrainSpec, stage: str
-) -> MemoryBreakdown:
-    """Peak bytes on one device of pipeline ``stage`` ("first" or "last")."""
-    a, w, g = train.act_bytes, train.weight_bytes, train.grad_bytes
-    master = 4 if w < 4 else 0
-    opt = (8 if train.optimizer == "adam" else 4) + master
-    p = stage_params(model, cfg, stage)
-    dshard, eshard = cfg.dp * cfg.cp, cfg.edp
-    opt_bytes = opt * (p.dense / dshard + p.expert / eshard) if cfg.zero >= 1 else opt * p.total
-    grads = g * (p.dense / dshard + p.expert / eshard) if cfg.zero >= 2 else g * p.total
-    params = w * (p.dense / dshard + p.expert / eshard) if cfg.zero == 3 else w * p.total
-    layers = model.layers / cfg.pp
-    m = cfg.num_microbatches(train)
-    per_chunk = (
-        (
-            model.dense_layers * layer_activation_bytes(model, cfg, train, "dense")
-            + model.moe_layers * layer_activation_bytes(model, cfg, train, "moe")
-        )
-        / model.layers
-        * layers
-        / cfg.vpp
-    )
-    acts = chunks_in_flight(cfg, m, stage) * per_chunk
+@dataclass(frozen=True, slots=True)
+class StageMemory:
+    """Peak-memory model of the ranks of one configuration, linear in the layers a rank holds:
+    per layer of each kind its static bytes (parameters, gradients, optimizer state after ZeRO
+    sharding) and its activation bytes per micro-batch chunk in flight; per edge its static bytes
+    and the loss's logits. Built once per configuration so the stage split can ask it cheaply."""
+
+    model: ModelSpec
+    cfg: ParallelConfig
+    train: TrainSpec
+    m: int
+    static_dense: float
+    static_moe: float
+    act_dense: float
+    act_moe: float
+    static_embedding: float
+    static_head: float
+    logits: float
+    fixed_buffers: float
+
+    def _static_of(self, p: StageParams) -> tuple[float, float, float]:
+        cfg, train = self.cfg, self.train
+        w, g = train.weight_bytes, train.grad_bytes
+        opt = (8 if train.optimizer == "adam" else 4) + (4 if w < 4 else 0)
+        sharded = p.dense / (cfg.dp * cfg.cp) + p.expert / cfg.edp
+        params = w * (sharded if cfg.zero == 3 else p.total)
+        grads = g * (sharded if cfg.zero >= 2 else p.total)
+        return params, grads, opt * (sharded if cfg.zero >= 1 else p.total)
+
+    def chunk_need(self, rank: int, dense: int, moe: int, embedding: bool, head: bool) -> float:
+        """Bytes a virtual chunk of ``dense`` + ``moe`` layers (and the edges named) adds to ``rank``:
+        its static bytes and its share (1/vpp) of the rank's activations in flight."""
+        flight = chunks_in_flight(self.cfg, self.m, rank) / self.cfg.vpp
+        need = dense * (self.static_dense + flight * self.act_dense) + moe * (self.static_moe + flight * self.act_moe)
+        if embedding:
+            need += self.static_embedding
+        if head:
+            need += self.static_head + self.logits
+        return need
+
+    def breakdown(self, stage: StageLayers) -> MemoryBreakdown:
+        """Peak bytes on one device of pipeline rank ``stage``."""
+        cfg, model, train = self.cfg, self.model, self.train
+        params, grads, opt = self._static_of(stage_params(model, cfg, stage))
+        per_chunk = (stage.dense * self.act_dense + stage.moe * self.act_moe) / cfg.vpp
+        acts = chunks_in_flight(cfg, self.m, stage.rank) * per_chunk
+        if cfg.recompute == "full":
+            kind = "moe" if stage.moe else "dense"
+            acts += layer_activation_bytes(model, replace(cfg, recompute="none"), train, kind)  # the layer in backward
+        if stage.head:
+            acts += self.logits
+        buffers = self.fixed_buffers
+        if cfg.zero == 3:
+            split = cfg.ep * cfg.etp_size
+            widest = max(
+                layer_params(model, cfg.tp, split, k).total
+                for k, n in (("dense", stage.dense), ("moe", stage.moe))
+                if n
+            )
+            buffers += 2 * widest * train.weight_bytes  # NOTE: current and prefetched layer, unsharded
+        return MemoryBreakdown(params, grads, opt, acts, buffers, RUNTIME_RESERVE)
+
+    def floor(self) -> float:
+        """A lower bound of the largest rank's peak that needs no stage split: the mean over ranks
+        of everything the ranks hold, each layer's activations counted at the smallest number of
+        chunks any rank keeps in flight."""
+        cfg, model = self.cfg, self.model
+        least = min(chunks_in_flight(cfg, self.m, r) for r in range(cfg.pp)) / cfg.vpp
+        layers = model.dense_layers * (self.static_dense + least * self.act_dense)
+        layers += model.moe_layers * (self.static_moe + least * self.act_moe)
+        edges = self.static_embedding + self.static_head + self.logits
+        return (layers + edges) / cfg.pp + self.fixed_buffers + RUNTIME_RESERVE
+
+    def fixed(self, rank: int, moe: bool) -> float:
+        """Bytes of ``rank`` that do not scale with its layers: reserve, buffers, a fully recomputed
+        layer's activations and, under FSDP, the gathered layers (an upper bound: the widest kind)."""
+        cfg, model, train = self.cfg, self.model, self.train
+        extra = RUNTIME_RESERVE + self.fixed_buffers
+        if cfg.recompute == "full":
+            extra += layer_activation_bytes(model, replace(cfg, recompute="none"), train, "moe" if moe else "dense")
+        if cfg.zero == 3:
+            split = cfg.ep * cfg.etp_size
+            kinds = ("dense", "moe") if model.moe_layers else ("dense",)
+            extra += 2 * max(layer_params(model, cfg.tp, split, k).total for k in kinds) * train.weight_bytes
+        return extra
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_memory(model: ModelSpec, cfg: ParallelConfig, train: TrainSpec) -> StageMemory:
+    """The ``StageMemory`` of ``cfg`` (cached)."""
+    a, g = train.act_bytes, train.grad_bytes
+    split = cfg.ep * cfg.etp_size
+    probe = StageMemory(model, cfg, train, cfg.num_microbatches(train), 0, 0, 0, 0, 0, 0, 0, 0)
+
+    def static(p: StageParams) -> float:
+        return sum(probe._static_of(p))
+
     T = cfg.micro_batch_size * train.seq_len / cfg.cp
     Tsp = T / cfg.tp if cfg.sp else T
-    if cfg.recompute == "full":
-        kind = "moe" if model.moe_layers else "dense"
-        acts += layer_activation_bytes(model, replace(cfg, recompute="none"), train, kind)  # the layer in backward
-    if stage == "last" or cfg.pp == 1:
-        acts += T * model.vocab / cfg.tp * (a + 4)  # logits + fp32 softmax of the loss
     buffers = 0.0
     if cfg.tp > 1:
         buffers += 2 * T * model.hidden * a
@@ -165,16 +264,15 @@ def memory_breakdown(
         buffers += 2 * T * model.n_kv_heads / cfg.tp * (model.qk_head_dim + model.v_dim) * a
     if cfg.zero >= 2:
         buffers += max(BUCKET_MIN, 1e6 * cfg.dp) * g
-    if cfg.zero == 3:
-        buffers += 2 * p.total / layers * w  # current and prefetched layer, unsharded
-    return MemoryBreakdown(params, grads, opt_bytes, acts, buffers, RUNTIME_RESERVE)
-
-
-@functools.lru_cache(maxsize=4096)
-def peak_memory(model: ModelSpec, cluster: Cluster, cfg: ParallelConfig, train: TrainSpec) -> MemoryBreakdown:
-    """The larger of the first and last pipeline stage's peaks (they bound every stage)."""
-    first = memory_breakdown(model, cluster, cfg, train, "first")
-    if cfg.pp == 1:
-        return first
-    last = memory_breakdown(model, cluster, cfg, train, "last")
-    return first if first.total >= last.total else last
+    moe = model.moe_layers > 0
+    return replace(
+        probe,
+        static_dense=static(layer_params(model, cfg.tp, split, "dense")),
+        static_moe=static(layer_params(model, cfg.tp, split, "moe")) if moe else 0.0,
+        act_dense=layer_activation_bytes(model, cfg, train, "dense"),
+        act_moe=layer_activation_bytes(model, cfg, train, "moe") if moe else 0.0,
+        static_embedding=static(StageParams(edge_params(model, cfg.tp, cfg.pp, True, False), 0.0)),
+        static_head=static(StageParams(edge_params(model, cfg.tp, cfg.pp, False, True), 0.0)),
+        logits=T * model.vocab / cfg.tp * (a + 4),  # NOTE: logits + fp32 softmax of the loss
+        fixed_buffers=buffers,
+    )

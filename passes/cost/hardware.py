@@ -9,7 +9,6 @@ device, never a particular benchmark row.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import dataclass
 
 LOCAL = "cpu"
@@ -97,9 +96,28 @@ class Link:
 
 
 @dataclass(frozen=True, slots=True)
+class NodeGroup:
+    """``nodes`` consecutive nodes whose ``nics_per_node`` ports of ``inter`` reach the scale-out
+    fabric (a part of a cluster built from node groups with different NICs)."""
+
+    nodes: int
+    inter: Link
+    nics_per_node: int
+
+    def bw_per_device(self, devices_per_node: int) -> float:
+        """Achievable inter-node bytes/s per device when every device of a node talks at once."""
+        return self.nics_per_node * self.inter.effective_bw / devices_per_node
+
+
+@dataclass(frozen=True, slots=True)
 class Cluster:
     """``nodes`` nodes of ``devices_per_node`` devices: ``intra`` links inside a node (the per-device
-    bandwidth into the node's fabric), ``nics_per_node`` ports of ``inter`` between nodes."""
+    bandwidth into the node's fabric), ``nics_per_node`` ports of ``inter`` between nodes.
+
+    ``groups`` (empty for one kind of NIC) splits the nodes, in rank order, into node groups with
+    their own NICs; ``inter`` and ``nics_per_node`` are then the slowest group's, so whatever prices
+    the cluster as a whole prices its slowest NIC. ``view`` gives the cluster as seen by
+    collectives that stay inside some of the groups."""
 
     device: Device
     devices_per_node: int
@@ -107,6 +125,7 @@ class Cluster:
     intra: Link
     inter: Link
     nics_per_node: int
+    groups: tuple[NodeGroup, ...] = ()
 
     def __post_init__(self) -> None:
         if self.devices_per_node < 1 or self.nodes < 1:
@@ -115,6 +134,10 @@ class Cluster:
             )
         if self.nics_per_node < 1:
             raise ValueError(f"cluster needs >= 1 NIC per node, got {self.nics_per_node}")
+        if self.groups and sum(g.nodes for g in self.groups) != self.nodes:
+            raise ValueError(
+                f"node groups hold {sum(g.nodes for g in self.groups)} nodes but the cluster has {self.nodes}"
+            )
 
     @property
     def world_size(self) -> int:
@@ -126,8 +149,34 @@ class Cluster:
         """Achievable inter-node bytes/s per device when every device of a node talks at once."""
         return self.nics_per_node * self.inter.effective_bw / self.devices_per_node
 
+    @property
+    def heterogeneous(self) -> bool:
+        """True when node groups have different NICs."""
+        return len(self.groups) > 1
+
+    def group_of_node(self, node: int) -> int:
+        """Index of the node group that holds ``node`` (0 for a cluster of one kind of NIC)."""
+        end = 0
+        for i, g in enumerate(self.groups):
+            end += g.nodes
+            if node < end:
+                return i
+        return 0
+
+    def view(self, groups: frozenset[int]) -> Cluster:
+        """This cluster as a collective over nodes of the node ``groups`` sees it: one kind of NIC,
+        the slowest of those groups' (a ring or tree is as fast as its slowest link)."""
+        if not self.heterogeneous:
+            return self
+        slow = min((self.groups[i] for i in sorted(groups)), key=lambda g: g.bw_per_device(self.devices_per_node))
+        return Cluster(self.device, self.devices_per_node, self.nodes, self.intra, slow.inter, slow.nics_per_node)
+
     def __str__(self) -> str:
-        return f"{self.device.name}:{self.devices_per_node}x{self.nodes}"
+        if not self.groups:
+            usual = DEFAULT_FABRIC.get(self.device.name, ("", self.inter.name, 0))[1]
+            nic = f"@{self.inter.name}" if self.inter.name != usual else ""
+            return f"{self.device.name}:{self.devices_per_node}x{self.nodes}{nic}"
+        return "+".join(f"{self.device.name}:{self.devices_per_node}x{g.nodes}@{g.inter.name}" for g in self.groups)
 
 
 # --- links -------------------------------------------------------------------------------------
@@ -167,15 +216,16 @@ LINKS: dict[str, Link] = {
 
 # --- devices -----------------------------------------------------------------------------------
 # Efficiency constants for Hopper (H100 / H200 share SMs and clocks):
-# - gemm_max 0.72: the best-shape "maximum achievable matmul FLOPS" of H100 SXM bf16 is ~ 794
-#   TFLOP/s = 0.80 of dense peak at boost clock (S. Bekman, "Machine Learning Engineering",
-#   compute/accelerator chapter, MAMF table); the 989 TFLOP/s peak assumes 1.83 GHz while eight
-#   GPUs running GEMMs back to back under the 700 W cap hold ~ 1.65-1.75 GHz (clock
-#   reports of Hopper training jobs; our estimate) -> 0.80 x 0.9 = 0.72 sustained.
+# - gemm_max 0.80 and gemm_mn_half 5.52e6 are FITTED (``passes.cost.calibration.fit``, scipy least
+#   squares on relative MFU error) on the fit half of the published runs only: Megatron-Core's
+#   1.7B, 70B, 177B and 462B weak-scaling rows; the 16B row and the GPT-3 175B strong-scaling
+#   ends (96 and 4,608 GPUs) are held out. The fit sits at the top of gemm_max's physical range:
+#   the best-shape "maximum achievable matmul FLOPS" of H100 SXM bf16 is ~ 794 TFLOP/s = 0.80 of
+#   dense peak (S. Bekman, "Machine Learning Engineering", MAMF table). Before the fit they were
+#   0.72 (0.80 x a 0.9 clock derate, our estimate) and 2.16e6 (half a wave of 132 SMs x 128x256
+#   tiles); the fit says small GEMMs lose about 2.5x more to their last wave than that.
 # - gemm_k_half 96: a 128x256 Hopper tile drains its 32K-element fp32 accumulator in the epilogue,
 #   about the cost of 64-128 K-steps of its main loop (CUTLASS 3 warp-specialised kernel design).
-# - gemm_mn_half 2.16e6: on average the last wave of output tiles is half empty; half a wave of
-#   132 SMs x (128 x 256) tiles = 2.16e6 output elements (H100 SXM5 has 132 SMs, datasheet).
 # - gemm_fill_s 6 us: prologue (first TMA loads) and epilogue of a kernel, paid once.
 # - attention 0.50 / 0.38: cuDNN 9 / FlashAttention-3 fused attention on H100, head dim 128,
 #   causal, seq 4k: ~ 500 TFLOP/s forward, ~ 380 backward on executed FLOPs (Shah et al. 2024,
@@ -186,7 +236,7 @@ LINKS: dict[str, Link] = {
 #   per channel, NCCL_MIN/MAX_NCHANNELS defaults on NVLink + IB) -> GEMMs beside them lose ~ 12 %.
 # - collective_base 10 us: NCCL kernel launch + proxy handshake per collective (NCCL tuning
 #   model base latency, src/graph/tuning.cc).
-HOPPER = Efficiency(0.72, 96.0, 2.16e6, 6e-6, 0.50, 0.38, 0.85, 2e-6, 3e-6, 0.12, 10e-6)
+HOPPER = Efficiency(0.80, 96.0, 5.52e6, 6e-6, 0.50, 0.38, 0.85, 2e-6, 3e-6, 0.12, 10e-6)
 # A100: MAMF 271 of 312 TFLOP/s = 0.87 (Bekman table) at boost clock, ~ 0.9 of that sustained
 # -> 0.78; 108 SMs -> half wave 1.77e6; FlashAttention-2 peaks at ~ 0.70 forward / ~ 0.60
 # backward of peak on A100 at long sequences (Dao 2023, "FlashAttention-2", figs. 4-6), typical
@@ -271,8 +321,6 @@ DEFAULT_FABRIC: dict[str, tuple[str, str, int]] = {
     LOCAL: ("gloo", "gloo", 8),
 }
 
-_CLUSTER_RE = re.compile(r"^\s*([A-Za-z0-9_-]+)\s*:\s*(\S+?)\s*[xX]\s*(\S+?)\s*$")
-
 
 def device(name: str) -> Device:
     """The catalog device called ``name`` (case-insensitive); ValueError lists the known names."""
@@ -326,17 +374,27 @@ def device_cluster(device_name: str, devices_per_node: int, ranks: int) -> Clust
 
 def parse_cluster(text: str) -> Cluster:
     """Parse ``DEVICE:GPUS_PER_NODExNODES`` (e.g. ``"h100:8x64"``) into a Cluster with the device's
-    default fabric. Raises ValueError naming the bad part and the accepted device names."""
-    m = _CLUSTER_RE.match(text)
-    known = ", ".join(sorted(DEVICES))
-    if m is None:
-        raise ValueError(
-            f"cluster {text!r} must look like DEVICE:GPUS_PER_NODExNODES, e.g. h100:8x64 (devices: {known})"
-        )
-    name, per_node, nodes = m.groups()
-    if name.lower() not in DEVICES:
-        raise ValueError(f"cluster {text!r}: unknown device {name!r}; accepted devices: {known}")
-    for label, part in (("GPUS_PER_NODE", per_node), ("NODES", nodes)):
-        if not part.isdigit() or int(part) < 1:
-            raise ValueError(f"cluster {text!r}: {label} {part!r} must be a positive integer, e.g. h100:8x64")
-    return make_cluster(name, int(per_node), int(nodes))
+    default fabric; ``@NIC`` after a part names its inter-node link (a ``LINKS`` name or ``ib`` =
+    ib-ndr400, ``roce`` = roce200), and parts joined by ``+`` are node groups of one cluster with
+    different NICs, e.g. ``"h100:8x4@ib+h100:8x4@roce"`` (same device and GPUs per node in every
+    group). Ranks fill the groups fastest NIC first, so pipeline stage 0 -- whose gradient
+    reduction has no later stage to hide behind -- sits on the fastest NICs. Raises ValueError
+    naming the bad part and the accepted device and NIC names."""
+    from meshfold.passes.cost.fabric import parse_part  # NOTE: the text format reads this module's catalog
+
+    parts = [parse_part(text, part) for part in text.split("+")]
+    name, per_node, _, nic = parts[0]
+    if len(parts) == 1:
+        return make_cluster(name, per_node, parts[0][2], inter=nic)
+    for other in parts[1:]:
+        if (other[0], other[1]) != (name, per_node):
+            raise ValueError(
+                f"cluster {text!r}: node groups must share the device and GPUs per node, got {name}:{per_node}x.. "
+                f"and {other[0]}:{other[1]}x..; a cluster of mixed devices is not modelled"
+            )
+    base = make_cluster(name, per_node, 1)
+    groups = [NodeGroup(n, link(k) if k else base.inter, base.nics_per_node) for _, _, n, k in parts]
+    groups.sort(key=lambda g: -g.bw_per_device(per_node))  # NOTE: stable: equal NICs keep their order
+    slow = groups[-1]
+    nodes = sum(g.nodes for g in groups)
+    return Cluster(base.device, per_node, nodes, base.intra, slow.inter, slow.nics_per_node, tuple(groups))

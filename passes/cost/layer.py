@@ -22,7 +22,7 @@ from meshfold.passes.cost.comm import Group
 from meshfold.passes.cost.context import attention_core
 from meshfold.passes.cost.hardware import DTYPE_BYTES, Cluster
 from meshfold.passes.cost.model import Matmul, ModelSpec
-from meshfold.passes.cost.streams import LayerCost, Streams
+from meshfold.passes.cost.streams import LayerCost, Streams, weight_grad_s
 
 SOLO = comm.local_group(1)  # the group of a size-1 axis
 
@@ -362,4 +362,5 @@ def _layer_cost(
         tuple(b.events),
         a2a_exposed,
         lay.a2a_sent,
+        weight_grad_s(b.events),
     )

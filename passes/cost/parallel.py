@@ -27,6 +27,13 @@ from meshfold.passes.cost.model import ModelSpec
 RECOMPUTE = ("none", "selective", "full")
 AXES = ("tp", "cp", "ep", "dp", "pp")
 MOE_MAPPINGS = ("folded", "unfolded")
+SCHEDULES = ("1f1b", "zb-h1")
+"""Pipeline schedules: ``1f1b`` (interleaved when ``vpp`` > 1) and ``zb-h1`` (Qi et al. 2023, "Zero
+Bubble Pipeline Parallelism": the weight-gradient GEMMs of the cool-down fill the bubble; vpp 1)."""
+STAGE_SPLITS = ("balanced", "even")
+"""Which layers each stage holds: ``balanced`` is ``passes.stages.split_layers`` on the simulator's
+layer, embedding and head times (the rule the pipeline runtime uses); ``even`` equal layer counts
+(Megatron-LM's default, one more on later stages where they do not divide)."""
 
 
 class ConfigError(ValueError):
@@ -89,7 +96,9 @@ class ParallelConfig:
     ``vpp`` > 1 selects the interleaved 1F1B schedule with that many model chunks per stage.
     ``tp_comm_overlap`` pipelines TP collectives with their GEMMs (Transformer Engine userbuffers);
     ``dp_overlap`` overlaps gradient reduce-scatter / parameter all-gather with compute by buckets.
-    ``moe_mapping`` selects how the expert mesh sits on the ranks (module docstring)."""
+    ``moe_mapping`` selects how the expert mesh sits on the ranks (module docstring).
+    ``schedule`` and ``stage_split`` choose the pipeline schedule and the layers of each stage
+    (``SCHEDULES``, ``STAGE_SPLITS``); any layer count over any ``pp * vpp`` chunks runs."""
 
     dp: int = 1
     tp: int = 1
@@ -108,6 +117,8 @@ class ParallelConfig:
     moe_mapping: str = "folded"
     cp_method: str = "ring"
     """How attention reads the ``cp`` split: ``ring``, ``tokenring`` or ``ulysses`` (``cost.context``)."""
+    schedule: str = "1f1b"
+    stage_split: str = "balanced"
 
     @property
     def world(self) -> int:
@@ -144,6 +155,15 @@ class ParallelConfig:
         """True when optimizer state is sharded (ZeRO >= 1)."""
         return self.zero >= 1
 
+    @property
+    def schedule_name(self) -> str:
+        """The pipeline schedule in words: ``none``, ``1F1B``, ``interleaved 1F1B (vpp 4)`` or ``ZB-H1``."""
+        if self.pp == 1:
+            return "none"
+        if self.schedule == "zb-h1":
+            return "ZB-H1"
+        return f"interleaved 1F1B (vpp {self.vpp})" if self.vpp > 1 else "1F1B"
+
     def num_microbatches(self, train: TrainSpec) -> int:
         """Micro-batches per step on each data-parallel rank: global_batch / (dp * micro_batch_size)."""
         return train.global_batch // (self.dp * self.micro_batch_size)
@@ -171,6 +191,10 @@ class ParallelConfig:
         """Short deterministic text, e.g. ``dp48 tp8 pp2 vpp21 mbs1 zero1 sp``."""
         parts = [f"dp{self.dp}", f"tp{self.tp}"]
         parts += [f"{n}{v}" for n, v in (("cp", self.cp), ("pp", self.pp), ("vpp", self.vpp), ("ep", self.ep)) if v > 1]
+        if self.pp > 1 and self.schedule != "1f1b":
+            parts.append(self.schedule)
+        if self.pp > 1 and self.stage_split != "balanced":
+            parts.append(f"{self.stage_split}-split")
         if self.cp > 1 and self.cp_method != "ring":
             parts.append(self.cp_method)
         if self.etp is not None and self.etp != self.tp:
@@ -210,12 +234,22 @@ class ParallelConfig:
             raise ConfigError(f"kv_heads % tp == 0 violated: {model.n_kv_heads} kv heads over tp={self.tp}")
         if model.ffn_hidden % self.tp:
             raise ConfigError(f"ffn_hidden % tp == 0 violated: {model.ffn_hidden} over tp={self.tp}")
-        if model.layers % (self.pp * self.vpp):
+        if model.layers < self.pp * self.vpp:
             raise ConfigError(
-                f"layers % (pp*vpp) == 0 violated: {model.layers} layers over pp={self.pp} x vpp={self.vpp}"
+                f"layers >= pp*vpp violated: {model.layers} layers cannot fill pp={self.pp} x vpp={self.vpp} = "
+                f"{self.pp * self.vpp} pipeline chunks (each holds at least one layer); use fewer stages or virtual "
+                "stages"
             )
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError("vpp > 1 needs pp > 1 (interleaved 1F1B interleaves pipeline stages)")
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule {self.schedule!r} must be one of {', '.join(SCHEDULES)}")
+        if self.schedule == "zb-h1" and self.vpp > 1:
+            raise ConfigError(
+                f"schedule zb-h1 runs one chunk per stage, got vpp={self.vpp}; use vpp=1 or schedule=1f1b (interleaved)"
+            )
+        if self.stage_split not in STAGE_SPLITS:
+            raise ConfigError(f"stage_split {self.stage_split!r} must be one of {', '.join(STAGE_SPLITS)}")
         if train.global_batch % (self.dp * self.micro_batch_size):
             raise ConfigError(
                 f"global_batch % (dp*micro_batch_size) == 0 violated: {train.global_batch} sequences "

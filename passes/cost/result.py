@@ -66,8 +66,10 @@ class SimResult:
     step time goes (sums to ``step_time_s``). ``a2a_bytes`` is what one device sends to other ranks
     in expert all-to-alls over the step (dispatch and combine, forward, recomputation and backward,
     at the busiest expert rank's load); ``a2a_exposed_s`` the step time spent waiting on them (part
-    of ``exposed_comm_s``). ``events`` and ``memory_timeline`` describe pipeline stage 0 (rank 0)
-    and are empty when the simulation ran without a timeline."""
+    of ``exposed_comm_s``). ``stage_layers`` are the layers each pipeline rank holds (all its virtual
+    chunks) and ``stage_peak_bytes`` each rank's peak; ``peak_memory_bytes`` is the largest.
+    ``events`` and ``memory_timeline`` describe pipeline stage 0 (rank 0) and are empty when the
+    simulation ran without a timeline."""
 
     config: ParallelConfig
     step_time_s: float
@@ -85,12 +87,36 @@ class SimResult:
     breakdown: tuple[tuple[str, float], ...]
     a2a_bytes: float = 0.0
     a2a_exposed_s: float = 0.0
+    stage_layers: tuple[int, ...] = ()
+    stage_peak_bytes: tuple[float, ...] = ()
     events: tuple[TimelineEvent, ...] = ()
     memory_timeline: tuple[MemoryPoint, ...] = ()
 
+    def stages_text(self) -> str:
+        """The pipeline in words, e.g. ``1F1B, stages: 7, 8x14, 7 layers`` ("" without a pipeline)."""
+        if len(self.stage_layers) < 2:
+            return ""
+        return f"{self.config.schedule_name}, stages: {layer_counts(self.stage_layers)} layers"
+
     def summary(self) -> str:
-        """One deterministic line: config, step time, MFU, memory."""
+        """One deterministic line: config, step time, MFU, memory (and the pipeline's stages)."""
+        stages = self.stages_text()
         return (
             f"{self.config.describe()}: step {self.step_time_s * 1e3:.1f} ms, MFU {self.mfu * 100:.1f}%, "
             f"{self.tflops_per_device:.1f} TFLOP/s/device, peak {self.peak_memory_bytes / 2**30:.1f} GiB"
+            + (f"; {stages}" if stages else "")
         )
+
+
+def layer_counts(counts: tuple[int, ...]) -> str:
+    """``7, 8x14, 7``: layer counts in stage order, a run of three or more equal ones as ``NxK``."""
+    out: list[str] = []
+    i = 0
+    while i < len(counts):
+        j = i
+        while j < len(counts) and counts[j] == counts[i]:
+            j += 1
+        run = j - i
+        out += [f"{counts[i]}x{run}"] if run >= 3 else [str(counts[i])] * run
+        i = j
+    return ", ".join(out)

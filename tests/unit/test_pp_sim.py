@@ -1,0 +1,126 @@
+"""Pipeline stages in the simulator: uneven splits, per-stage memory, schedules, search (analytic)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from meshfold.passes.cost import ConfigError, ParallelConfig, TrainSpec, gpt, parse_cluster, preset, simulate
+from meshfold.passes.cost.search import candidates, search_configs
+from meshfold.passes.cost.simulate import pipeline_lower_bound, pipeline_time, stage_memories
+from meshfold.passes.stages import split_layers
+
+
+def test_llama3_405b_splits_126_layers_over_16_stages_like_the_paper() -> None:
+    """With memory to spare (full recompute) the first and last stage hold one layer fewer, as the
+    Llama 3 paper's 405B run did, to balance the embedding and the output head."""
+    model, cluster = preset("llama3-405b"), parse_cluster("h100:8x64")
+    cfg = ParallelConfig(dp=4, tp=8, pp=16, recompute="full")
+    res = simulate(model, cluster, cfg, TrainSpec(8192, 512), timeline=False)
+    assert res.stage_layers == (7, *[8] * 14, 7)
+    assert "1F1B, stages: 7, 8x14, 7 layers" in res.summary()
+
+
+def test_early_stages_hold_fewer_layers_when_memory_is_tight() -> None:
+    """Without recompute, 1F1B stage s keeps pp - s micro-batches in flight: the balanced split moves
+    layers to later stages so each fits, and every stage's own peak is reported."""
+    model, cluster = preset("llama3-405b"), parse_cluster("h100:8x64")
+    cfg = ParallelConfig(dp=4, tp=8, pp=16)
+    res = simulate(model, cluster, cfg, TrainSpec(8192, 512), timeline=False)
+    counts = res.stage_layers
+    assert sum(counts) == 126 and counts[0] < counts[8] and res.fits
+    assert len(res.stage_peak_bytes) == 16 and max(res.stage_peak_bytes) == res.peak_memory_bytes
+    assert max(res.stage_peak_bytes) <= cluster.device.hbm_bytes
+    even = simulate(model, cluster, replace(cfg, stage_split="even"), TrainSpec(8192, 512), timeline=False)
+    assert not even.fits  # NOTE: equal layers overflow stage 0, which holds 16 micro-batches
+
+
+def test_deepseek_v3_dense_first_layers_weigh_less() -> None:
+    """61 layers, 3 dense then MoE: the stage holding the cheaper dense layers takes more of them."""
+    model, cluster = preset("deepseek-v3"), parse_cluster("h100:8x128")
+    cfg = ParallelConfig(dp=64, tp=1, pp=16, ep=64, etp=1, recompute="full")
+    res = simulate(model, cluster, cfg, TrainSpec(4096, 1024), timeline=False)
+    assert sum(res.stage_layers) == 61 and len(res.stage_layers) == 16
+    assert res.stage_layers[0] > max(res.stage_layers[1:])  # NOTE: embedding + 3 dense + MoE layers
+
+
+@pytest.mark.parametrize(("layers", "pp", "vpp"), [(30, 4, 1), (61, 16, 1), (126, 16, 1), (37, 4, 3), (10, 10, 1)])
+def test_any_layer_count_over_any_pp_runs(layers: int, pp: int, vpp: int) -> None:
+    model, cluster = gpt("g", layers, 2048, 16), parse_cluster(f"h100:8x{pp}")
+    train = TrainSpec(4096, 16 * pp)
+    res = simulate(model, cluster, ParallelConfig(dp=8, pp=pp, vpp=vpp), train)
+    assert sum(res.stage_layers) == layers and min(res.stage_layers) >= vpp
+    assert sum(v for _, v in res.breakdown) == pytest.approx(res.step_time_s, rel=1e-9)
+    assert res.events[-1].start + res.events[-1].dur == pytest.approx(res.step_time_s, rel=1e-6)
+
+
+def test_too_few_layers_for_the_chunks_is_a_clear_error() -> None:
+    cluster = parse_cluster("h100:8x2")
+    with pytest.raises(ConfigError, match=r"layers >= pp\*vpp violated: 6 layers cannot fill pp=4 x vpp=2 = 8"):
+        simulate(gpt("g", 6, 1024, 16), cluster, ParallelConfig(dp=4, pp=4, vpp=2), TrainSpec(2048, 16))
+
+
+def test_the_split_is_the_shared_rule_on_the_simulators_times() -> None:
+    """The stages a simulation reports are split_layers' on the layer, embedding and head times."""
+    from meshfold.passes.cost.simulate import _costed
+
+    model, cluster = gpt("g", 30, 4096, 32), parse_cluster("h100:8x4")
+    cfg, train = ParallelConfig(dp=8, tp=1, pp=4), TrainSpec(4096, 64)
+    c = _costed(model, cluster, cfg, train)
+    layer = c.costs["dense"].fwd_s + c.costs["dense"].bwd_s
+    emb, head = c.emb.fwd_s + c.emb.bwd_s, c.head.fwd_s + c.head.bwd_s
+    assert c.stages.split.bounds == split_layers([layer] * 30, 4, head=emb, tail=head).bounds
+    assert head > emb  # NOTE: the LM head and loss cost more than the lookup: the last stage is lighter
+    assert simulate(model, cluster, cfg, train, timeline=False).stage_layers[-1] < 8
+
+
+def test_split_layers_is_optimal_against_brute_force() -> None:
+    """The slowest stage of the split is the least any contiguous split achieves (small cases)."""
+    from itertools import combinations, pairwise
+
+    cases = [
+        ([1.0] * 9, 3, 0.5, 2.0),
+        ([1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0], 3, 0.0, 1.0),
+        ([2.0, 1.0] * 4, 4, 1.5, 0.2),
+    ]
+    for times, stages, head, tail in cases:
+        best = float("inf")
+        for cuts in combinations(range(1, len(times)), stages - 1):
+            bounds = (0, *cuts, len(times))
+            ts = [sum(times[a:b]) for a, b in pairwise(bounds)]
+            ts[0] += head
+            ts[-1] += tail
+            best = min(best, max(ts))
+        assert split_layers(times, stages, head=head, tail=tail).slowest == pytest.approx(best)
+
+
+def test_zero_bubble_shrinks_only_the_bubble_by_the_weight_gradient_share() -> None:
+    model, cluster, train = gpt("g", 32, 4096, 32), parse_cluster("h100:8x4"), TrainSpec(4096, 64)
+    plain = simulate(model, cluster, ParallelConfig(dp=1, tp=8, pp=4), train, timeline=False)
+    zb = simulate(model, cluster, ParallelConfig(dp=1, tp=8, pp=4, schedule="zb-h1"), train, timeline=False)
+    assert 0.4 * plain.bubble_s < zb.bubble_s < 0.8 * plain.bubble_s  # NOTE: W is about 1/3 of F+B+W
+    assert zb.step_time_s == pytest.approx(plain.step_time_s - plain.bubble_s + zb.bubble_s, rel=1e-9)
+    assert zb.config.schedule_name == "ZB-H1" and "zb-h1" in zb.config.describe()
+    with pytest.raises(ConfigError, match="schedule zb-h1 runs one chunk per stage"):
+        simulate(model, cluster, ParallelConfig(dp=1, tp=8, pp=4, vpp=2, schedule="zb-h1"), train)
+
+
+def test_search_tries_uneven_pp_and_every_schedule() -> None:
+    model, cluster, train = gpt("g", 30, 2048, 16), parse_cluster("h100:8x4"), TrainSpec(4096, 96)
+    seen = list(candidates(model, cluster, train))
+    assert {c.pp for c in seen} >= {4, 8, 16}  # NOTE: none divides 30 layers
+    assert {(c.schedule, c.vpp > 1) for c in seen if c.pp > 1} == {("1f1b", False), ("zb-h1", False), ("1f1b", True)}
+    pinned = search_configs(model, cluster, train, mesh={"pp": 4, "tp": 8}, fixed={"schedule": "zb-h1"}, top=2)
+    assert pinned and all(r.config.schedule == "zb-h1" and r.result.stage_layers for r in pinned)
+
+
+def test_pruning_bound_never_exceeds_the_pipeline_time() -> None:
+    model, cluster, train = preset("deepseek-v3"), parse_cluster("h100:8x128"), TrainSpec(4096, 1024)
+    for cfg in (
+        ParallelConfig(dp=64, pp=16, ep=64, etp=1, recompute="full"),
+        ParallelConfig(dp=64, pp=16, ep=64, etp=1, recompute="full", schedule="zb-h1"),
+        ParallelConfig(dp=32, pp=32, ep=32, etp=1, recompute="full"),
+    ):
+        assert pipeline_lower_bound(model, cluster, cfg, train) <= pipeline_time(model, cluster, cfg, train)
+        assert len(stage_memories(model, cluster, cfg, train)) == cfg.pp
