@@ -203,7 +203,7 @@ class PipelinedModule(nn.Module):
         self.split = split
         self.stage_mesh = sub
         self._mesh = mesh
-        self._group = mesh.get_group(PP)
+        self._group = _pipeline_group(mesh, spec)
         self._input_names = tuple(input_names)
         self._report = tuple(report)
         self._stage_graphs = {s: g for s, (g, _) in stages.items()}
@@ -287,6 +287,12 @@ class PipelinedModule(nn.Module):
         dist.broadcast(loss, self._last_rank, group=self._group)
         return loss
 
+    def close(self) -> None:
+        """Destroy the process groups this module made (its pipeline's, its tied weights'); the module
+        cannot step afterwards. Collective: every rank closes its module."""
+        for group in dict.fromkeys([self._group, *(g for _, g in self._tied)]):
+            dist.destroy_process_group(group)
+
     def stage_graph(self, stage: int) -> ir.Graph:
         """The program of ``stage`` (one this rank runs)."""
         return self._stage_graphs[stage]
@@ -299,13 +305,31 @@ class PipelinedModule(nn.Module):
         return list(self._report)
 
 
+def _by_stage(mesh: DeviceMesh, spec: PipelineSpec) -> torch.Tensor:
+    """The mesh's global ranks as ``[pp rank, coordinate of the other axes]``."""
+    names = list(mesh.mesh_dim_names or ())
+    return mesh.mesh.movedim(names.index(PP), 0).reshape(spec.ranks, -1)
+
+
+def _pipeline_group(mesh: DeviceMesh, spec: PipelineSpec) -> dist.ProcessGroup:
+    """This rank's pipeline: the ranks of its coordinate on the other axes, one per pp rank, in a
+    group of the module's own (the stages' sends and receives count on no group the mesh's
+    collectives use). Collective: every rank makes every pipeline's group."""
+    ranks = _by_stage(mesh, spec)
+    group, _ = dist.new_subgroups_by_enumeration(
+        [[int(ranks[r, c]) for r in range(spec.ranks)] for c in range(ranks.shape[1])]
+    )
+    assert group is not None
+    return group
+
+
 def _tied_groups(
     mesh: DeviceMesh, spec: PipelineSpec, tied: Mapping[str, tuple[int, ...]], held: set[str]
 ) -> list[tuple[str, dist.ProcessGroup]]:
     """For each tied weight held by several pipeline ranks, the group of those ranks (one per
     coordinate of the other axes) this rank is in, if it holds the weight. Collective: every rank
     makes every group, in one order."""
-    ranks = mesh.mesh.reshape(spec.ranks, -1)
+    ranks = _by_stage(mesh, spec)
     out = []
     made: dict[tuple[int, ...], dist.ProcessGroup | None] = {}
     for name in sorted(tied):

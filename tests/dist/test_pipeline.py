@@ -16,7 +16,7 @@ PP4 = {"schedule": "1f1b", "microbatches": 4}
 # NOTE: (model, mesh shape, axis names, plan, pp options, layers); 5 layers split unevenly over 2
 # stages; HF Llama with its output layer tied to the token embedding, which both stages then hold;
 # HF Mixtral's experts split over each stage's ranks (EP 2); the solve choosing the layouts on dp;
-# every block recomputed
+# every block recomputed; the pp axis second
 CASES: list[Case] = [
     ("llama", (2, 2), ("pp", "dp"), "pp+fsdp", {"schedule": "1f1b", "microbatches": 4}, 5),
     ("llama", (2, 2), ("pp", "tp"), "pp+tp", {"schedule": "1f1b", "microbatches": 4}, 4),
@@ -28,6 +28,7 @@ CASES: list[Case] = [
     ("hf-mixtral", (2, 2), ("pp", "dp"), "pp+fsdp", PP4, 4),
     ("llama", (2, 2), ("pp", "dp"), "pp+auto", PP4, 4),
     ("llama-full", (2, 2), ("pp", "dp"), "pp+fsdp", PP4, 4),
+    ("llama", (2, 2), ("dp", "pp"), "fsdp+pp", PP4, 4),
 ]
 MOE = {"hf-mixtral": {"ep": 2}}
 """The expert mapping of a case's model: HF Mixtral's experts split over the 2 ``dp`` ranks of each stage."""
@@ -51,7 +52,7 @@ def test_pipelined_training_equals_single_device(rank_pools: RankPools, case: Ca
         moe=MOE.get(model),
         memory=MEMORY.get(model),
     )
-    stages = shape[0] * pp.get("virtual", 2 if pp["schedule"] == "interleaved" else 1)
+    stages = shape[names.index("pp")] * pp.get("virtual", 2 if pp["schedule"] == "interleaved" else 1)
     # NOTE: every stage runs on some rank, and the ranks of one pp coordinate run the same ones
     assert sorted({s for r in out for s in r["stages"]}) == list(range(stages))
     assert all(r["losses"] == out[0]["losses"] for r in out)
