@@ -40,6 +40,7 @@ from meshfold import ir
 from meshfold.backends.eager import Lowered
 from meshfold.passes.base import PassError
 from meshfold.passes.stages import StageSplit
+from meshfold.runtime import dtensor_placements
 from meshfold.signature import Signature, agree
 from meshfold.stages import PP, PipelineSpec
 
@@ -128,7 +129,6 @@ class _Stage(nn.Module):
 
     def __init__(self, owner: PipelinedModule, graph: ir.Graph, low: Lowered, taken: set[str]) -> None:
         super().__init__()
-        self.graph_ = graph
         self.low = low
         self._owner = (owner,)  # NOTE: a tuple, not a submodule
         self.pending: list[tuple[Any, ...]] = []
@@ -151,7 +151,7 @@ class _Stage(nn.Module):
                 tensors.append(t.to_local() if isinstance(t, DTensor) else t)
             elif name in inputs:
                 dt = distribute_tensor(
-                    inputs[name], owner.stage_mesh, _placements(self.layouts[name]), src_data_rank=None
+                    inputs[name], owner.stage_mesh, dtensor_placements(self.layouts[name]), src_data_rank=None
                 )
                 tensors.append(dt.to_local())
             else:
@@ -171,16 +171,10 @@ class _Stage(nn.Module):
             clock.busy += time.perf_counter() - start
             for name, g in zip(low.weight_outputs, outs, strict=True):
                 p = owner.get_parameter(name)
-                part = DTensor.from_local(g, owner.stage_mesh, _placements(self.layouts[name]), run_check=False)
+                part = DTensor.from_local(g, owner.stage_mesh, dtensor_placements(self.layouts[name]), run_check=False)
                 p.grad = part if p.grad is None else p.grad + part
 
         return run
-
-
-def _placements(layout: ir.Layout) -> list[Any]:
-    from meshfold.runtime import dtensor_placements
-
-    return dtensor_placements(layout)
 
 
 class PipelinedModule(nn.Module):
@@ -215,7 +209,7 @@ class PipelinedModule(nn.Module):
                 if kinds[name] not in ("param", "buffer") or _has(self, name):
                     continue
                 src = state[name].detach().clone()
-                dt = distribute_tensor(src, sub, _placements(layouts[name]), src_data_rank=None)
+                dt = distribute_tensor(src, sub, dtensor_placements(layouts[name]), src_data_rank=None)
                 parent, leaf = _parent(self, name)
                 if kinds[name] == "param":
                     parent.register_parameter(leaf, nn.Parameter(dt, requires_grad=state[name].requires_grad))
