@@ -40,7 +40,7 @@ from meshfold import ir
 from meshfold.backends.eager import Lowered
 from meshfold.passes.base import PassError
 from meshfold.passes.stages import StageSplit
-from meshfold.runtime import dtensor_placements
+from meshfold.runtime import dtensor_placements, parent_of
 from meshfold.signature import Signature, agree
 from meshfold.stages import PP, PipelineSpec
 
@@ -210,7 +210,7 @@ class PipelinedModule(nn.Module):
                     continue
                 src = state[name].detach().clone()
                 dt = distribute_tensor(src, sub, dtensor_placements(layouts[name]), src_data_rank=None)
-                parent, leaf = _parent(self, name)
+                parent, leaf = parent_of(self, name)
                 if kinds[name] == "param":
                     parent.register_parameter(leaf, nn.Parameter(dt, requires_grad=state[name].requires_grad))
                 else:
@@ -371,14 +371,3 @@ def _has(module: nn.Module, fqn: str) -> bool:
             return True
         except AttributeError:
             return False
-
-
-def _parent(module: nn.Module, fqn: str) -> tuple[nn.Module, str]:
-    *path, leaf = fqn.split(".")
-    for part in path:
-        child = module._modules.get(part)
-        if child is None:
-            child = nn.Module()
-            module.add_module(part, child)
-        module = child
-    return module, leaf

@@ -180,15 +180,7 @@ class ParallelModule(nn.Module):
                     alias_parent.register_buffer(alias_leaf, t)
 
     def _mf_parent(self, fqn: str) -> tuple[nn.Module, str]:
-        *path, leaf = fqn.split(".")
-        mod: nn.Module = self
-        for part in path:
-            child = mod._modules.get(part)
-            if child is None:
-                child = nn.Module()
-                mod.add_module(part, child)
-            mod = child
-        return mod, leaf
+        return parent_of(self, fqn)
 
     def _mf_tensor(self, fqn: str) -> torch.Tensor:
         parent, leaf = self._mf_parent(fqn)
@@ -308,6 +300,19 @@ class ParallelModule(nn.Module):
         }
         own = as_unstacked(self._mf_programs.first.graph.stacks, whole)
         return {key: own[name].detach() for key, name in self._mf_state_keys.items()}
+
+
+def parent_of(module: nn.Module, fqn: str) -> tuple[nn.Module, str]:
+    """The module that holds (or will hold) ``fqn`` under ``module``, made empty where missing, and
+    the tensor's own name in it."""
+    *path, leaf = fqn.split(".")
+    for part in path:
+        child = module._modules.get(part)
+        if child is None:
+            child = nn.Module()
+            module.add_module(part, child)
+        module = child
+    return module, leaf
 
 
 def _needs_input_grad(inputs: Sequence[Any], sig: Signature, names: Sequence[str]) -> str | None:

@@ -75,26 +75,6 @@ def test_the_split_is_the_shared_rule_on_the_simulators_times() -> None:
     assert simulate(model, cluster, cfg, train, timeline=False).stage_layers[-1] < 8
 
 
-def test_split_layers_is_optimal_against_brute_force() -> None:
-    """The slowest stage of the split is the least any contiguous split achieves (small cases)."""
-    from itertools import combinations, pairwise
-
-    cases = [
-        ([1.0] * 9, 3, 0.5, 2.0),
-        ([1.0, 1.0, 1.0, 3.0, 3.0, 3.0, 3.0], 3, 0.0, 1.0),
-        ([2.0, 1.0] * 4, 4, 1.5, 0.2),
-    ]
-    for times, stages, head, tail in cases:
-        best = float("inf")
-        for cuts in combinations(range(1, len(times)), stages - 1):
-            bounds = (0, *cuts, len(times))
-            ts = [sum(times[a:b]) for a, b in pairwise(bounds)]
-            ts[0] += head
-            ts[-1] += tail
-            best = min(best, max(ts))
-        assert split_layers(times, stages, head=head, tail=tail).slowest == pytest.approx(best)
-
-
 def test_zero_bubble_shrinks_only_the_bubble_by_the_weight_gradient_share() -> None:
     model, cluster, train = gpt("g", 32, 4096, 32), parse_cluster("h100:8x4"), TrainSpec(4096, 64)
     plain = simulate(model, cluster, ParallelConfig(dp=1, tp=8, pp=4), train, timeline=False)
