@@ -260,10 +260,13 @@ class PipelinedModule(nn.Module):
         sig = Signature.of(inputs, self.training)
         if self._sig is None:
             self._sig = sig
-        problem = None if sig == self._sig else "the inputs' shapes or dtypes differ from the first step's"
+        problem = None
+        if sig != self._sig:
+            problem = "the inputs' shapes or dtypes differ from the first step's (a pipelined module runs those)"
+        problem = problem or uneven_ignored(inputs, self._input_names, self.spec.microbatches)
         agree(sig, problem, self._input_names)
         if problem:
-            raise PassError(f"pp: {problem}; a pipelined module runs the shapes it was compiled for")
+            raise PassError(f"pp: {problem}")
         kwargs = {
             n: x for n, x in zip(self._input_names, [x for x in inputs if isinstance(x, torch.Tensor)], strict=True)
         }
@@ -315,6 +318,28 @@ def _pipeline_group(mesh: DeviceMesh, spec: PipelineSpec) -> dist.ProcessGroup:
     )
     assert group is not None
     return group
+
+
+IGNORE_INDEX = -100
+"""The label cross-entropy skips by default (``torch.nn.functional.cross_entropy``, transformers)."""
+
+
+def uneven_ignored(inputs: Sequence[Any], names: Sequence[str], microbatches: int) -> str | None:
+    """Why averaging the microbatches' losses would not give the batch's, if an integer input holds
+    ignored labels (``IGNORE_INDEX``) unevenly: a loss that averages over the counted labels then
+    weighs each microbatch by its own count, the whole batch by the total."""
+    tensors = [x for x in inputs if isinstance(x, torch.Tensor)]
+    for name, x in zip(names, tensors, strict=False):
+        if x.is_floating_point() or x.dim() == 0 or not bool((x == IGNORE_INDEX).any()):
+            continue
+        counts = [int((part != IGNORE_INDEX).sum()) for part in x.chunk(microbatches)]
+        if len(set(counts)) > 1:
+            return (
+                f"input {name!r} holds ignored labels ({IGNORE_INDEX}) unevenly over the {microbatches} microbatches "
+                f"(counted labels per microbatch: {counts}); the mean of their mean losses is not the batch's. "
+                "Give each microbatch as many counted labels, or a loss summed over tokens"
+            )
+    return None
 
 
 def _tied_groups(

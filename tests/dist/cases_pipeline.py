@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from meshfold.api import parallelize
+from meshfold.passes import PassError
+from meshfold.pipelined import IGNORE_INDEX
 from meshfold.tools.zoo import build
 from meshfold.tools.zoo.models import DecoderLayer, _small_init
 from tests.dist.cases import ATOL, EPS, LR, PARAM_ATOL, RTOL
@@ -75,11 +77,15 @@ def pipelined_equivalence(
     model: str = "llama",
     moe: dict[str, Any] | None = None,
     memory: str | None = None,
+    ignored: bool = False,
 ) -> dict[str, Any]:
-    """Train ``steps`` AdamW steps pipelined and on one device side by side; raise on any difference."""
+    """Train ``steps`` AdamW steps pipelined and on one device side by side; raise on any difference.
+    ``ignored``: one label of every sequence is the ignored index, so every microbatch counts as many."""
     warnings.filterwarnings("ignore")
     mesh = device_mesh(tuple(shape), tuple(names))
     net, inputs = MODELS[model](layers)
+    if ignored:
+        inputs[1][:, 5] = IGNORE_INDEX
     ref, _ = MODELS[model](layers)
     pm = parallelize(net, mesh, inputs, plan=plan, pp=pp, moe=moe, memory=memory)
     held = dict(pm.named_parameters())
@@ -123,3 +129,23 @@ def pipelined_equivalence(
     # them gone the pool's ranks agree again on the state they share
     pm.close()
     return {"losses": losses, "stages": pm.stages(), "held": sorted(held), "report": pm.plan_report(), "ops": targets}
+
+
+def uneven_ignored_labels_refused() -> list[str]:
+    """A batch whose ignored labels fall unevenly on the microbatches is refused on every rank, before
+    the schedule runs; the module still steps on a batch without them."""
+    warnings.filterwarnings("ignore")
+    mesh = device_mesh((2, 2), ("pp", "dp"))
+    net, (ids, labels) = deep_llama(4)
+    pm = parallelize(net, mesh, (ids, labels), plan="pp+fsdp", pp={"schedule": "1f1b", "microbatches": 4})
+    uneven = labels.clone()
+    uneven[0, 3:9] = IGNORE_INDEX
+    try:
+        pm.step(ids, uneven)
+    except PassError as e:
+        message = str(e)
+    else:
+        raise AssertionError("a batch with unevenly ignored labels was not refused")
+    loss = pm.step(ids, labels)
+    pm.close()
+    return [message, f"{float(loss):.6f}"]

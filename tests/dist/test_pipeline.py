@@ -16,7 +16,8 @@ PP4 = {"schedule": "1f1b", "microbatches": 4}
 # NOTE: (model, mesh shape, axis names, plan, pp options, layers); 5 layers split unevenly over 2
 # stages; HF Llama with its output layer tied to the token embedding, which both stages then hold;
 # HF Mixtral's experts split over each stage's ranks (EP 2); the solve choosing the layouts on dp;
-# every block recomputed; the pp axis second
+# every block recomputed; the pp axis second; a label of every sequence ignored (equal counts per
+# microbatch: the mean of the microbatches' mean losses is the batch's)
 CASES: list[Case] = [
     ("llama", (2, 2), ("pp", "dp"), "pp+fsdp", {"schedule": "1f1b", "microbatches": 4}, 5),
     ("llama", (2, 2), ("pp", "tp"), "pp+tp", {"schedule": "1f1b", "microbatches": 4}, 4),
@@ -29,6 +30,7 @@ CASES: list[Case] = [
     ("llama", (2, 2), ("pp", "dp"), "pp+auto", PP4, 4),
     ("llama-full", (2, 2), ("pp", "dp"), "pp+fsdp", PP4, 4),
     ("llama", (2, 2), ("dp", "pp"), "fsdp+pp", PP4, 4),
+    ("llama-ignored", (2, 2), ("pp", "dp"), "pp+fsdp", PP4, 4),
 ]
 MOE = {"hf-mixtral": {"ep": 2}}
 """The expert mapping of a case's model: HF Mixtral's experts split over the 2 ``dp`` ranks of each stage."""
@@ -48,7 +50,8 @@ def test_pipelined_training_equals_single_device(rank_pools: RankPools, case: Ca
         plan=plan,
         pp=pp,
         layers=layers,
-        model=model.removesuffix("-full"),
+        model=model.removesuffix("-full").removesuffix("-ignored"),
+        ignored=model.endswith("-ignored"),
         moe=MOE.get(model),
         memory=MEMORY.get(model),
     )
@@ -61,3 +64,10 @@ def test_pipelined_training_equals_single_device(rank_pools: RankPools, case: Ca
         assert all("model.embed_tokens.weight" in r["held"] for r in out)
     if model in MOE:  # NOTE: the experts run as one op, on the experts this rank holds
         assert all(any(t.startswith("meshfold.moe_experts") for t in r["ops"]) for r in out), out[0]["ops"]
+
+
+def test_ignored_labels_falling_unevenly_on_the_microbatches_are_refused(rank_pools: RankPools) -> None:
+    out = rank_pools.get(4).run("tests.dist.cases_pipeline:uneven_ignored_labels_refused")
+    assert all(r == out[0] for r in out)
+    assert "holds ignored labels (-100) unevenly over the 4 microbatches" in out[0][0]
+    assert "counted labels per microbatch: [26, 32, 32, 32]" in out[0][0]
