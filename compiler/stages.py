@@ -172,17 +172,15 @@ class Layers:
     @staticmethod
     def of(graph: Graph) -> Layers:
         # NOTE: forward marks only (a layer the memory pass recomputes runs its mark again in the backward)
-        marks = [b for op, b in zip(graph.ops, op_blocks(graph), strict=True) if _is_mark(op, STAGE_IN)]
+        blocks = op_blocks(graph)
+        marks = [b for op, b in zip(graph.ops, blocks, strict=True) if _is_mark(op, STAGE_IN)]
         if not marks:
             raise PassError(
                 "this program has no stage marks: it was not captured for pipeline parallelism (CompileOptions pp=)"
             )
         family = marks[0].rsplit(".", 1)[0]
         prefix = family + "."
-        layer = [
-            int(b[len(prefix) :]) if b.startswith(prefix) and b[len(prefix) :].isdigit() else -1
-            for b in op_blocks(graph)
-        ]
+        layer = [int(b[len(prefix) :]) if b.startswith(prefix) and b[len(prefix) :].isdigit() else -1 for b in blocks]
         _before_the_marks(graph, layer)
         return Layers(family, tuple(layer), max(layer) + 1)
 
