@@ -43,6 +43,8 @@ from meshfold.ir.scan import SCAN, SCAN_BACKWARD
 from meshfold.passes.sharding.rules.common import int_arg, norm_dim, op_arg
 
 aten = torch.ops.aten
+OP_META = "meshfold_op"
+"""The key of an fx node's ``meta`` naming the IR op it was lowered from (for errors about it)."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,8 @@ def build_module(
             outs = _emit(g, op, env, rank, LOCAL, rng)
             if isinstance(op.target, OpDef) or op.target in _EXCHANGES:
                 _watched(g, last, op, rank)
+        for node in _after(last):
+            node.meta[OP_META] = op
         for r, node in zip(op.results, outs, strict=True):
             env[r] = node
     g.output(tuple(env[v] for v in outputs))

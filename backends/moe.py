@@ -17,6 +17,7 @@ tokens are replicated) are left to the ranks that own it: the result is then ``P
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -218,3 +219,97 @@ def exchange_backward(
     d_weights = torch.zeros_like(weights)
     d_weights[r.tok, r.slot] = back[:, h].to(d_weights.dtype)
     return torch.zeros_like(hidden).index_add_(0, r.tok, back[:, :h]), d_weights, d_gate_up, d_down
+
+
+# NOTE: the exchanges as opaque custom ops, for compilers that trace the program (``backends/inductor.py``):
+# the tokens each peer sends are known only while it runs, but what the exchange returns has the
+# shapes of its inputs, which is all the fake kernels say. The hops are flattened into lists.
+@torch.library.custom_op("meshfold::moe_exchange", mutates_args=())
+def moe_exchange(
+    groups: str,
+    sizes: list[int],
+    strides: list[int],
+    me: int,
+    los: list[int],
+    size: int,
+    hidden: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    act: str,
+    capacity: int = 0,
+    policy: str = "probs",
+    dispatcher: str = "alltoall",
+    rows: int = 0,
+) -> torch.Tensor:
+    """:func:`exchange_forward` with its hops as three lists (the groups' names joined by commas)."""
+    stages = tuple(zip(groups.split(","), sizes, strides, strict=True))
+    return exchange_forward(
+        stages, me, tuple(los), size, hidden, idx, weights, w_gate_up, w_down, act, capacity, policy, dispatcher, rows
+    )
+
+
+@moe_exchange.register_fake
+def _(groups, sizes, strides, me, los, size, hidden, idx, weights, w_gate_up, w_down, act, *rest):  # type: ignore[no-untyped-def]
+    return torch.empty_like(hidden)
+
+
+@torch.library.custom_op("meshfold::moe_exchange_backward", mutates_args=())
+def moe_exchange_backward(
+    groups: str,
+    sizes: list[int],
+    strides: list[int],
+    me: int,
+    los: list[int],
+    size: int,
+    grad: torch.Tensor,
+    hidden: torch.Tensor,
+    idx: torch.Tensor,
+    weights: torch.Tensor,
+    w_gate_up: torch.Tensor,
+    w_down: torch.Tensor,
+    act: str,
+    capacity: int = 0,
+    policy: str = "probs",
+    dispatcher: str = "alltoall",
+    rows: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`exchange_backward` with its hops as three lists (the groups' names joined by commas)."""
+    stages = tuple(zip(groups.split(","), sizes, strides, strict=True))
+    return exchange_backward(
+        stages,
+        me,
+        tuple(los),
+        size,
+        grad,
+        hidden,
+        idx,
+        weights,
+        w_gate_up,
+        w_down,
+        act,
+        capacity,
+        policy,
+        dispatcher,
+        rows,
+    )
+
+
+@moe_exchange_backward.register_fake
+def _(groups, sizes, strides, me, los, size, grad, hidden, idx, weights, w_gate_up, w_down, *rest):  # type: ignore[no-untyped-def]
+    return torch.empty_like(hidden), torch.empty_like(weights), torch.empty_like(w_gate_up), torch.empty_like(w_down)
+
+
+EXCHANGE_OPS = {
+    exchange_forward: torch.ops.meshfold.moe_exchange.default,
+    exchange_backward: torch.ops.meshfold.moe_exchange_backward.default,
+}
+"""Each exchange function's custom op (its first argument, the hops, flattened: ``flat_exchange_args``)."""
+
+
+def flat_exchange_args(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """An exchange function's arguments as its custom op takes them."""
+    stages, rest = args[0], args[1:]
+    groups = ",".join(str(g) for g, _, _ in stages)
+    return (groups, [int(n) for _, n, _ in stages], [int(s) for _, _, s in stages], rest[0], list(rest[1]), *rest[2:])

@@ -30,7 +30,8 @@ from meshfold.programs import DEFAULT_CACHE, Program
 from meshfold.runtime import ParallelModule
 from meshfold.session import DEFAULT_PIPELINE, CompileOptions, MemoryPolicy, PlanSpec, compile_model, progress
 from meshfold.signature import Signature
-from meshfold.stages import PP, PipelineSpec, pipeline_line, split_program, stage_graphs
+from meshfold.stage_plan import pipeline_line, plan_pipeline
+from meshfold.stages import PP, PipelineSpec, stage_graphs
 from meshfold.tied import tied_parameters
 
 
@@ -100,15 +101,20 @@ def parallelize(
 
     ``pp={"schedule": "1f1b", "microbatches": 4}`` on a mesh with a ``pp`` axis (``plan="pp+fsdp"``):
     the layer stack is split into pipeline stages along it (``"gpipe"``, ``"1f1b"``, or
-    ``"interleaved"`` with ``"virtual"`` stages per rank, default 2), the rest of the plan laid out on
-    the other axes; the result is a ``PipelinedModule`` that trains by ``pm.step(*inputs)`` (see
-    ``meshfold.pipelined``).
+    ``"interleaved"`` with ``"virtual"`` stages per rank, default 2, ``"zero-bubble"``, or ``"auto"``:
+    the one the time model predicts fastest, which ``plan="pp+auto"`` asks for when no schedule is
+    given), the rest of the plan laid out on the other axes; the result is a ``PipelinedModule`` that
+    trains by ``pm.step(*inputs)`` (see ``meshfold.pipelined``).
 
     Every call is checked on every rank alike before any collective of the program. A call with
     other input shapes or dtypes, in the other mode (``pm.eval()``), or under ``torch.no_grad()``
     (a forward-only program) gets its own program, compiled on first use; the module keeps
     ``cache_size`` of them (``pm.programs()`` lists them). A call no program can run (a batch the
     data-parallel ranks do not divide) raises ``CallMismatch`` naming the input and both shapes.
+
+    ``backend``: how each rank's programs run: ``"eager"`` op by op, ``"inductor"`` compiled by
+    TorchInductor on first call (``meshfold.backends.inductor``; what it cannot compile is refused
+    here, naming the op).
 
     ``timeout`` (seconds or a ``timedelta``): how long any collective of the module waits for the
     other ranks (default: the process group's own, 30 minutes for gloo); a rank that stops answering
@@ -161,16 +167,19 @@ def _pipelined(
     full, sub = stage_mesh(mesh)
     micro = microbatch(example_inputs, spec)
     graph, rng_state, _, report = _compile_once(model, micro, options, first=True)
-    split = split_program(graph, spec, options.cluster, options.memory)
+    planned = plan_pipeline(graph, spec, options.cluster, options.memory)
+    spec, split = planned.spec, planned.split
     graphs = stage_graphs(graph, split)
     groups = MeshGroups.of(sub, as_timeout(timeout))
     rank = groups.rank_context(options.mesh, graph)  # NOTE: the same groups on every rank, whatever its stages
     rng = torch.Generator()  # NOTE: random ops draw alike on every rank, as in ``_compile``
     rng.set_state(rng_state)
-    held = {s: (graphs[s], _stage_program(graphs[s], spec, rank, rng)) for s in spec.held(full.get_local_rank(PP))}
+    held = {
+        s: (graphs[s], _stage_program(graphs[s], spec, rank, rng, options)) for s in spec.held(full.get_local_rank(PP))
+    }
     names = [i.name for i in graph.inputs if i.kind == "input"]
-    lines = (*report, pipeline_line(split, spec))
-    return PipelinedModule(model, full, sub, spec, split, held, names, tied_parameters(graphs), lines)
+    lines = (*report, pipeline_line(planned))
+    return PipelinedModule(model, full, sub, planned, held, names, tied_parameters(graphs), lines)
 
 
 def _compile(
@@ -246,18 +255,29 @@ def _program(
     # NOTE: only rank 0 shows progress (it alone compiled); every rank lowers its own program
     status = progress() if dist.get_rank() == 0 else quiet
     with status(f"lowering each rank's program ({options.backend})"):
-        lowered = lower(graph, rank, rng=rng)
+        lowered = _backend(lower(graph, rank, rng=rng), rank, options)
         checked = (lower(graph, rank, record=True, rng=rng), rank) if options.verify else None
     return Program(sig, graph, lowered, checked)
 
 
-def _stage_program(graph: ir.Graph, spec: PipelineSpec, rank: RankContext, rng: torch.Generator) -> Lowered:
+def _backend(lowered: Lowered, rank: RankContext, options: CompileOptions) -> Lowered:
+    """``lowered`` as ``options.backend`` runs it: the eager modules, or Inductor's compile of them."""
+    if options.backend == "inductor":
+        from meshfold.backends.inductor import compiled  # NOTE: loads Inductor only when asked for
+
+        return compiled(lowered, f"rank {dist.get_rank()} {rank.coordinate} of {rank.mesh}")
+    return lowered
+
+
+def _stage_program(
+    graph: ir.Graph, spec: PipelineSpec, rank: RankContext, rng: torch.Generator, options: CompileOptions
+) -> Lowered:
     """A stage's program for this rank; under ``zero-bubble`` its backward in two (its input's
     gradient, which the stage before waits for, then its weights')."""
     if spec.schedule != "zero-bubble":
-        return lower(graph, rank, rng=rng)
+        return _backend(lower(graph, rank, rng=rng), rank, options)
     received = [i.name for i in graph.inputs if i.kind == "input" and any(o.name == i.name for o in graph.outputs)]
-    return lower_split(graph, rank, received[0] if received else "", rng)
+    return _backend(lower_split(graph, rank, received[0] if received else "", rng), rank, options)
 
 
 def _skeleton(model: nn.Module) -> nn.Module:

@@ -39,9 +39,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from meshfold import ir
 from meshfold.backends.eager import Lowered
 from meshfold.passes.base import PassError
-from meshfold.passes.stages import StageSplit
 from meshfold.runtime import dtensor_placements, parent_of
 from meshfold.signature import Signature, agree
+from meshfold.stage_plan import PipelinePlan
 from meshfold.stages import PP, PipelineSpec
 
 SCHEDULES = {
@@ -185,16 +185,17 @@ class PipelinedModule(nn.Module):
         model: nn.Module,
         mesh: DeviceMesh,
         sub: DeviceMesh,
-        spec: PipelineSpec,
-        split: StageSplit,
+        plan: PipelinePlan,
         stages: Mapping[int, tuple[ir.Graph, Lowered]],
         input_names: Sequence[str],
         tied: Mapping[str, tuple[int, ...]],
         report: Sequence[str] = (),
     ) -> None:
         super().__init__()
-        self.spec = spec
-        self.split = split
+        self.plan = plan
+        """The pipeline's schedule, split and predicted step (``meshfold.stages.PipelinePlan``)."""
+        spec = self.spec = plan.spec
+        self.split = plan.split
         self.stage_mesh = sub
         self._mesh = mesh
         self._group = _pipeline_group(mesh, spec)

@@ -33,7 +33,8 @@ from meshfold.passes.memory.policies import Saved
 from meshfold.passes.moe.spec import MoeSpec, check_spec
 from meshfold.passes.pipeline import Callback
 from meshfold.passes.sharding.plans import Plan, axis_roles, default_preset, sequence_axes
-from meshfold.stages import PP, PipelineSpec, marked_layers, split_program
+from meshfold.stage_plan import plan_pipeline
+from meshfold.stages import AUTO, PP, PipelineSpec, marked_layers
 from meshfold.tracer import capture
 
 # NOTE: grows with every pass that lands. Without a mesh, sharding and boxing leave the
@@ -45,7 +46,7 @@ MemoryPolicy = Callable[[Saved], str]
 """``parallelize(memory=fn)``: ``fn`` answers ``"save"``, ``"recompute"`` or ``"offload"`` for each
 activation the forward hands to the backward (JAX's checkpoint policies are the model)."""
 
-Backend = Literal["eager"]
+Backend = Literal["eager", "inductor"]
 PlanSpec = str | Plan | Mapping[str, Any]
 """A preset (``"fsdp+tp"``), a ``Plan``, or ``{fqn_glob: {axis: "S(d)"|"R"|"P"}}`` with an optional
 ``"preset"`` key."""
@@ -236,7 +237,7 @@ def compile_model(
     with size_hints(hints):
         graph, timings = passes.run(ctx, captured, callback, initial=assume | {JOINT})
         if opts.pp is not None and opts.grad:
-            ctx.stats["pp.split"] = split_program(graph, opts.pp, opts.cluster, opts.memory)
+            ctx.stats["pp.plan"] = plan_pipeline(graph, opts.pp, opts.cluster, opts.memory)
     return CompileResult(
         captured, graph, passes, opts, tuple(timings), tuple(ctx.diagnostics), dict(ctx.stats), tuple(guards)
     )
@@ -295,6 +296,8 @@ def _pipeline_of(
         if pp is not None or PP in parts:
             raise PassError(f"pipeline parallelism runs over a mesh axis named {PP!r}; add one (e.g. pp=2,dp=2)")
         return mesh, plan, None
+    if "auto" in parts and not (isinstance(pp, Mapping) and "schedule" in pp) and not isinstance(pp, PipelineSpec):
+        pp = {**(pp or {}), "schedule": AUTO}  # NOTE: plan="pp+auto" chooses the schedule too
     spec = PipelineSpec.of(pp, mesh.size(PP))
     rest = [(n, s) for n, s in zip(mesh.names, mesh.sizes, strict=True) if n != PP] or [("dp", 1)]
     others = ir.Mesh(tuple(n for n, _ in rest), tuple(s for _, s in rest))

@@ -36,28 +36,26 @@ import torch
 from torch import nn
 
 from meshfold.ir import Graph, GraphInput, GraphOutput, Op, Value
-from meshfold.ir.graph import local_nbytes
 from meshfold.ir.stage import STAGE_IN, STAGE_IN_GRAD, stage_in
 from meshfold.passes.base import PassError
 from meshfold.passes.blocks import op_blocks
-from meshfold.passes.cost.axis import axis_models
-from meshfold.passes.cost.hardware import Cluster
-from meshfold.passes.schedule.timeline import Costs
-from meshfold.passes.sharding.opwork import op_flops
-from meshfold.passes.sharding.program import STATE_COPIES
-from meshfold.passes.stages import StageSplit, split_layers
+from meshfold.passes.stages import StageSplit
 from meshfold.tied import tied_parts
 
 PP = "pp"
 """The mesh axis pipeline stages are laid along."""
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
 """The schedules ``torch.distributed.pipelining`` runs a pipeline by (``meshfold.pipelined``)."""
+AUTO = "auto"
+"""``pp={"schedule": "auto"}``: the schedule and stages per rank the time model predicts fastest
+(``plan_pipeline``); what ``plan="auto"`` asks for when the pipeline's schedule is not given."""
 
 
 @dataclass(frozen=True)
 class PipelineSpec:
     """How a model is pipelined: ``ranks`` along the ``pp`` axis, the ``schedule``, the ``microbatches``
-    one step runs, and the ``virtual`` stages each rank holds (more than one only when interleaved)."""
+    one step runs, and the ``virtual`` stages each rank holds (more than one only when looped). A
+    ``schedule`` of ``AUTO`` (``virtual`` 0) is one ``plan_pipeline`` has yet to choose."""
 
     ranks: int
     schedule: str = "1f1b"
@@ -78,8 +76,15 @@ class PipelineSpec:
         if unknown:
             raise PassError(f"pp= takes schedule, microbatches and virtual; not {', '.join(sorted(unknown))}")
         schedule = str(given.get("schedule", "1f1b"))
-        if schedule not in SCHEDULES:
-            raise PassError(f"pp schedule {schedule!r} is not one of {', '.join(SCHEDULES)}")
+        if schedule not in (*SCHEDULES, AUTO):
+            raise PassError(f"pp schedule {schedule!r} is not one of {', '.join(SCHEDULES)} or {AUTO}")
+        micro = int(given.get("microbatches", ranks))
+        if micro < 1:
+            raise PassError(f"pp microbatches={micro}: a step runs at least one microbatch")
+        if schedule == AUTO:
+            if "virtual" in given:
+                raise PassError("pp schedule auto chooses the stages per rank too; give a schedule with virtual=")
+            return PipelineSpec(ranks, AUTO, micro, 0)
         looped = schedule in ("interleaved", "zero-bubble")
         virtual = int(given.get("virtual", 2 if schedule == "interleaved" else 1))
         if virtual < 1 or (virtual > 1 and not looped):
@@ -87,9 +92,6 @@ class PipelineSpec:
                 f"pp virtual={virtual}: only the interleaved and zero-bubble schedules run several stages per rank "
                 "(virtual >= 2); the others run one"
             )
-        micro = int(given.get("microbatches", ranks))
-        if micro < 1:
-            raise PassError(f"pp microbatches={micro}: a step runs at least one microbatch")
         if looped and micro % ranks:
             raise PassError(
                 f"pp microbatches={micro}: the {schedule} schedule runs microbatches in rounds of the {ranks} "
@@ -173,7 +175,7 @@ class Layers:
     def of(graph: Graph) -> Layers:
         # NOTE: forward marks only (a layer the memory pass recomputes runs its mark again in the backward)
         blocks = op_blocks(graph)
-        marks = [b for op, b in zip(graph.ops, blocks, strict=True) if _is_mark(op, STAGE_IN)]
+        marks = [b for op, b in zip(graph.ops, blocks, strict=True) if is_mark(op, STAGE_IN)]
         if not marks:
             raise PassError(
                 "this program has no stage marks: it was not captured for pipeline parallelism (CompileOptions pp=)"
@@ -247,51 +249,6 @@ def placement(graph: Graph, layers: Layers, stage_of: Callable[[int], int]) -> l
     return out
 
 
-def split_program(
-    graph: Graph, spec: PipelineSpec, cluster: Cluster | None = None, memory: int | None = None
-) -> StageSplit:
-    """The layers of each of ``spec.stages`` stages, balanced by each layer's time on one rank
-    (forward and backward, kernels and collectives, by the time model the passes use for
-    ``cluster``); the ops before the stack weigh on the first stage, those after it on the last
-    (with one layer, both count as the last stage's). ``memory``: bytes a device holds at most; a
-    stage must fit its parameters with their gradient and two optimizer states, and the activations
-    its backward reads for each microbatch the schedule keeps in flight on it (``in_flight``)."""
-    layers = Layers.of(graph)
-    n = layers.count
-    costs = Costs(graph, axis_models(graph.mesh, cluster)) if graph.mesh is not None else None
-    # NOTE: per layer, then the head (index n) and the tail (n + 1): seconds, parameter and saved bytes
-    times, params, saved = [0.0] * (n + 2), [0.0] * (n + 2), [0.0] * (n + 2)
-    where = placement(graph, layers, lambda k: k)
-    made_at: dict[Value, int] = {}
-    param_at: dict[Value, int] = {}
-    kinds = {i.value: i.kind for i in graph.inputs}
-    for op, k, at in zip(graph.ops, layers.layer, where, strict=True):
-        # NOTE: an op of the inputs every layer reads (the rotary tables) runs on every stage alike
-        at_k = k if k >= 0 else n if at == {0} else n + 1 if at == {n - 1} else -1
-        if at_k < 0:
-            continue
-        times[at_k] += (costs.compute(op) + costs.comm(op)) if costs is not None else op_flops(op)
-        for v in op.operands:
-            if kinds.get(v) == "param":
-                param_at.setdefault(v, at_k)
-            elif op.prov.phase == "bwd" and v in made_at:  # NOTE: a forward value the backward reads
-                saved[made_at.pop(v)] += local_nbytes(v, graph.mesh)
-        if op.prov.phase == "fwd":
-            made_at.update((r, at_k) for r in op.results)
-    for v, at_k in param_at.items():
-        params[at_k] += STATE_COPIES * local_nbytes(v, graph.mesh)
-
-    def fits(stage: int, first: int, end: int) -> bool:
-        assert memory is not None
-        ends = (n if stage == 0 else None, n + 1 if stage == spec.stages - 1 else None)
-        extra = [e for e in ends if e is not None]
-        held = sum(params[first:end]) + sum(params[e] for e in extra)
-        acts = sum(saved[first:end]) + sum(saved[e] for e in extra)
-        return held + acts * spec.in_flight(stage) <= memory
-
-    return split_layers(times[:n], spec.stages, head=times[n], tail=times[n + 1], fits=fits if memory else None)
-
-
 def stage_graphs(graph: Graph, split: StageSplit) -> list[Graph]:
     """``graph`` as one program per stage of ``split`` (see the module docstring)."""
     layers = Layers.of(graph)
@@ -301,7 +258,7 @@ def stage_graphs(graph: Graph, split: StageSplit) -> list[Graph]:
     tied = {name for _, name in parts}
     marks: dict[tuple[Any, int], Op] = {}
     for op, k in zip(graph.ops, layers.layer, strict=True):
-        if (_is_mark(op, STAGE_IN) or _is_mark(op, STAGE_IN_GRAD)) and k >= 0:
+        if (is_mark(op, STAGE_IN) or is_mark(op, STAGE_IN_GRAD)) and k >= 0:
             marks[(op.target, k)] = op
     made = {r: op for op in graph.ops for r in op.results}
     out = []
@@ -357,7 +314,7 @@ def stage_graphs(graph: Graph, split: StageSplit) -> list[Graph]:
     return out
 
 
-def _is_mark(op: Op, target: Any) -> bool:
+def is_mark(op: Op, target: Any) -> bool:
     """``op`` is the forward's ``stage_in`` or the backward's ``stage_in_grad`` (not a recomputed copy)."""
     return op.target == target and op.prov.phase == ("fwd" if target == STAGE_IN else "bwd")
 
@@ -373,13 +330,4 @@ def _crossing(op: Op, v: Value, src: Op, s: int, at: frozenset[int]) -> str:
         "their gradient) pass between stages. Values a later layer reads from an earlier one (a skip "
         "connection, an auxiliary loss collected over all layers) cannot be split there; keep them inside one "
         "stage or compute them from the hidden states"
-    )
-
-
-def pipeline_line(split: StageSplit, spec: PipelineSpec) -> str:
-    """The plan report's line for a pipeline: schedule, microbatches and each stage's layers."""
-    per = f", {spec.virtual} per rank" if spec.virtual > 1 else ""
-    return (
-        f"pipeline over {PP!r} ({spec.ranks} ranks{per}), {spec.schedule} schedule, {spec.microbatches} "
-        f"microbatches: {split.describe()}"
     )

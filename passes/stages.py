@@ -175,3 +175,42 @@ def _better(a: tuple[float, float, tuple[int, ...]], b: tuple[float, float, tupl
 def even_split(layers: int, stages: int) -> StageSplit:
     """Equal layers per stage where they divide, else one more on the later stages (unit times)."""
     return split_layers([1.0] * layers, stages)
+
+
+def stage_sums(per_layer: Sequence[float], bounds: Sequence[int], head: float, tail: float) -> tuple[float, ...]:
+    """Each stage's sum of ``per_layer`` over its layers (``bounds`` as ``StageSplit.bounds``), with
+    ``head`` on the first stage and ``tail`` on the last."""
+    last = len(bounds) - 2
+    return tuple(
+        sum(per_layer[a:b]) + (head if s == 0 else 0.0) + (tail if s == last else 0.0)
+        for s, (a, b) in enumerate(pairwise(bounds))
+    )
+
+
+def ramp_s(ranks: int, virtual: int, slowest: float, slowest_wgrad: float = 0.0, zero_bubble: bool = False) -> float:
+    """Seconds a pipeline's slowest rank idles filling and draining: ``(ranks - 1) / virtual`` of its
+    passes (``slowest`` seconds of forward and backward per microbatch over all its stages; with
+    ``virtual`` stages a rank, each pass of the ramp is one of them). A zero-bubble schedule (Qi et
+    al. 2023, ZB-H1) runs the cool-down's weight-gradient work (``slowest_wgrad`` of it) in the
+    ramp, so only the forward and input-gradient part stays idle. The simulator's bubble and the
+    runtime's choice of schedule both price it so."""
+    passes = (ranks - 1) / virtual
+    return passes * (slowest - slowest_wgrad if zero_bubble else slowest)
+
+
+def pipeline_step_s(
+    split: StageSplit, wgrad: Sequence[float], ranks: int, microbatches: int, *, zero_bubble: bool, send_s: float
+) -> float:
+    """Predicted seconds of one pipelined step of ``split``'s stages (stage ``s`` on rank ``s % ranks``,
+    ``wgrad[s]`` of its time weight-gradient work): ``microbatches`` passes of the busiest rank, each
+    with its ``2 x virtual`` activation and gradient sends of ``send_s`` (sent between passes, not
+    under them), plus the ramp (``ramp_s``) and the sends across the ``stages - 1`` boundaries that
+    fill and drain it."""
+    stages = len(split.times)
+    virtual = stages // ranks
+    per_rank = [sum(split.times[r::ranks]) for r in range(ranks)]
+    busiest = max(range(ranks), key=per_rank.__getitem__)
+    w = sum(wgrad[busiest::ranks])
+    sends = 2 * virtual * send_s if stages > 1 else 0.0
+    ramp = ramp_s(ranks, virtual, per_rank[busiest], w, zero_bubble)
+    return microbatches * (per_rank[busiest] + sends) + ramp + 2 * (stages - 1) * send_s

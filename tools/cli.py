@@ -57,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--steps", type=int, default=20, help="training steps")
     d.add_argument("--dump-dir", type=Path, default=Path("dumps"), help="where the pass dumps go")
     d.add_argument(
+        "--backend",
+        default="eager",
+        choices=("eager", "inductor"),
+        help="how each rank's program runs: op by op, or compiled by Inductor (C++ kernels on CPU)",
+    )
+    d.add_argument(
         "--moe",
         default="auto",
         help="expert mapping for MoE models: auto (EP over the most ranks that divide the experts), off, or ep=N",
@@ -91,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
         moe = _moe_option(args.moe, args.model, mesh)
         index = write_dumps(args.model, mesh, plan, args.dump_dir, moe)
         console.print(f"pass dumps: {index.resolve()}")
-        return run_demo(args.model, args.mesh, plan, args.steps, args.dump_dir, moe=moe)
+        return run_demo(args.model, args.mesh, plan, args.steps, args.dump_dir, moe=moe, backend=args.backend)
     except (PassError, CaptureError, ValueError, CliError) as e:
         print(f"meshfold: {e}", file=sys.stderr)
         return 2

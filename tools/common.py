@@ -147,16 +147,17 @@ def parse_moe(text: str) -> MoeSpec:
         raise CliError(f"--moe {text!r}: {e}") from None
 
 
-def moe_items(text: str) -> dict[str, object]:
-    """``ep=4,etp=1`` as ``{"ep": 4, "etp": 1}``: the ``moe=`` mapping exactly as written."""
+def moe_items(text: str, flag: str = "--moe", example: str = "ep=4,etp=1") -> dict[str, object]:
+    """``ep=4,etp=1`` as ``{"ep": 4, "etp": 1}``: the ``moe=`` mapping (or another option's, named
+    ``flag``) exactly as written."""
     spec: dict[str, object] = {}
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, eq, raw = item.partition("=")
         if not eq or not key.strip() or not raw.strip():
-            raise CliError(f"--moe {text!r}: write key=value pairs, e.g. ep=4,etp=1")
+            raise CliError(f"{flag} {text!r}: write key=value pairs, e.g. {example}")
         spec[key.strip()] = _moe_value(raw.strip())
     if not spec:
-        raise CliError(f"--moe {text!r} is empty; e.g. ep=4")
+        raise CliError(f"{flag} {text!r} is empty; e.g. {example}")
     return spec
 
 

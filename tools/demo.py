@@ -150,7 +150,15 @@ def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: An
         dump = Path(args["dump_dir"])
         if rank == 0:
             dump.mkdir(parents=True, exist_ok=True)
-        pm = parallelize(model, mesh, inputs, plan=args["plan"], moe=args["moe"], trace=dump / "step-predicted.json")
+        pm = parallelize(
+            model,
+            mesh,
+            inputs,
+            plan=args["plan"],
+            moe=args["moe"],
+            backend=args["backend"],
+            trace=dump / "step-predicted.json",
+        )
         opt = torch.optim.AdamW(pm.parameters(), lr=args["lr"])
         losses: list[float] = []
         calls: list[CollectiveCall] = []
@@ -235,10 +243,12 @@ def run_demo(
     dump_dir: Path,
     lr: float = 1e-3,
     moe: dict[str, Any] | None = None,
+    backend: str = "eager",
 ) -> int:
     """Spawn the mesh's ranks, train, print the plan summary, the collectives measured on rank 0 and the
     per-step losses; 0 when they match. ``moe``: the expert mapping passed to ``parallelize`` (None:
-    experts follow the plan). Each long stage shows on a terminal as a spinner, else as a line."""
+    experts follow the plan); ``backend`` as ``parallelize`` takes it. Each long stage shows on a
+    terminal as a spinner, else as a line."""
     from rich.console import Console
     from rich.table import Table
 
@@ -258,9 +268,11 @@ def run_demo(
         "lr": lr,
         "dump_dir": str(dump_dir),
         "moe": moe,
+        "backend": backend,
     }
     console.print(
-        f"[bold]meshfold demo[/bold]: {model_name}, plan {plan}, {mesh} on {mesh.world_size} CPU ranks (gloo)"
+        f"[bold]meshfold demo[/bold]: {model_name}, plan {plan}, {mesh} on {mesh.world_size} CPU ranks (gloo), "
+        f"{backend} backend"
     )
     if moe is not None:
         console.print(mapping_line(Plan.of(plan), mesh, MoeSpec.of(moe)))

@@ -27,9 +27,8 @@ from meshfold.passes import Pass, PassError, PassFailure, PassPipeline, PassTimi
 from meshfold.passes.memory import memory_line
 from meshfold.passes.schedule.timeline import predicted, to_chrome_trace, write_trace
 from meshfold.passes.sharding.problem import step_line
-from meshfold.passes.stages import StageSplit
 from meshfold.session import DEFAULT_PIPELINE, CompileOptions, compile_model, progress
-from meshfold.stages import pipeline_line
+from meshfold.stage_plan import PipelinePlan, pipeline_line
 from meshfold.tools.common import CliError, load_source, moe_items, moe_tables, parse_mesh, parse_moe, show_progress
 from meshfold.tools.dumps import DumpWriter, phase_counts
 from meshfold.tracer import CaptureError
@@ -59,6 +58,12 @@ def _arg_parser() -> argparse.ArgumentParser:
         "--cp",
         metavar="METHOD",
         help="how attention reads a sequence split over a cp axis: ring, tokenring, ulysses or auto; None: auto",
+    )
+    p.add_argument(
+        "--pp",
+        metavar="SPEC",
+        help="pipeline over a pp mesh axis, e.g. schedule=auto,microbatches=4 (schedules: gpipe, 1f1b, "
+        "interleaved, zero-bubble, or auto: the one the time model predicts fastest; virtual= stages per rank)",
     )
     p.add_argument("--cluster", help="cluster the plan is made for, e.g. h100:8x1; None: gloo ranks on this CPU")
     p.add_argument(
@@ -159,6 +164,7 @@ def options_from(args: argparse.Namespace, graph_mesh: ir.Mesh | None) -> Compil
         plan=args.plan,
         moe=moe_items(args.moe) if args.moe is not None else None,
         cp=args.cp,
+        pp=moe_items(args.pp, "--pp", "schedule=1f1b,microbatches=4") if args.pp is not None else None,
         cluster=args.cluster,
         memory=args.memory,
         pipeline=args.pipeline,
@@ -242,10 +248,8 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
             out.print(table)
         attention = result.stats.get("cp.attention")
         cp = [str(x) for x in attention] if isinstance(attention, tuple) else []
-        split = result.stats.get("pp.split")
-        staged = (
-            pipeline_line(split, result.options.pp) if isinstance(split, StageSplit) and result.options.pp else None
-        )
+        planned = result.stats.get("pp.plan")
+        staged = pipeline_line(planned) if isinstance(planned, PipelinePlan) else None
         for line in (memory_line(result.stats), _overlap_line(result.stats), *cp, staged):
             if line:
                 out.print(line)

@@ -10,9 +10,16 @@ whose peak torchtitan says it does not know (torchtitan docs/performance.md), no
 Assumptions about the runs (Megatron-LM README; what it does not say is Megatron-LM's default):
 GPT with LayerNorm and biases, 4h GELU MLP, untied embeddings, vocabulary 131,072, sequence 4,096;
 bf16 with fp32 gradients, Adam, distributed optimizer, micro-batch 1, sequence parallel with TP,
-dp and tp communication overlapped, plain 1F1B with equal layers per stage (no schedule is
-published). The strong-scaling runs use the table's 177B model ("slightly more than 175 billion
-parameters due to larger vocabulary") at its TP 8, PP 6 (no plan is published for them).
+dp and tp communication overlapped, equal layers per stage. The strong-scaling runs use the
+table's 177B model ("slightly more than 175 billion parameters due to larger vocabulary") at its
+TP 8, PP 6 (no plan is published for them).
+
+The pipeline schedule is interleaved 1F1B: the README says the runs overlap pipeline-parallel
+communication, and Megatron-LM turns that overlap off unless the schedule is interleaved
+(``megatron/training/arguments.py``: "Overlap P2P communication is disabled if not using the
+interleaved schedule"). How many chunks each stage holds is not published; a run is scored with
+the one the simulator finds fastest among those that divide its layers per stage (``vpps``), as
+a tuned run would be.
 
 Split rule: runs sorted by parameter count, then GPU count; the 1st, 3rd, 5th, ... fit the
 constants, the 2nd, 4th, ... are held out. ``FITTED`` names the ``Efficiency`` fields the fit
@@ -28,6 +35,7 @@ from dataclasses import dataclass, replace
 from meshfold.passes.cost.hardware import Cluster, Efficiency, parse_cluster
 from meshfold.passes.cost.model import ModelSpec, gpt
 from meshfold.passes.cost.parallel import ParallelConfig, TrainSpec
+from meshfold.passes.cost.result import SimResult
 from meshfold.passes.cost.simulate import simulate
 
 GOAL = 0.15
@@ -52,6 +60,18 @@ class PublishedRun:
     config: ParallelConfig
     train: TrainSpec
     mfu: float
+    vpps: tuple[int, ...] = (1,)
+    """Chunks per pipeline stage the run may have used (``config`` has the first)."""
+
+    def configs(self) -> tuple[ParallelConfig, ...]:
+        """``config`` with each of ``vpps``."""
+        return tuple(replace(self.config, vpp=v) for v in self.vpps)
+
+    def simulated(self, eff: Efficiency | None = None) -> SimResult:
+        """The simulation of the fastest of ``configs`` (with ``eff`` in place of the catalog's constants)."""
+        cluster = self.cluster(eff)
+        results = (simulate(self.model, cluster, c, self.train, timeline=False) for c in self.configs())
+        return min(results, key=lambda r: r.step_time_s)
 
     def cluster(self, eff: Efficiency | None = None) -> Cluster:
         """The run's H100 cluster (8 GPUs a node), with ``eff`` in place of the catalog constants."""
@@ -62,10 +82,20 @@ class PublishedRun:
 def _megatron(
     name: str, heads: int, hidden: int, layers: int, tp: int, pp: int, gpus: int, batch: int, mfu: float, source: str
 ) -> PublishedRun:
+    per_stage = layers // pp
+    vpps = tuple(v for v in range(2, per_stage + 1) if per_stage % v == 0) if pp > 1 else (1,)
     cfg = ParallelConfig(
-        dp=gpus // (tp * pp), tp=tp, pp=pp, micro_batch_size=1, zero=1, tp_comm_overlap=True, stage_split="even"
+        dp=gpus // (tp * pp),
+        tp=tp,
+        pp=pp,
+        vpp=vpps[0],
+        micro_batch_size=1,
+        zero=1,
+        tp_comm_overlap=True,
+        stage_split="even",
     )
-    return PublishedRun(name, source, gpt(name, layers, hidden, heads), gpus, cfg, TrainSpec(4096, batch), mfu)
+    model = gpt(name, layers, hidden, heads)
+    return PublishedRun(name, source, model, gpus, cfg, TrainSpec(4096, batch), mfu, vpps)
 
 
 RUNS: tuple[PublishedRun, ...] = (
@@ -87,7 +117,7 @@ def halves(runs: Sequence[PublishedRun] = RUNS) -> tuple[tuple[PublishedRun, ...
 
 def simulated_mfu(run: PublishedRun, eff: Efficiency | None = None) -> float:
     """The simulator's MFU for ``run`` (with ``eff`` in place of the catalog's Hopper constants)."""
-    return simulate(run.model, run.cluster(eff), run.config, run.train, timeline=False).mfu
+    return run.simulated(eff).mfu
 
 
 def with_values(values: Sequence[float], base: Efficiency | None = None) -> Efficiency:
@@ -118,11 +148,12 @@ def fit(runs: Sequence[PublishedRun]) -> tuple[float, ...]:
 
 @dataclass(frozen=True, slots=True)
 class Score:
-    """One run's published and simulated MFU and which half it belongs to."""
+    """One run's published and simulated MFU, which half it belongs to, and the configuration scored."""
 
     run: PublishedRun
     half: str
     simulated: float
+    config: ParallelConfig
 
     @property
     def error(self) -> float:
@@ -134,9 +165,12 @@ def scores(runs: Sequence[PublishedRun] = RUNS, eff: Efficiency | None = None) -
     """Every run scored by the simulator (catalog constants unless ``eff``), in ``halves`` order:
     the fit half first."""
     fit_half, held = halves(runs)
-    return [Score(r, "fit", simulated_mfu(r, eff)) for r in fit_half] + [
-        Score(r, "held-out", simulated_mfu(r, eff)) for r in held
-    ]
+
+    def score(run: PublishedRun, half: str) -> Score:
+        res = run.simulated(eff)
+        return Score(run, half, res.mfu, res.config)
+
+    return [score(r, "fit") for r in fit_half] + [score(r, "held-out") for r in held]
 
 
 def held_out_errors(all_scores: Sequence[Score]) -> tuple[float, float]:

@@ -35,6 +35,7 @@ from meshfold.passes.cost.stagesplit import PipelineStages, plan_stages
 from meshfold.passes.cost.streams import LayerCost
 from meshfold.passes.cost.timeline import StageSchedule, build_timeline
 from meshfold.passes.cost.trace import plot_memory, to_chrome_trace
+from meshfold.passes.stages import ramp_s
 
 __all__ = ["ConfigError", "ParallelConfig", "SimResult", "TrainSpec", "plot_memory", "simulate", "to_chrome_trace"]
 
@@ -114,15 +115,10 @@ def _hops(cluster: Cluster, model: ModelSpec, cfg: ParallelConfig, train: TrainS
 
 def bubble_s(cfg: ParallelConfig, slow_total: float, slow_wgrad: float) -> float:
     """Seconds of pipeline bubble on the slowest rank (``slow_total`` seconds per micro-batch, of
-    them ``slow_wgrad`` weight-gradient GEMMs): ``(pp - 1) / vpp`` of its passes. ZB-H1 (Qi et al.
-    2023) runs the cool-down's weight-gradient GEMMs in the bubble, so only the forward and
-    input-gradient part of those passes stays idle: 1F1B's ``(pp - 1) / (m + pp - 1)`` share scaled
-    by ``(F + B) / (F + B + W)``, i.e. ``(pp - 1) (F + B)``. NOTE: the paper's ZB-H1 reaches
-    ``(pp - 1) (F + B - W)`` by also reordering the warm-up; this prices the smaller gain."""
-    passes = (cfg.pp - 1) / cfg.vpp
-    if cfg.schedule == "zb-h1":
-        return passes * (slow_total - slow_wgrad)
-    return passes * slow_total
+    them ``slow_wgrad`` weight-gradient GEMMs): ``passes.stages.ramp_s``, the rule the runtime
+    chooses its schedule by. NOTE: the paper's ZB-H1 reaches ``(pp - 1) (F + B - W)`` by also
+    reordering the warm-up; ``ramp_s`` prices the smaller gain, ``(pp - 1) (F + B)``."""
+    return ramp_s(cfg.pp, cfg.vpp, slow_total, slow_wgrad, cfg.schedule == "zb-h1")
 
 
 def _pipeline(hops: tuple[float, ...], cfg: ParallelConfig, m: int, slow_total: float, slow_wgrad: float) -> _Pipeline:

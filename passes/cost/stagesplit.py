@@ -16,12 +16,11 @@ the device).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import pairwise
 
 from meshfold.passes.cost.footprint import StageLayers, StageMemory
 from meshfold.passes.cost.model import ModelSpec
 from meshfold.passes.cost.parallel import ParallelConfig
-from meshfold.passes.stages import Fits, SplitError, StageSplit, even_split, split_layers
+from meshfold.passes.stages import Fits, SplitError, StageSplit, even_split, split_layers, stage_sums
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +71,7 @@ def plan_stages(
         split = StageSplit((0, n), (sum(per_layer) + head + tail,))
     elif cfg.stage_split == "even":
         bounds = even_split(n, chunks).bounds
-        split = StageSplit(bounds, _times(per_layer, bounds, head, tail))
+        split = StageSplit(bounds, stage_sums(per_layer, bounds, head, tail))
     else:
         try:
             # NOTE: when even the mean rank cannot fit, no split fits: skip the constrained search
@@ -89,14 +88,6 @@ def plan_stages(
             dense, moe = dense + d, moe + e
         ranks.append(StageLayers(r, dense, moe, r == 0, r == (chunks - 1) % pp))
     return PipelineStages(split, tuple(ranks), pp)
-
-
-def _times(per_layer: list[float], bounds: tuple[int, ...], head: float, tail: float) -> tuple[float, ...]:
-    last = len(bounds) - 2
-    return tuple(
-        sum(per_layer[a:b]) + (head if s == 0 else 0.0) + (tail if s == last else 0.0)
-        for s, (a, b) in enumerate(pairwise(bounds))
-    )
 
 
 def _fits(model: ModelSpec, cfg: ParallelConfig, memory: StageMemory, hbm: float) -> Fits:

@@ -45,6 +45,7 @@ def equivalence(
     double: bool = False,
     inputs: tuple[torch.Tensor, ...] | None = None,
     ref_inputs: tuple[torch.Tensor, ...] | None = None,
+    backend: str = "eager",
 ) -> dict[str, Any]:
     """Train ``steps`` AdamW steps compiled (under ``pipeline``, default the default pipeline) and
     single-device side by side; raise on any difference. Also returns the parameters' layouts
@@ -65,7 +66,7 @@ def equivalence(
     extra: dict[str, Any] = {} if pipeline is None else {"pipeline": pipeline}
     if cp is not None:
         extra["cp"] = {"method": cp}
-    pm = parallelize(net, mesh, inputs, plan=plan, cluster=cluster, memory=memory, moe=moe, **extra)
+    pm = parallelize(net, mesh, inputs, plan=plan, cluster=cluster, memory=memory, moe=moe, backend=backend, **extra)
     stacks = pm.graph().stacks
     names_pm = [n for n, _ in pm.named_parameters()]
     # NOTE: stacked experts sit in the module tree where their list is, so only the set is compared for them.
@@ -123,6 +124,9 @@ def equivalence(
         "layouts": layouts,
         "report": pm.plan_report(),
     }
+    if backend != "eager":  # NOTE: what the backend compiled, how long it took, and how often each ran
+        low = pm._mf_programs.first.lowered
+        out["compiled"] = [(m.what, m.seconds, m.calls) for m in (low.forward, low.backward)]
     if keep_module:
         out["module"] = pm
     return out

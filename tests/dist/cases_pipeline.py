@@ -78,6 +78,7 @@ def pipelined_equivalence(
     moe: dict[str, Any] | None = None,
     memory: str | None = None,
     ignored: bool = False,
+    backend: str = "eager",
 ) -> dict[str, Any]:
     """Train ``steps`` AdamW steps pipelined and on one device side by side; raise on any difference.
     ``ignored``: one label of every sequence is the ignored index, so every microbatch counts as many."""
@@ -87,7 +88,7 @@ def pipelined_equivalence(
     if ignored:
         inputs[1][:, 5] = IGNORE_INDEX
     ref, _ = MODELS[model](layers)
-    pm = parallelize(net, mesh, inputs, plan=plan, pp=pp, moe=moe, memory=memory)
+    pm = parallelize(net, mesh, inputs, plan=plan, pp=pp, moe=moe, memory=memory, backend=backend)
     held = dict(pm.named_parameters())
     assert held, "this rank holds no parameters"
     opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
@@ -128,7 +129,16 @@ def pipelined_equivalence(
     # NOTE: a pipeline's stages send and receive unequal numbers of messages over its own groups; with
     # them gone the pool's ranks agree again on the state they share
     pm.close()
-    return {"losses": losses, "stages": pm.stages(), "held": sorted(held), "report": pm.plan_report(), "ops": targets}
+    return {
+        "losses": losses,
+        "stages": pm.stages(),
+        "held": sorted(held),
+        "report": pm.plan_report(),
+        "ops": targets,
+        "schedule": (pm.spec.schedule, pm.spec.virtual),
+        # NOTE: what ran each stage's programs: fx modules (eager) or Inductor's compiles of them
+        "runs": sorted({type(m).__name__ for st in pm._modules_.values() for m in (st.low.forward, st.low.backward)}),
+    }
 
 
 def uneven_ignored_labels_refused() -> list[str]:

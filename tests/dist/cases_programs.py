@@ -31,14 +31,14 @@ def _same_step(pm: nn.Module, ref: nn.Module, *inputs: torch.Tensor) -> None:
         torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name].grad, rtol=RTOL, atol=ATOL)
 
 
-def new_shapes() -> dict[str, Any]:
+def new_shapes(backend: str = "eager") -> dict[str, Any]:
     """mlp and llama-tiny on (dp=2, tp=2): other batch sizes and sequence lengths compile programs of
     their own that equal single device; a batch dp does not divide is refused on every rank."""
     warnings.filterwarnings("ignore")
     mesh = device_mesh((2, 2), ("dp", "tp"))
     mlp, (x, y) = build("mlp")
     ref, _ = build("mlp")
-    pm = parallelize(mlp, mesh, (x, y), plan="fsdp+tp", cache_size=3)
+    pm = parallelize(mlp, mesh, (x, y), plan="fsdp+tp", cache_size=3, backend=backend)
     _same_step(pm, ref, x[:4], y[:4])  # the last, smaller batch
     _same_step(pm, ref, x, y)
     said = {"batch 3": _refused(lambda: pm(x[:3], y[:3]))}
@@ -52,7 +52,7 @@ def new_shapes() -> dict[str, Any]:
     said["programs"] = pm.programs()
     llama, (ids, labels) = build("llama-tiny")
     ref_llama, _ = build("llama-tiny")
-    pm_llama = parallelize(llama, mesh, (ids, labels), plan="fsdp+tp")
+    pm_llama = parallelize(llama, mesh, (ids, labels), plan="fsdp+tp", backend=backend)
     _same_step(pm_llama, ref_llama, torch.cat([ids, ids], 1), torch.cat([labels, labels], 1))
     _same_step(pm_llama, ref_llama, ids[:, :8], labels[:, :8])
     _same_step(pm_llama, ref_llama, ids, labels)
@@ -93,7 +93,7 @@ def _net_pair() -> tuple[nn.Module, nn.Module]:
     return net, ref
 
 
-def modes_and_seeds(steps: int = 3) -> dict[str, Any]:
+def modes_and_seeds(steps: int = 3, backend: str = "eager") -> dict[str, Any]:
     """Every rank seeds alike, compiles, then reseeds with its own rank (as data loaders do): the
     compiled module's dropout masks stay the single-device model's, step after step. Then eval mode
     (dropout off, running statistics used and kept) and no-grad calls equal single device."""
@@ -103,7 +103,7 @@ def modes_and_seeds(steps: int = 3) -> dict[str, Any]:
     x, y = torch.randn(8, 16), torch.randn(8, 16)
     torch.manual_seed(1234)
     state = torch.get_rng_state()
-    pm = parallelize(net, mesh, (x, y), plan="ddp+tp")
+    pm = parallelize(net, mesh, (x, y), plan="ddp+tp", backend=backend)
     torch.manual_seed(dist.get_rank())  # NOTE: each rank's own seed must not matter
     ref_state = torch.get_rng_state()
     said: dict[str, Any] = {"losses": []}

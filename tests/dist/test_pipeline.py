@@ -16,7 +16,7 @@ PP4 = {"schedule": "1f1b", "microbatches": 4}
 # NOTE: (model, mesh shape, axis names, plan, pp options, layers); 5 layers split unevenly over 2
 # stages; HF Llama with its output layer tied to the token embedding, which both stages then hold;
 # HF Mixtral's experts split over each stage's ranks (EP 2); the solve choosing the layouts on dp;
-# every block recomputed; the pp axis second; a label of every sequence ignored (equal counts per
+# (and the time model choosing the schedule); every block recomputed; the pp axis second; a label of every sequence ignored (equal counts per
 # microbatch: the mean of the microbatches' mean losses is the batch's)
 CASES: list[Case] = [
     ("llama", (2, 2), ("pp", "dp"), "pp+fsdp", {"schedule": "1f1b", "microbatches": 4}, 5),
@@ -27,7 +27,7 @@ CASES: list[Case] = [
     ("llama", (4,), ("pp",), "pp", {"schedule": "zero-bubble", "microbatches": 4, "virtual": 2}, 8),
     ("hf-llama-tied", (2, 2), ("pp", "dp"), "pp+fsdp", {"schedule": "1f1b", "microbatches": 4}, 4),
     ("hf-mixtral", (2, 2), ("pp", "dp"), "pp+fsdp", PP4, 4),
-    ("llama", (2, 2), ("pp", "dp"), "pp+auto", PP4, 4),
+    ("llama", (2, 2), ("pp", "dp"), "pp+auto", {"microbatches": 4}, 4),
     ("llama-full", (2, 2), ("pp", "dp"), "pp+fsdp", PP4, 4),
     ("llama", (2, 2), ("dp", "pp"), "fsdp+pp", PP4, 4),
     ("llama-ignored", (2, 2), ("pp", "dp"), "pp+fsdp", PP4, 4),
@@ -39,7 +39,9 @@ MEMORY = {"llama-full": "full"}
 
 
 @pytest.mark.parametrize(
-    "case", CASES, ids=[f"{m}-{p}-{o['schedule']}-{'x'.join(map(str, s))}-{n}layers" for m, s, _, p, o, n in CASES]
+    "case",
+    CASES,
+    ids=[f"{m}-{p}-{o.get('schedule', 'auto')}-{'x'.join(map(str, s))}-{n}layers" for m, s, _, p, o, n in CASES],
 )
 def test_pipelined_training_equals_single_device(rank_pools: RankPools, case: Case) -> None:
     model, shape, names, plan, pp, layers = case
@@ -55,7 +57,13 @@ def test_pipelined_training_equals_single_device(rank_pools: RankPools, case: Ca
         moe=MOE.get(model),
         memory=MEMORY.get(model),
     )
-    stages = shape[names.index("pp")] * pp.get("virtual", 2 if pp["schedule"] == "interleaved" else 1)
+    schedule, virtual = out[0]["schedule"]
+    assert all(r["schedule"] == out[0]["schedule"] for r in out)
+    if "schedule" in pp:
+        assert (schedule, virtual) == (pp["schedule"], pp.get("virtual", 2 if schedule == "interleaved" else 1))
+    else:  # NOTE: chosen by the time model, the report says so and what else it weighed
+        assert any("schedule chosen by the time model" in line and "gpipe" in line for line in out[0]["report"])
+    stages = shape[names.index("pp")] * virtual
     # NOTE: every stage runs on some rank, and the ranks of one pp coordinate run the same ones
     assert sorted({s for r in out for s in r["stages"]}) == list(range(stages))
     assert all(r["losses"] == out[0]["losses"] for r in out)

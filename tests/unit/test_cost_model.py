@@ -164,7 +164,7 @@ def test_gemm_efficiency_grows_with_size_and_saturates() -> None:
         t = gemm_time(h100, n, n, n)
         effs.append(2 * n**3 / t / h100.peak_flops("bf16"))
     assert effs == sorted(effs)
-    assert effs[0] < 0.1 and 0.6 < effs[-1] < h100.eff.gemm_max
+    assert effs[0] < 0.1 and 0.9 * h100.eff.gemm_max < effs[-1] < h100.eff.gemm_max
     assert flops_efficiency(h100, 1e15, 1e6) == pytest.approx(h100.eff.gemm_max, rel=0.01)
 
 

@@ -6,12 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from meshfold.passes.cost import calibration, parse_cluster
+from meshfold.passes.cost import calibration, parse_cluster, simulate
 from meshfold.passes.cost.calibration import FITTED, GOAL, RUNS, fit, halves, held_out_errors, scores
-
-# NOTE: the GPT-3 175B strong-scaling ends (96 and 4,608 GPUs) miss GOAL under the published-plan
-# assumptions (plain 1F1B at TP8 PP6); this is the largest held-out error reached, not a target.
-HELD_OUT_MAX = 0.19
 
 
 def test_split_rule_alternates_by_size_and_covers_every_run() -> None:
@@ -26,7 +22,7 @@ def test_held_out_error_as_the_bench_computes_it() -> None:
     all_scores = scores()
     mean, worst = held_out_errors(all_scores)
     assert mean <= GOAL, [f"{s.run.name} {s.error:+.1%}" for s in all_scores]
-    assert worst <= HELD_OUT_MAX
+    assert worst <= GOAL
     assert all(abs(s.error) <= 0.10 for s in all_scores if s.half == "fit")
 
 
@@ -54,5 +50,21 @@ def test_the_fit_reads_only_the_fit_half(fitted: tuple[float, ...]) -> None:
 
 def test_every_published_run_has_a_source_and_a_valid_plan() -> None:
     for run in RUNS:
-        run.config.validate(run.model, run.cluster(), run.train)
+        for config in run.configs():
+            config.validate(run.model, run.cluster(), run.train)
         assert run.source.startswith(calibration.MEGATRON) and 0 < run.mfu < 1
+
+
+def test_pipelined_runs_are_scored_interleaved_with_their_fastest_chunk_count() -> None:
+    """Megatron-LM overlaps pipeline sends only under interleaved 1F1B: every PP run is scored with
+    more than one chunk per stage, the count the simulator finds fastest among those its layers allow."""
+    for run in RUNS:
+        per_stage = run.model.layers // run.config.pp
+        if run.config.pp == 1:
+            assert run.vpps == (1,)
+            continue
+        assert run.vpps and all(v > 1 and per_stage % v == 0 for v in run.vpps)
+        best = run.simulated()
+        assert best.config.vpp in run.vpps
+        others = [simulate(run.model, run.cluster(), c, run.train, timeline=False) for c in run.configs()]
+        assert all(best.step_time_s <= r.step_time_s for r in others)

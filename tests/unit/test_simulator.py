@@ -134,7 +134,7 @@ def test_moe_all_to_all_and_imbalance() -> None:
 
 @pytest.mark.parametrize("run", [r for r in RUNS if "weak" in r.source], ids=lambda r: r.name)
 def test_simulator_mfu_within_15_percent_of_megatron(run: PublishedRun) -> None:
-    res = simulate(run.model, run.cluster(), run.config, run.train, timeline=False)
+    res = run.simulated()
     assert abs(res.mfu / run.mfu - 1) <= 0.15, res.summary()
     assert res.fits
     assert res.tflops_per_device == pytest.approx(res.mfu * 989.4, rel=1e-6)

@@ -3,6 +3,7 @@ into stage programs (``meshfold.stages``). The multi-rank equivalence is in test
 
 from __future__ import annotations
 
+import re
 import warnings
 from contextlib import nullcontext
 from itertools import combinations, pairwise
@@ -13,9 +14,10 @@ from torch import nn
 
 from meshfold.ir.stage import STAGE_IN, STAGE_IN_GRAD
 from meshfold.passes import PassError
-from meshfold.passes.stages import SplitError, even_split, split_layers
+from meshfold.passes.stages import SplitError, StageSplit, even_split, pipeline_step_s, split_layers
 from meshfold.session import CompileOptions, compile_model
-from meshfold.stages import Layers, PipelineSpec, split_program, stage_graphs
+from meshfold.stage_plan import LayerCosts, candidates, pipeline_line, plan_pipeline, split_program
+from meshfold.stages import Layers, PipelineSpec, stage_graphs
 from meshfold.tied import tied_parameters
 from meshfold.tools.zoo import build
 from meshfold.tools.zoo.models import DecoderLayer, _small_init
@@ -79,6 +81,32 @@ def test_pipeline_options_take_the_pp_axis_off_the_mesh_and_the_plan() -> None:
         CompileOptions.of(mesh="pp=2", pp={"schedule": "zigzag"})
     with pytest.raises(PassError, match="only the interleaved"):
         CompileOptions.of(mesh="pp=2", pp={"schedule": "1f1b", "virtual": 2})
+    # NOTE: plan="auto" chooses the schedule where none is given
+    auto = CompileOptions.of(mesh="pp=2,dp=2", plan="pp+auto", pp={"microbatches": 4})
+    assert auto.pp == PipelineSpec(2, "auto", 4, 0) and auto.plan is not None and auto.plan.preset == "auto"
+    given = CompileOptions.of(mesh="pp=2,dp=2", plan="pp+auto", pp={"schedule": "gpipe"})
+    assert given.pp == PipelineSpec(2, "gpipe", 2, 1)
+    with pytest.raises(PassError, match="chooses the stages per rank too"):
+        CompileOptions.of(mesh="pp=2", pp={"schedule": "auto", "virtual": 2})
+
+
+def test_the_step_model_has_the_schedules_bubbles() -> None:
+    """Equal stages and free sends: the predicted step's idle share is ``(p - 1) / (v m + p - 1)``
+    under GPipe, 1F1B and interleaving; zero bubble idles only for the forward and input-gradient
+    part of the ramp; each send adds its time ``2 v`` times a microbatch and twice per boundary."""
+    for spec in (PipelineSpec(4, "1f1b", 8), PipelineSpec(4, "gpipe", 8), PipelineSpec(4, "interleaved", 8, 2)):
+        split = StageSplit(tuple(range(spec.stages + 1)), (1.0,) * spec.stages)
+        step = pipeline_step_s(split, [0.0] * spec.stages, 4, 8, zero_bubble=False, send_s=0.0)
+        busy = 8 * spec.virtual
+        assert (step - busy) / step == pytest.approx(spec.bubble())
+    split = StageSplit((0, 1, 2, 3, 4), (1.0,) * 4)
+    zb = pipeline_step_s(split, [0.25] * 4, 4, 8, zero_bubble=True, send_s=0.0)
+    assert zb == pytest.approx(8 + 3 * 0.75)
+    sent = pipeline_step_s(split, [0.0] * 4, 4, 8, zero_bubble=False, send_s=0.1)
+    assert sent == pytest.approx(8 * (1 + 0.2) + 3 + 2 * 3 * 0.1)
+    # NOTE: the busiest rank sets the pace: rank 1 holds stages 1 and 3 of an interleaved split
+    uneven = StageSplit((0, 1, 2, 3, 4), (1.0, 2.0, 1.0, 2.0))
+    assert pipeline_step_s(uneven, [0.0] * 4, 2, 4, zero_bubble=False, send_s=0.0) == pytest.approx(4 * 4 + 4 / 2)
 
 
 def _llama(layers: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
@@ -103,7 +131,7 @@ def test_a_program_splits_into_stages_that_pass_on_the_hidden_states_alone() -> 
     layers = Layers.of(graph)
     assert layers.family == "layers" and layers.count == 5
     split = split_program(graph, PipelineSpec(2))
-    assert result.stats["pp.split"] == split  # type: ignore[attr-defined]
+    assert result.stats["pp.plan"].split == split  # type: ignore[attr-defined]
     assert sum(split.counts) == 5 and split.counts[0] != split.counts[1]  # NOTE: uneven: 5 layers on 2 stages
     first, last = stage_graphs(graph, split)
     # NOTE: every parameter on exactly one stage, each stage returning its own parameters' gradients
@@ -211,3 +239,63 @@ def test_under_a_memory_bound_the_stage_holding_more_microbatches_gets_fewer_lay
             low = mid
     tight = split_program(graph, spec, memory=high)
     assert tight.counts[0] < free.counts[0] and tight.counts[-1] > free.counts[-1], (tight.counts, free.counts)
+
+
+def test_auto_weighs_each_schedule_as_the_fixed_one_and_takes_the_fastest() -> None:
+    model, inputs = _llama(8)
+    graph = _compiled(model, inputs, 4).graph  # type: ignore[attr-defined]
+    costs = LayerCosts.of(graph, 4)
+    n = costs.n
+    # NOTE: a layer's weight gradients are part of its backward: a third of a linear's FLOPs, less of
+    # the attention and norms; the embedding's backward is its weight's gradient alone
+    shares = {round(w / t, 9) for w, t in zip(costs.wgrad[:n], costs.times[:n], strict=True)}
+    assert len(shares) == 1 and 0.1 < shares.pop() < 0.4
+    assert 0 < costs.wgrad[n] < costs.times[n] and costs.send_s > 0
+    auto = PipelineSpec(4, "auto", 8, 0)
+    plan = plan_pipeline(graph, auto)
+    weighed = dict(plan.weighed)
+    assert set(weighed) == set(candidates(auto, n)) and {s.schedule for s in weighed} == {
+        "gpipe",
+        "1f1b",
+        "interleaved",
+        "zero-bubble",
+    }
+    for spec, t in weighed.items():
+        assert t == pytest.approx(plan_pipeline(graph, spec).step_s)
+    assert plan.step_s == min(t for t in weighed.values() if t is not None) == weighed[plan.spec]
+    # NOTE: 1F1B and GPipe pass as much work and as many sends; the weights' gradients shorten zero bubble's ramp
+    assert weighed[PipelineSpec(4, "1f1b", 8)] == weighed[PipelineSpec(4, "gpipe", 8)]
+    assert weighed[PipelineSpec(4, "zero-bubble", 8)] < weighed[PipelineSpec(4, "1f1b", 8)]
+    line = pipeline_line(plan)
+    assert "schedule chosen by the time model" in line and re.search(r"gpipe \d+\.\d\dx", line), line
+    # NOTE: microbatches that are no multiple of the ranks leave the looped schedules out
+    assert {s.schedule for s in candidates(PipelineSpec(4, "auto", 6, 0), n)} == {"1f1b", "gpipe"}
+
+
+def test_auto_leaves_out_the_schedules_whose_stages_do_not_fit_memory() -> None:
+    """GPipe keeps every microbatch's activations on every stage, 1F1B at most ``p - s``: at a bound
+    between their needs GPipe is weighed as not fitting and never chosen; below every need, auto
+    raises naming what to do."""
+    model, inputs = _llama(8)
+    graph = _compiled(model, inputs, 4).graph  # type: ignore[attr-defined]
+    costs = LayerCosts.of(graph, 4)
+
+    def need(spec: PipelineSpec) -> int:
+        low, high = 1, 2**40
+        while high - low > 1:
+            mid = (low + high) // 2
+            try:
+                costs.split(spec, mid)
+                high = mid
+            except SplitError:
+                low = mid
+        return high
+
+    gpipe, one = need(PipelineSpec(4, "gpipe", 8)), need(PipelineSpec(4, "1f1b", 8))
+    assert one < gpipe
+    plan = plan_pipeline(graph, PipelineSpec(4, "auto", 8, 0), memory=(one + gpipe) // 2)
+    weighed = dict(plan.weighed)
+    assert weighed[PipelineSpec(4, "gpipe", 8)] is None and plan.spec.schedule != "gpipe"
+    assert "no split fits memory: gpipe" in pipeline_line(plan)
+    with pytest.raises(PassError, match="pp schedule auto: no schedule splits 8 layers over 4 pipeline ranks"):
+        plan_pipeline(graph, PipelineSpec(4, "auto", 8, 0), memory=1)

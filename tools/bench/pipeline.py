@@ -5,12 +5,15 @@
 
 The bench's Llama-style model (``eager_vs_dtensor.BenchLlama``) is pipelined over ``pp=4`` under GPipe,
 1F1B, interleaved 1F1B (two stages per rank) and zero bubble (ZB-H1: one stage per rank, each
-backward's weight gradients run apart, later) for each microbatch count. Per schedule: the median
-step time, and the bubble as measured: the share of a step's wall time a rank's stage programs did
-not run (waiting for the other stages, sends and receives included), the mean over ranks, beside
+backward's weight gradients run apart, later) for each microbatch count, and under ``schedule="auto"``
+(the schedule the time model predicts fastest, ``meshfold.stages.plan_pipeline``). Per schedule:
+the median step time beside the time model's prediction, and the bubble as measured: the share of
+a step's wall time a rank's stage programs did not run (waiting for the other stages, sends and
+receives included), the mean over ranks, beside
 ``(p - 1) / (v m + p - 1)``. Four ranks share this machine's cores, so a rank's programs also wait
 for a core; the load average is printed beside each row. The first step's loss is checked against
-the single-device model on the whole batch.
+the single-device model on the whole batch. Last, per microbatch count: the schedule auto chose,
+the measured fastest, and auto's measured step over the fastest's (1.00: auto chose the fastest).
 """
 
 from __future__ import annotations
@@ -38,9 +41,10 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
         mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("pp",))
         rows = []
         for micro in opts["microbatches"]:
-            for schedule in SCHEDULES:
+            for schedule in (*SCHEDULES, "auto"):
                 model, inputs = build(cfg)
                 pm = parallelize(model, mesh, inputs, plan="pp", pp={"schedule": schedule, "microbatches": micro})
+                chosen = pm.spec.schedule + (f" v{pm.spec.virtual}" if pm.spec.virtual > 1 else "")
                 times, bubbles, losses = [], [], []
                 for step in range(opts["warmup"] + opts["steps"]):
                     dist.barrier()
@@ -57,6 +61,8 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
                 rows.append(
                     {
                         "schedule": schedule,
+                        "chosen": chosen,
+                        "predicted": pm.plan.step_s,
                         "microbatches": micro,
                         "seconds": statistics.median(times),
                         "bubble": statistics.mean(every),
@@ -87,15 +93,24 @@ def main(argv: list[str] | None = None) -> int:
     opts = {"microbatches": args.microbatches, "steps": args.steps, "warmup": args.warmup}
     rows = spawn_ranks(_rank_main, args.ranks, cfg, opts)
     print(f"pp={args.ranks}, {args.layers} layers, hidden {args.hidden}, batch {batch} x seq {args.seq}")
-    head = ("schedule", "micro", "step s", "bubble", "theory", "loss - 1 device", "load")
-    print(f"{head[0]:<12} {head[1]:>5} {head[2]:>8} {head[3]:>7} {head[4]:>7} {head[5]:>16} {head[6]:>5}")
+    head = ("schedule", "micro", "step s", "predicted", "bubble", "theory", "loss - 1 device", "load")
+    print(f"{head[0]:<20} {head[1]:>5} {head[2]:>8} {head[3]:>9} {head[4]:>7} {head[5]:>7} {head[6]:>16} {head[7]:>5}")
     worst = 0.0
     for r in rows:
         diff = r["loss"] - want
         worst = max(worst, abs(diff))
+        name = r["schedule"] if r["schedule"] != "auto" else f"auto: {r['chosen']}"
         print(
-            f"{r['schedule']:<12} {r['microbatches']:>5} {r['seconds']:>8.3f} {r['bubble']:>7.3f} {r['theory']:>7.3f} "
-            f"{diff:>16.2e} {r['load']:>5.2f}"
+            f"{name:<20} {r['microbatches']:>5} {r['seconds']:>8.3f} {r['predicted']:>9.3f} {r['bubble']:>7.3f} "
+            f"{r['theory']:>7.3f} {diff:>16.2e} {r['load']:>5.2f}"
+        )
+    for micro in args.microbatches:
+        fixed = [r for r in rows if r["microbatches"] == micro and r["schedule"] != "auto"]
+        auto = next(r for r in rows if r["microbatches"] == micro and r["schedule"] == "auto")
+        fastest = min(fixed, key=lambda r: r["seconds"])
+        print(
+            f"{micro} microbatches: auto chose {auto['chosen']}, measured fastest {fastest['chosen']}; auto's step "
+            f"{auto['seconds'] / fastest['seconds']:.2f}x the fastest's (load {os.getloadavg()[0]:.2f})"
         )
     return 0 if worst < 1e-4 else 1
 

@@ -23,7 +23,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
-from meshfold.passes.cost import calibration, search_configs, simulate
+from meshfold.passes.cost import calibration, search_configs
 from meshfold.passes.cost.calibration import GOAL, Score
 
 
@@ -37,7 +37,7 @@ def score_table(all_scores: list[Score]) -> Table:
         t.add_row(
             r.name,
             sc.half,
-            r.config.describe(),
+            sc.config.describe(),
             str(r.gpus),
             f"{r.mfu:.0%}",
             f"{sc.simulated:.1%}",
@@ -90,8 +90,9 @@ def main(argv: list[str] | None = None) -> int:
         for run in calibration.RUNS:
             if "weak scaling" not in run.source:
                 continue
-            cluster, cfg = run.cluster(), run.config
-            res = simulate(run.model, cluster, cfg, run.train, timeline=False)
+            cluster = run.cluster()
+            res = run.simulated()
+            cfg = res.config
             t0 = time.perf_counter()
             best = search_configs(run.model, cluster, run.train, fixed={"tp_comm_overlap": True}, top=1)
             took = time.perf_counter() - t0

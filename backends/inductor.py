@@ -1,0 +1,151 @@
+"""Each rank's programs compiled by TorchInductor: C++ kernels on CPU, Triton on CUDA.
+
+``backends/eager.py`` lowers a rank's forward and backward to ``fx.GraphModule``s of ATen ops and
+``torch.ops._c10d_functional`` collectives; this backend hands each module to Inductor
+(``torch._inductor.compile_fx.compile_fx``) on its first call, with fake copies of that call's
+tensors (their shapes, strides and dtypes: a module is always called alike, ``programs.Program``
+keeps one per signature). Inductor fuses the pointwise and reduction ops between the collectives
+and keeps each collective's start and wait where the ``overlap`` pass put them: its reorderings for
+locality and peak memory, on by default, would pull every wait up to its collective's start (on
+llama-tiny under fsdp+tp, the matrix products in flight beside collectives fall from 8 to 2 in the
+forward and from 56 to 0 in the backward), so they are off while it compiles our programs; the
+compiled programs then have the eager order's windows exactly (``tests/dist/test_inductor.py``).
+The MoE token exchange runs as one opaque custom op (``meshfold::moe_exchange``) whose fake kernel
+gives its result's shape, since the tokens each expert gets are known only while it runs.
+
+Compiled code is cached on disk by Inductor (``TORCHINDUCTOR_CACHE_DIR``, by default under the
+system's temporary directory), so a second run of the same program loads its kernels instead of
+compiling them again.
+
+What the compiled modules do not keep: a failing collective is reported for the whole program
+(``CollectiveError`` naming the program and rank), not for the one collective, since the wait
+inside compiled code cannot name itself. Programs with ops Inductor cannot compile (random ops
+drawing from meshfold's generator, activations offloaded to host files, ring attention and the other
+lowerings that call process groups directly) are refused when lowered, naming the op and pointing at
+``backend="eager"``. A pipeline's stage programs compile alike (``meshfold.pipelined``).
+"""
+
+from __future__ import annotations
+
+import operator
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from meshfold.backends.eager import OP_META, Lowered
+from meshfold.backends.moe import EXCHANGE_OPS, flat_exchange_args
+from meshfold.backends.watch import CollectiveError, Watch
+from meshfold.passes.base import PassError
+
+
+@dataclass
+class Compiled:
+    """One module compiled by Inductor on its first call (``what`` names it in errors)."""
+
+    module: fx.GraphModule
+    what: str
+    fn: Callable[..., Any] | None = None
+    seconds: float = 0.0
+    """Wall time of the compile (0 until the first call)."""
+    calls: int = field(default=0)
+
+    def __call__(self, *args: Any) -> Any:
+        if self.fn is None:
+            self.fn = self._compile(args)
+        self.calls += 1
+        try:
+            return self.fn(*args)
+        except RuntimeError as e:
+            if isinstance(e, CollectiveError) or not _collective_failure(e):
+                raise
+            raise CollectiveError(
+                f"a collective of {self.what} (compiled by Inductor) did not complete: {str(e).splitlines()[0]}. "
+                "A rank of its group is stuck or has exited; backend='eager' names the collective"
+            ) from e
+
+    def _compile(self, args: Sequence[Any]) -> Callable[..., Any]:
+        from torch._inductor import config as inductor_config
+        from torch._inductor.compile_fx import compile_fx
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake = FakeTensorMode(allow_non_fake_inputs=False)
+        examples = [fake.from_tensor(a.detach()) if isinstance(a, torch.Tensor) else a for a in args]
+        start = time.perf_counter()
+        # NOTE: Inductor's reorderings for locality and peak memory move each wait up to its
+        # collective's start; without them it keeps the order the overlap pass chose
+        with torch.no_grad(), inductor_config.patch(reorder_for_locality=False, reorder_for_peak_memory=False):
+            fn = compile_fx(self.module, examples)
+        self.seconds = time.perf_counter() - start
+        return fn
+
+
+PURE = ("meshfold.backends.comm", "meshfold.backends.local")
+"""Modules whose helpers a lowered program calls that are ATen ops and functional collectives only:
+Inductor traces them like the ops around them."""
+REFUSED = {
+    "meshfold.backends.offload": "copies activations to and from host files",
+    "meshfold.backends.random": "draws from meshfold's own generator, which Inductor's random ops do not take",
+}
+"""Modules whose helpers Inductor cannot compile, and why (anything else outside ``PURE``: it calls
+process groups directly, which Inductor cannot trace)."""
+
+
+def _plain(module: fx.GraphModule) -> fx.GraphModule:
+    """``module`` with every ``Watch`` unwrapped (Inductor traces the waits themselves; ``Compiled``
+    reports a failing collective for the whole module) and each MoE token exchange as its custom op
+    (``backends.moe.EXCHANGE_OPS``), which Inductor calls as it is. Raises ``PassError`` naming the
+    op, its module path and source line where a call is none of these (``PURE``, ``REFUSED``)."""
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in module.graph.nodes:
+        copy = graph.node_copy(node, lambda n: env[n])
+        if isinstance(copy.target, Watch):
+            copy.target = copy.target.fn
+        if copy.target in EXCHANGE_OPS:
+            copy.args = flat_exchange_args(copy.args)
+            copy.target = EXCHANGE_OPS[copy.target]  # type: ignore[index]
+        if copy.op == "call_function":
+            _check(copy)
+        env[node] = copy
+    return fx.GraphModule(module, graph)
+
+
+def _check(node: fx.Node) -> None:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket) or target is operator.getitem:
+        return
+    where = getattr(target, "__module__", "") or ""
+    if where in PURE:
+        return
+    name = getattr(target, "__name__", type(target).__name__)
+    why = REFUSED.get(where, "calls process groups directly, which Inductor cannot trace")
+    op = node.meta.get(OP_META)
+    at = op.describe() if op is not None else node.name
+    raise PassError(
+        f"backend='inductor' cannot compile {at}: its lowering ({where}.{name}) {why}. Use backend='eager' for "
+        "this model and plan"
+    )
+
+
+def _collective_failure(e: RuntimeError) -> bool:
+    text = str(e)
+    return any(word in text for word in ("Gloo", "gloo", "NCCL", "Connection", "timed out", "Timeout"))
+
+
+def compiled(low: Lowered, rank: str) -> Lowered:
+    """``low`` with its modules compiled by Inductor on first call (``rank`` names them in errors).
+    Raises ``PassError`` now, before anything runs, where a module calls what Inductor cannot compile."""
+
+    def one(module: fx.GraphModule | None, what: str) -> Any:
+        return None if module is None else Compiled(_plain(module), f"{rank}'s {what} program")
+
+    return replace(
+        low,
+        forward=one(low.forward, "forward"),
+        backward=one(low.backward, "backward"),
+        weights=one(low.weights, "weight-gradient"),
+    )

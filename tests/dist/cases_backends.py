@@ -1,0 +1,89 @@
+"""Tasks for the backends' rank tests: what ``backend="inductor"`` refuses before anything runs."""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import torch
+
+from meshfold.api import parallelize
+from meshfold.passes import PassError
+from meshfold.tools.zoo import build
+from tests.dist.cases_programs import _net_pair
+from tests.dist.pool import device_mesh
+
+
+def inductor_refused(kind: str) -> str:
+    """Compile, under ``backend="inductor"``, a model with dropout (``"dropout"``: its random ops draw
+    from meshfold's generator) or with every activation offloaded (``"offload"``); return the error."""
+    warnings.filterwarnings("ignore")
+    mesh = device_mesh((2, 2), ("dp", "tp"))
+    if kind == "dropout":
+        net, _ = _net_pair()
+        inputs: tuple[torch.Tensor, ...] = (torch.randn(8, 16), torch.randn(8, 16))
+        options: dict[str, object] = {"plan": "ddp+tp"}
+    else:
+        net, inputs = build("llama-tiny")
+        options = {"plan": "fsdp+tp", "memory": "offload"}
+    try:
+        parallelize(net, mesh, inputs, backend="inductor", **options)
+    except PassError as e:
+        return str(e)
+    raise AssertionError(f"backend='inductor' compiled the {kind} model it cannot run")
+
+
+_MATMULS = ("aten.mm.default", "aten.addmm.default", "aten.bmm.default")
+
+
+def _eager_windows(module: torch.fx.GraphModule) -> list[int]:
+    """Per wait of an eager module: the matrix products between its collective's start and it."""
+    nodes = list(module.graph.nodes)
+    before, seen = {}, 0
+    for node in nodes:
+        before[node] = seen
+        seen += str(node.target) in _MATMULS
+    out = []
+    for node in nodes:
+        if "wait_tensor" in str(node.target):
+            start = node.args[0]
+            while "c10d" not in str(start.target) and "gather_by_all_to_all" not in str(start.target):
+                start = start.args[0]  # NOTE: through the views a started collective's result takes
+            out.append(before[node] - before[start])
+    return out
+
+
+def _compiled_windows(code: str) -> list[int]:
+    """The same for the Python wrapper Inductor generated: its extern matrix products between a
+    collective's call and the wait on its buffer."""
+    started: dict[str, int] = {}
+    seen, out = 0, []
+    for line in (raw.split("#")[0] for raw in code.splitlines()):
+        issue = re.search(r"(\w+) = torch\.ops\._c10d_functional\.\w+\.default\(", line) or re.search(
+            r"_c10d_functional\.all_reduce_\.default\((\w+)", line
+        )
+        if issue and "wait_tensor" not in line:
+            started[issue.group(1)] = seen
+        wait = re.search(r"_c10d_functional\.wait_tensor\.default\((\w+)", line)
+        if wait and wait.group(1) in started:
+            out.append(seen - started.pop(wait.group(1)))
+        seen += bool(re.search(r"extern_kernels\.(mm|addmm|bmm)\(", line))
+    return out
+
+
+def overlap_windows() -> dict[str, list[list[int]]]:
+    """llama-tiny under fsdp+tp compiled by Inductor: per collective, the matrix products that run
+    while it is in flight, in the eager modules (the order the overlap pass chose) and in the code
+    Inductor generated from them, forward then backward."""
+    from torch._inductor.utils import run_and_get_code
+
+    warnings.filterwarnings("ignore")
+    mesh = device_mesh((2, 2), ("dp", "tp"))
+    net, inputs = build("llama-tiny")
+    pm = parallelize(net, mesh, inputs, plan="fsdp+tp", backend="inductor")
+    low = pm._mf_programs.first.lowered
+    _, codes = run_and_get_code(lambda: pm(*inputs).backward())
+    return {
+        "eager": [_eager_windows(low.forward.module), _eager_windows(low.backward.module)],
+        "inductor": [_compiled_windows(c) for c in codes],
+    }
