@@ -3,6 +3,7 @@ exposed communication and peak memory, one run.
 
     python -m meshfold.tools.bench.overlap                                  # 4 gloo CPU ranks, (dp=2, tp=2)
     python -m meshfold.tools.bench.overlap --layers 2 --hidden 128 --seq 64 --steps 3
+    python -m meshfold.tools.bench.overlap --backend inductor          # meshfold's programs compiled
 
 Spawns ``dp * tp`` local CPU ranks (gloo, one thread each) and trains the Llama-style model of
 ``eager_vs_dtensor`` (same weights, inputs, global batch, AdamW) four ways, steps interleaved side by
@@ -22,10 +23,14 @@ side (one step of each, between barriers, then the next) so that drift in machin
    The same torch.distributed calls torchtitan makes, made here (its Llama code imports triton,
    absent on CPU).
 
+``--backend inductor`` compiles both meshfold sides' programs with Inductor (``backends/inductor.py``);
+they compile on the first warm-up step, which is never timed.
+
 Measured: the median step time (forward + backward + AdamW between barriers, after warm-up steps),
 the load average sampled after each step; collectives and bytes each rank sends per step, counted
-in the first warm-up step (``CommCounter``); for both meshfold sides, torch.profiler on rank 0 over
-``--profile-steps`` steps of each (interleaved, a barrier before each; medians): the CPU time inside
+in the last warm-up step (``CommCounter``; what a backend traces while it compiles on the first call
+is not counted); for both meshfold sides, torch.profiler on rank 0 over ``--profile-steps`` steps
+of each (interleaved, a barrier before each; medians): the CPU time inside
 ``_c10d_functional::wait_tensor``, where a lowered program blocks (the exposed communication), the
 time gloo's worker threads run collectives (``gloo:all_gather`` ..., barriers left out; not the time
 a collective queues for a worker, so exposed time can exceed it) and the CPU time issuing the
@@ -152,7 +157,14 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
         out: dict[str, Any] = {"compile_s": {}}
         for label in ("overlap", "no overlap"):
             t0 = time.perf_counter()
-            pm = parallelize(build(cfg)[0], mesh, inputs, plan="fsdp+tp", pipeline=opts["pipelines"][label])
+            pm = parallelize(
+                build(cfg)[0],
+                mesh,
+                inputs,
+                plan="fsdp+tp",
+                pipeline=opts["pipelines"][label],
+                backend=opts["backend"],
+            )
             out["compile_s"][label] = time.perf_counter() - t0
             tl = predicted(pm.graph())  # NOTE: the time model's step and exposed communication, same program
             out.setdefault("predicted", {})[label] = (1e3 * tl.step, 1e3 * tl.exposed_total)
@@ -164,7 +176,7 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
         loads: dict[str, list[float]] = {label: [] for label in SIDES}
         for i in range(cfg.warmup + cfg.steps):
             for label, side in sides.items():
-                side.run(count=i == 0)
+                side.run(count=i == cfg.warmup - 1)  # NOTE: after any first-call compile
                 loads[label].append(os.getloadavg()[0])
         losses = {}
         for label, side in sides.items():
@@ -204,7 +216,10 @@ def _report(cfg: Config, opts: dict[str, Any], r: dict[str, Any], ref: list[floa
         f"{cfg.steps} timed steps per side, interleaved, AdamW lr {cfg.lr}"
     )
     for k in mf:
-        print(f"{NAMES[k]}: pipeline {opts['pipelines'][k]} (parallelize {r['compile_s'][k]:.1f} s)")
+        print(
+            f"{NAMES[k]}: pipeline {opts['pipelines'][k]}, {opts['backend']} backend "
+            f"(parallelize {r['compile_s'][k]:.1f} s)"
+        )
     if opts["pipelines"]["overlap"] == opts["pipelines"]["no overlap"]:
         print("!!! the pipeline has no overlap pass: both meshfold sides run the same program !!!")
 
@@ -267,11 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mesh", default="2,2", help="dp,tp sizes (one gloo rank each)")
     ap.add_argument("--steps", type=int, default=d.steps, help="timed steps per side")
-    ap.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first (the first counts bytes)")
+    ap.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first (the last counts bytes)")
     ap.add_argument("--profile-steps", type=int, default=3, help="profiled steps per meshfold side")
     for size in SIZES:
         ap.add_argument(f"--{size.replace('_', '-')}", type=int, default=getattr(d, size))
     ap.add_argument("--pipeline", help="the overlap side's pipeline (default: DEFAULT_PIPELINE)")
+    ap.add_argument(
+        "--backend", default="eager", choices=("eager", "inductor"), help="how both meshfold sides' programs run"
+    )
     ap.add_argument("--json", metavar="PATH", help="also write the figures measured to PATH")
     a = ap.parse_args(argv)
     mesh = tuple(int(s) for s in a.mesh.split(","))
@@ -286,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "overlap": a.pipeline or DEFAULT_PIPELINE,
         "no overlap": without_pass(a.pipeline or DEFAULT_PIPELINE, "overlap"),
     }
-    opts = {"mesh": mesh, "pipelines": pipelines, "profile_steps": a.profile_steps}
+    opts = {"mesh": mesh, "pipelines": pipelines, "profile_steps": a.profile_steps, "backend": a.backend}
     result = spawn_ranks(_rank_main, mesh[0] * mesh[1], cfg, opts)
     ref = _single_device(cfg)
     if a.json:
