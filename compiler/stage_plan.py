@@ -196,12 +196,8 @@ def pipeline_line(plan: PipelinePlan) -> str:
     )
     if not plan.weighed:
         return line
-    timed = sorted(((t, _name(c)) for c, t in plan.weighed if t is not None), key=lambda x: x[0])
-    others = ", ".join(f"{name} {t / plan.step_s:.2f}x" for t, name in timed if name != _name(spec))
-    unfit = [_name(c) for c, t in plan.weighed if t is None]
+    timed = sorted(((t, c.label) for c, t in plan.weighed if t is not None), key=lambda x: x[0])
+    others = ", ".join(f"{name} {t / plan.step_s:.2f}x" for t, name in timed if name != spec.label)
+    unfit = [c.label for c, t in plan.weighed if t is None]
     tail = f"; no split fits memory: {', '.join(unfit)}" if unfit else ""
     return f"{line}; schedule chosen by the time model (predicted step {plan.step_s * 1e3:.3g} ms; {others}{tail})"
-
-
-def _name(spec: PipelineSpec) -> str:
-    return f"{spec.schedule} v{spec.virtual}" if spec.virtual > 1 else spec.schedule

@@ -66,6 +66,11 @@ class PipelineSpec:
     def stages(self) -> int:
         return self.ranks * self.virtual
 
+    @property
+    def label(self) -> str:
+        """The schedule and, when more than one, the stages per rank: ``1f1b``, ``interleaved v2``."""
+        return f"{self.schedule} v{self.virtual}" if self.virtual > 1 else self.schedule
+
     @staticmethod
     def of(spec: Mapping[str, Any] | PipelineSpec | None, ranks: int) -> PipelineSpec:
         """Read ``parallelize(pp={"schedule": ..., "microbatches": ..., "virtual": ...})``."""

@@ -44,7 +44,7 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
             for schedule in (*SCHEDULES, "auto"):
                 model, inputs = build(cfg)
                 pm = parallelize(model, mesh, inputs, plan="pp", pp={"schedule": schedule, "microbatches": micro})
-                chosen = pm.spec.schedule + (f" v{pm.spec.virtual}" if pm.spec.virtual > 1 else "")
+                chosen = pm.spec.label
                 times, bubbles, losses = [], [], []
                 for step in range(opts["warmup"] + opts["steps"]):
                     dist.barrier()
