@@ -27,7 +27,6 @@ lowerings that call process groups directly) are refused when lowered, naming th
 
 from __future__ import annotations
 
-import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -36,10 +35,9 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from meshfold.backends.eager import OP_META, Lowered
-from meshfold.backends.moe import EXCHANGE_OPS, flat_exchange_args
-from meshfold.backends.watch import CollectiveError, Watch
-from meshfold.passes.base import PassError
+from meshfold.backends.eager import Lowered
+from meshfold.backends.traceable import plain
+from meshfold.backends.watch import CollectiveError
 
 
 @dataclass
@@ -83,57 +81,13 @@ class Compiled:
         return fn
 
 
-PURE = ("meshfold.backends.comm", "meshfold.backends.local")
-"""Modules whose helpers a lowered program calls that are ATen ops and functional collectives only:
-Inductor traces them like the ops around them."""
-REFUSED = {
-    "meshfold.backends.offload": "copies activations to and from host files",
-    "meshfold.backends.random": "draws from meshfold's own generator, which Inductor's random ops do not take",
-}
-"""Modules whose helpers Inductor cannot compile, and why (anything else outside ``PURE``: it calls
-process groups directly, which Inductor cannot trace)."""
-
-
-def _plain(module: fx.GraphModule) -> fx.GraphModule:
-    """``module`` with every ``Watch`` unwrapped (Inductor traces the waits themselves; ``Compiled``
-    reports a failing collective for the whole module) and each MoE token exchange as its custom op
-    (``backends.moe.EXCHANGE_OPS``), which Inductor calls as it is. Raises ``PassError`` naming the
-    op, its module path and source line where a call is none of these (``PURE``, ``REFUSED``)."""
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for node in module.graph.nodes:
-        copy = graph.node_copy(node, lambda n: env[n])
-        if isinstance(copy.target, Watch):
-            copy.target = copy.target.fn
-        if copy.target in EXCHANGE_OPS:
-            copy.args = flat_exchange_args(copy.args)
-            copy.target = EXCHANGE_OPS[copy.target]  # type: ignore[index]
-        if copy.op == "call_function":
-            _check(copy)
-        env[node] = copy
-    return fx.GraphModule(module, graph)
-
-
-def _check(node: fx.Node) -> None:
-    target = node.target
-    if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket) or target is operator.getitem:
-        return
-    where = getattr(target, "__module__", "") or ""
-    if where in PURE:
-        return
-    name = getattr(target, "__name__", type(target).__name__)
-    why = REFUSED.get(where, "calls process groups directly, which Inductor cannot trace")
-    op = node.meta.get(OP_META)
-    at = op.describe() if op is not None else node.name
-    raise PassError(
-        f"backend='inductor' cannot compile {at}: its lowering ({where}.{name}) {why}. Use backend='eager' for "
-        "this model and plan"
-    )
-
-
 def _collective_failure(e: RuntimeError) -> bool:
     text = str(e)
     return any(word in text for word in ("Gloo", "gloo", "NCCL", "Connection", "timed out", "Timeout"))
+
+
+_CANNOT = "backend='inductor' cannot compile"
+_ADVICE = "Use backend='eager' for this model and plan"
 
 
 def compiled(low: Lowered, rank: str) -> Lowered:
@@ -141,7 +95,7 @@ def compiled(low: Lowered, rank: str) -> Lowered:
     Raises ``PassError`` now, before anything runs, where a module calls what Inductor cannot compile."""
 
     def one(module: fx.GraphModule | None, what: str) -> Any:
-        return None if module is None else Compiled(_plain(module), f"{rank}'s {what} program")
+        return None if module is None else Compiled(plain(module, _CANNOT, _ADVICE), f"{rank}'s {what} program")
 
     return replace(
         low,

@@ -11,7 +11,9 @@ module returns each parameter's local gradient already in the parameter's own la
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -271,6 +273,17 @@ class ParallelModule(nn.Module):
         what the memory pass recomputed or offloaded, the time that adds and the predicted peak per
         rank. Empty for a plan that solved nothing and kept every activation."""
         return list(self._mf_programs.first.report)
+
+    def export_onnx(self, directory: str | os.PathLike[str]) -> Path:
+        """Write this rank's forward program for the example inputs as the ONNX model
+        ``directory/rank{R}.onnx`` (R: the world rank) and return its path: this rank's shards as
+        initializers, its pieces of the inputs and outputs as the graph's, collectives as ops of the
+        ``meshfold`` domain (``meshfold.backends.onnx``). Needs the ``onnx`` extra. Each rank writes
+        its own file; nothing is exchanged. Raises, naming the op, where the program calls what the
+        exporter cannot take."""
+        from meshfold.exports import export_onnx
+
+        return export_onnx(self, directory)
 
     def manual_seed(self, seed: int) -> None:
         """Seed the generator every random op of this module's programs draws from (dropout masks).

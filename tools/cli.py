@@ -67,6 +67,16 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="expert mapping for MoE models: auto (EP over the most ranks that divide the experts), off, or ep=N",
     )
+    e = sub.add_parser(
+        "export-onnx",
+        help="write each rank's forward program of a built-in model as ONNX, checked against the program",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    e.add_argument("--model", default="llama-tiny", help="a zoo model (`pass-debug --help` lists them)")
+    e.add_argument("--mesh", default="dp=2,tp=2", help="named mesh, e.g. dp=2,tp=2 (its size = number of ranks)")
+    e.add_argument("--plan", default=None, help="preset such as fsdp+tp; None: the one the mesh's axis names imply")
+    e.add_argument("--out", type=Path, default=Path("onnx"), help="where rank{R}.onnx go")
+    e.add_argument("--moe", default="off", help="expert mapping for MoE models: off, or ep=N (EP is refused)")
     plan_cli.add_arguments(
         sub.add_parser(
             "plan",
@@ -95,6 +105,10 @@ def main(argv: list[str] | None = None) -> int:
         mesh = ir.Mesh.parse(args.mesh)
         plan = args.plan or default_preset(mesh)
         moe = _moe_option(args.moe, args.model, mesh)
+        if args.command == "export-onnx":
+            from meshfold.tools.export_onnx import run_export
+
+            return run_export(args.model, args.mesh, plan, args.out, moe)
         index = write_dumps(args.model, mesh, plan, args.dump_dir, moe)
         console.print(f"pass dumps: {index.resolve()}")
         return run_demo(args.model, args.mesh, plan, args.steps, args.dump_dir, moe=moe, backend=args.backend)

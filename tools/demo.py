@@ -7,22 +7,17 @@ expert count (all ranks where they do), the rest replicating the experts.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import socket
 import sys
 import time
-import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from meshfold.tools.collectives import CollectiveCall, CollectiveRecorder, CollectiveRow, group_labels, summarize
+from meshfold.tools.ranks import Reporter, Stages, on_ranks
 
 DEFAULT_MESH = "dp=2,tp=2"
 
@@ -50,12 +45,6 @@ def default_moe(model_name: str, mesh: Any) -> dict[str, Any] | None:
     counts = [s.num_experts for s in sites] + [len(experts) for experts in expert_lists(model).values()]
     ep = auto_ep(mesh, counts) if counts else 1
     return {"ep": ep} if ep > 1 else None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _reference_losses(model_name: str, steps: int, lr: float) -> list[float]:
@@ -125,114 +114,58 @@ def collectives_table(rows: Sequence[CollectiveRow]) -> tuple[Any, int, int]:
     return table, total_in, total_out
 
 
-def _rank_main(rank: int, world: int, port: int, args: dict[str, Any], queue: Any) -> None:
-    # NOTE: rank 0 sends its stages to the parent's spinner; its compile logs instead of drawing a second one
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), MESHFOLD_PROGRESS="log")
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
+def _train(rank: int, args: dict[str, Any], report: Reporter) -> None:
+    """One rank of the demo (``tools.ranks.on_ranks``): compile, train, and on rank 0 report the run."""
+    from torch.distributed.device_mesh import init_device_mesh
 
-    def stage(text: str) -> None:
-        if rank == 0:
-            queue.put(("stage", text))
+    from meshfold.api import parallelize
+    from meshfold.passes.schedule.timeline import predicted
+    from meshfold.tools.zoo import build
 
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        from meshfold.api import parallelize
-        from meshfold.passes.schedule.timeline import predicted
-        from meshfold.tools.zoo import build
-
-        names, sizes = args["names"], args["sizes"]
-        mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
-        model, inputs = build(args["model"])
-        stage(f"compiling {args['model']} with plan {args['plan']}")
-        dump = Path(args["dump_dir"])
-        if rank == 0:
-            dump.mkdir(parents=True, exist_ok=True)
-        pm = parallelize(
-            model,
-            mesh,
-            inputs,
-            plan=args["plan"],
-            moe=args["moe"],
-            backend=args["backend"],
-            trace=dump / "step-predicted.json",
-        )
-        opt = torch.optim.AdamW(pm.parameters(), lr=args["lr"])
-        losses: list[float] = []
-        calls: list[CollectiveCall] = []
-        for i in range(args["steps"]):
-            stage(f"training step {i + 1}/{args['steps']}")
-            if i == 0:
-                loss, calls = measured_step(pm, inputs, opt)
-            elif i == 1 and rank == 0:
-                loss, waited = profiled_step(pm, inputs, opt, dump / "step-measured.json")
-            else:
-                opt.zero_grad()
-                out = pm(*inputs)
-                out.backward()
-                opt.step()
-                loss = out.item()
-            losses.append(loss)
-        if rank == 0:
-            graph = pm.graph()
-            Path(args["dump_dir"]).mkdir(parents=True, exist_ok=True)
-            (Path(args["dump_dir"]) / "parallel.txt").write_text(str(graph))
-            layouts = [(i.name, str(i.value.layout)) for i in graph.inputs if i.kind == "param"]
-            labels = group_labels(mesh, {c.group for c in calls})
-            comms = summarize(calls, labels)
-            tl = predicted(graph)
-            timeline = {"predicted": (tl.step, tl.exposed_total), "measured": waited if args["steps"] > 1 else None}
-            result = {"losses": losses, "layouts": layouts, "comms": comms, "solve": pm.plan_report()}
-            result["timeline"] = timeline
-            queue.put(("result", result))
-    finally:
-        dist.destroy_process_group()
-
-
-class _Stages:
-    """Shows the stage the demo is in: a spinner on a terminal, else one plain line per stage."""
-
-    def __init__(self, console: Any) -> None:
-        self._console = console
-        self._live: Any = None
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self) -> _Stages:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._stack.close()
-
-    def __call__(self, text: str) -> None:
-        if not self._console.is_terminal:
-            print(f"meshfold demo: {text} ...", flush=True)
-        elif self._live is None:
-            self._live = self._stack.enter_context(self._console.status(text))
-        else:
-            self._live.update(text)
-
-
-def _train_on_ranks(world: int, args: dict[str, Any], stages: _Stages) -> dict[str, Any]:
-    """Spawn ``world`` ranks running ``_rank_main``, relay rank 0's stages, return rank 0's result."""
-    queue = mp.get_context("spawn").SimpleQueue()
-    stages(f"spawning {world} CPU ranks")
-    procs = mp.start_processes(
-        _rank_main, args=(world, _free_port(), args, queue), nprocs=world, join=False, start_method="spawn"
+    names, sizes = args["names"], args["sizes"]
+    mesh = init_device_mesh("cpu", sizes, mesh_dim_names=names)
+    model, inputs = build(args["model"])
+    report.stage(f"compiling {args['model']} with plan {args['plan']}")
+    dump = Path(args["dump_dir"])
+    if rank == 0:
+        dump.mkdir(parents=True, exist_ok=True)
+    pm = parallelize(
+        model,
+        mesh,
+        inputs,
+        plan=args["plan"],
+        moe=args["moe"],
+        backend=args["backend"],
+        trace=dump / "step-predicted.json",
     )
-    result: dict[str, Any] | None = None
-    done = False
-    while not done:
-        done = procs.join(timeout=0.2)
-        while not queue.empty():
-            kind, payload = queue.get()
-            if kind == "stage":
-                stages(payload)
-            else:
-                result = payload
-    assert result is not None, "rank 0 ended without a result"
-    return result
+    opt = torch.optim.AdamW(pm.parameters(), lr=args["lr"])
+    losses: list[float] = []
+    calls: list[CollectiveCall] = []
+    for i in range(args["steps"]):
+        report.stage(f"training step {i + 1}/{args['steps']}")
+        if i == 0:
+            loss, calls = measured_step(pm, inputs, opt)
+        elif i == 1 and rank == 0:
+            loss, waited = profiled_step(pm, inputs, opt, dump / "step-measured.json")
+        else:
+            opt.zero_grad()
+            out = pm(*inputs)
+            out.backward()
+            opt.step()
+            loss = out.item()
+        losses.append(loss)
+    if rank == 0:
+        graph = pm.graph()
+        Path(args["dump_dir"]).mkdir(parents=True, exist_ok=True)
+        (Path(args["dump_dir"]) / "parallel.txt").write_text(str(graph))
+        layouts = [(i.name, str(i.value.layout)) for i in graph.inputs if i.kind == "param"]
+        labels = group_labels(mesh, {c.group for c in calls})
+        comms = summarize(calls, labels)
+        tl = predicted(graph)
+        timeline = {"predicted": (tl.step, tl.exposed_total), "measured": waited if args["steps"] > 1 else None}
+        result = {"losses": losses, "layouts": layouts, "comms": comms, "solve": pm.plan_report()}
+        result["timeline"] = timeline
+        report.result(result)
 
 
 def run_demo(
@@ -276,8 +209,8 @@ def run_demo(
     )
     if moe is not None:
         console.print(mapping_line(Plan.of(plan), mesh, MoeSpec.of(moe)))
-    with _Stages(console) as stages:
-        result = _train_on_ranks(mesh.world_size, args, stages)
+    with Stages(console, "meshfold demo") as stages:
+        result = on_ranks(_train, mesh.world_size, args, stages)[0]
         stages(f"training the single-device model for {steps} steps")
         reference = _reference_losses(model_name, steps, lr)
 

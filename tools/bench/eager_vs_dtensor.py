@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshfold.tools.demo import _free_port
+from meshfold.tools.ranks import free_port
 from meshfold.tools.zoo.base import _shifted_ce, _small_init
 from meshfold.tools.zoo.models import LlamaAttention, LlamaMLP, RMSNorm, Rotary, _apply_rope
 
@@ -319,7 +319,7 @@ def spawn_ranks(rank_main: Callable[..., None], world: int, cfg: Config, opts: d
     return what rank 0 put on ``queue`` (keep it small: the ranks are joined before it is read)."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    rank_args = (world, _free_port(), dataclasses.asdict(cfg), opts, queue)
+    rank_args = (world, free_port(), dataclasses.asdict(cfg), opts, queue)
     mp.start_processes(rank_main, args=rank_args, nprocs=world, join=True, start_method="spawn")
     return queue.get()
 

@@ -1,0 +1,74 @@
+"""A rank's lowered program made plain for a backend that traces it again (Inductor, the ONNX exporter).
+
+``backends/eager.py`` builds each module from ATen ops, ``torch.ops._c10d_functional`` collectives
+and a few Python helpers; a tracer takes the ops and the helpers made of them (``PURE``), follows
+each ``Watch`` to the function it wraps, and cannot take a helper that calls process groups, files
+or meshfold's generator itself. :func:`plain` makes the copy a tracer gets and refuses, before
+anything runs, a program holding such a helper, naming the op it lowers.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Mapping
+
+import torch
+import torch.fx as fx
+
+from meshfold.backends.eager import OP_META
+from meshfold.backends.moe import EXCHANGE_OPS, flat_exchange_args
+from meshfold.backends.watch import Watch
+from meshfold.passes.base import PassError
+
+PURE = ("meshfold.backends.comm", "meshfold.backends.local")
+"""Modules whose helpers a lowered program calls that are ATen ops and functional collectives only:
+a tracer follows them like the ops around them."""
+REFUSED = {
+    "meshfold.backends.offload": "copies activations to and from host files",
+    "meshfold.backends.random": "draws from meshfold's own generator, which traced random ops do not take",
+}
+"""Modules whose helpers no tracer can take, and why (anything else outside ``PURE``: it calls
+process groups directly)."""
+
+
+def plain(
+    module: fx.GraphModule,
+    cannot: str,
+    advice: str,
+    *,
+    exchange_op: bool = True,
+    refused: Mapping[str, str] | None = None,
+) -> fx.GraphModule:
+    """``module`` with every ``Watch`` unwrapped and, with ``exchange_op``, each MoE token exchange as
+    its custom op (``backends.moe.EXCHANGE_OPS``). Raises ``PassError`` naming the op, its module
+    path and source line where a call is none of these: a helper of a module in ``REFUSED`` or
+    ``refused`` (which gives the backend's own reasons), or one outside ``PURE``; the message is
+    ``cannot`` (who cannot take what: "backend='inductor' cannot compile"), the op, why, ``advice``."""
+    why = {**REFUSED, **(refused or {})}
+    graph = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for node in module.graph.nodes:
+        copy = graph.node_copy(node, lambda n: env[n])
+        if isinstance(copy.target, Watch):
+            copy.target = copy.target.fn
+        if exchange_op and copy.target in EXCHANGE_OPS:
+            copy.args = flat_exchange_args(copy.args)
+            copy.target = EXCHANGE_OPS[copy.target]  # type: ignore[index]
+        if copy.op == "call_function":
+            _check(copy, why, cannot, advice)
+        env[node] = copy
+    return fx.GraphModule(module, graph)
+
+
+def _check(node: fx.Node, refused: Mapping[str, str], cannot: str, advice: str) -> None:
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket) or target is operator.getitem:
+        return
+    where = getattr(target, "__module__", "") or ""
+    if where in PURE:
+        return
+    name = getattr(target, "__name__", type(target).__name__)
+    why = refused.get(where, "calls process groups directly, which a tracer cannot follow")
+    op = node.meta.get(OP_META)
+    at = op.describe() if op is not None else node.name
+    raise PassError(f"{cannot} {at}: its lowering ({where}.{name}) {why}. {advice}")
