@@ -43,16 +43,13 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from meshfold.backends.eager import Lowered
-from meshfold.backends.traceable import plain
+from meshfold.backends.traceable import EXCHANGE, plain
 
 DOMAIN = "meshfold"
 VERSION = 1
 
 _CANNOT = "export_onnx cannot export"
 _ADVICE = "Export a plan without it (its programs run only with backend='eager')"
-_REFUSED = {
-    "meshfold.backends.moe": "exchanges tokens between expert ranks in amounts known only while it runs",
-}
 
 
 def _ranks(group_name: str) -> list[int]:
@@ -141,7 +138,7 @@ class _Forward(nn.Module):
 
     def __init__(self, low: Lowered, state: Mapping[str, torch.Tensor]) -> None:
         super().__init__()
-        self.program = plain(low.forward, _CANNOT, _ADVICE, exchange_op=False, refused=_REFUSED)
+        self.program = plain(low.forward, _CANNOT, _ADVICE, exchange_op=False, refused=EXCHANGE)
         self.feeds: list[str | None] = []
         for name in low.fwd_inputs:
             if name in state:

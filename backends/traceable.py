@@ -30,6 +30,9 @@ REFUSED = {
 """Modules whose helpers no tracer can take, and why (anything else outside ``PURE``: it calls
 process groups directly)."""
 
+EXCHANGE = {"meshfold.backends.moe": "exchanges tokens between expert ranks in amounts known only while it runs"}
+"""The reason a backend that takes no opaque op (``exchange_op=False``) gives for the MoE token exchange."""
+
 
 def plain(
     module: fx.GraphModule,

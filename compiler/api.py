@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshfold import ir
 from meshfold.backends.eager import Lowered, RankContext, lower
+from meshfold.backends.select import select
 from meshfold.backends.weights import lower_split
 from meshfold.groups import MeshGroups, as_timeout
 from meshfold.passes import PassError
@@ -175,7 +176,8 @@ def _pipelined(
     rng = torch.Generator()  # NOTE: random ops draw alike on every rank, as in ``_compile``
     rng.set_state(rng_state)
     held = {
-        s: (graphs[s], _stage_program(graphs[s], spec, rank, rng, options)) for s in spec.held(full.get_local_rank(PP))
+        s: (graphs[s], _stage_program(graphs[s], spec, rank, rng, options, full.device_type))
+        for s in spec.held(full.get_local_rank(PP))
     }
     names = [i.name for i in graph.inputs if i.kind == "input"]
     lines = (*report, pipeline_line(planned))
@@ -255,29 +257,27 @@ def _program(
     # NOTE: only rank 0 shows progress (it alone compiled); every rank lowers its own program
     status = progress() if dist.get_rank() == 0 else quiet
     with status(f"lowering each rank's program ({options.backend})"):
-        lowered = _backend(lower(graph, rank, rng=rng), rank, options)
+        lowered = _backend(graph, lower(graph, rank, rng=rng), rank, options, groups.mesh.device_type)
         checked = (lower(graph, rank, record=True, rng=rng), rank) if options.verify else None
     return Program(sig, graph, lowered, checked)
 
 
-def _backend(lowered: Lowered, rank: RankContext, options: CompileOptions) -> Lowered:
-    """``lowered`` as ``options.backend`` runs it: the eager modules, or Inductor's compile of them."""
-    if options.backend == "inductor":
-        from meshfold.backends.inductor import compiled  # NOTE: loads Inductor only when asked for
-
-        return compiled(lowered, f"rank {dist.get_rank()} {rank.coordinate} of {rank.mesh}")
-    return lowered
+def _backend(graph: ir.Graph, lowered: Lowered, rank: RankContext, options: CompileOptions, device: str) -> Lowered:
+    """``lowered`` (from ``graph``) as ``options.backend`` runs it (``backends.select``)."""
+    return select(
+        options.backend, graph, lowered, rank, device, f"rank {dist.get_rank()} {rank.coordinate} of {rank.mesh}"
+    )
 
 
 def _stage_program(
-    graph: ir.Graph, spec: PipelineSpec, rank: RankContext, rng: torch.Generator, options: CompileOptions
+    graph: ir.Graph, spec: PipelineSpec, rank: RankContext, rng: torch.Generator, options: CompileOptions, device: str
 ) -> Lowered:
     """A stage's program for this rank; under ``zero-bubble`` its backward in two (its input's
     gradient, which the stage before waits for, then its weights')."""
     if spec.schedule != "zero-bubble":
-        return _backend(lower(graph, rank, rng=rng), rank, options)
+        return _backend(graph, lower(graph, rank, rng=rng), rank, options, device)
     received = [i.name for i in graph.inputs if i.kind == "input" and any(o.name == i.name for o in graph.outputs)]
-    return _backend(lower_split(graph, rank, received[0] if received else "", rng), rank, options)
+    return _backend(graph, lower_split(graph, rank, received[0] if received else "", rng), rank, options, device)
 
 
 def _skeleton(model: nn.Module) -> nn.Module:

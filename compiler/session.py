@@ -46,7 +46,7 @@ MemoryPolicy = Callable[[Saved], str]
 """``parallelize(memory=fn)``: ``fn`` answers ``"save"``, ``"recompute"`` or ``"offload"`` for each
 activation the forward hands to the backward (JAX's checkpoint policies are the model)."""
 
-Backend = Literal["eager", "inductor"]
+Backend = Literal["eager", "inductor", "ascend"]
 PlanSpec = str | Plan | Mapping[str, Any]
 """A preset (``"fsdp+tp"``), a ``Plan``, or ``{fqn_glob: {axis: "S(d)"|"R"|"P"}}`` with an optional
 ``"preset"`` key."""

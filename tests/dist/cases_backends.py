@@ -87,3 +87,30 @@ def overlap_windows() -> dict[str, list[list[int]]]:
         "eager": [_eager_windows(low.forward.module), _eager_windows(low.backward.module)],
         "inductor": [_compiled_windows(c) for c in codes],
     }
+
+
+def one_rank_on(device: str, backend: str, process_group: str, port: int) -> float:
+    """In this process, as a world of one rank on ``device`` (``"cuda"``, ``"npu"``; the group's
+    backend ``process_group``): train llama-tiny one step under ``backend`` beside the single-device
+    model on CPU; return the largest gradient difference (the loss must agree first)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if not dist.is_initialized():
+        dist.init_process_group(process_group, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    mesh = init_device_mesh(device, (1,), mesh_dim_names=("dp",))
+    net, inputs = build("llama-tiny")
+    ref, _ = build("llama-tiny")
+    on_device = tuple(x.to(device) for x in inputs)
+    pm = parallelize(net.to(device), mesh, on_device, backend=backend)
+    loss = pm(*on_device)
+    loss.backward()
+    ref_loss = ref(*inputs)
+    ref_loss.backward()
+    torch.testing.assert_close(loss.detach().cpu(), ref_loss.detach(), rtol=1e-4, atol=1e-4)
+    want = dict(ref.named_parameters())
+    worst = 0.0
+    for name, p in pm.named_parameters():
+        grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
+        worst = max(worst, float((grad.cpu() - want[name].grad).abs().max()))
+    return worst

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import torch
 
 from tests.dist.conftest import RankPools
 
@@ -76,3 +77,12 @@ def test_inductor_compiles_a_pipelines_stage_programs(rank_pools: RankPools) -> 
     )
     assert all(r["losses"] == out[0]["losses"] for r in out)
     assert all(r["runs"] == ["Compiled"] for r in out), [r["runs"] for r in out]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_triton_on_cuda_trains_as_one_device() -> None:
+    """On CUDA the same backend generates Triton kernels (one rank, NCCL)."""
+    from tests.dist.cases_backends import one_rank_on
+
+    assert one_rank_on("cuda", "inductor", "nccl", 29534) <= 1e-3
