@@ -19,9 +19,11 @@ compiling them again.
 
 What the compiled modules do not keep: a failing collective is reported for the whole program
 (``CollectiveError`` naming the program and rank), not for the one collective, since the wait
-inside compiled code cannot name itself. Programs with ops Inductor cannot compile (random ops
-drawing from meshfold's generator, activations offloaded to host files, ring attention and the other
-lowerings that call process groups directly) are refused when lowered, naming the op and pointing at
+inside compiled code cannot name itself. Random ops (dropout) run as the ordered custom op
+``meshfold::random_call``: Inductor calls each draw from meshfold's generator as it is, in the eager
+program's order, so the masks stay the single-device model's. Programs with ops Inductor cannot
+compile (activations offloaded to host files, ring attention and the other lowerings that call
+process groups directly) are refused when lowered, naming the op and pointing at
 ``backend="eager"``. A pipeline's stage programs compile alike (``meshfold.pipelined``).
 """
 
@@ -95,7 +97,9 @@ def compiled(low: Lowered, rank: str) -> Lowered:
     Raises ``PassError`` now, before anything runs, where a module calls what Inductor cannot compile."""
 
     def one(module: fx.GraphModule | None, what: str) -> Any:
-        return None if module is None else Compiled(plain(module, _CANNOT, _ADVICE), f"{rank}'s {what} program")
+        if module is None:
+            return None
+        return Compiled(plain(module, _CANNOT, _ADVICE, random_op=True), f"{rank}'s {what} program")
 
     return replace(
         low,

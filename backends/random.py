@@ -153,3 +153,65 @@ def random_site(op: Op, generator: torch.Generator, mesh: Mesh, coord: Sequence[
     shape = tuple(int(d) for d in result.type.shape)
     bounds = tuple((int(lo), int(size)) for lo, size in layout.shard_bounds(shape, mesh, coord))
     return RandomSite(name, generator, shape, bounds)
+
+
+def _meta(site: RandomSite, args: tuple[Any, ...], kw: dict[str, Any]) -> list[tuple[torch.dtype, torch.device]]:
+    """The dtype and device of each result of ``site`` called on ``args``/``kw`` (every result has
+    this rank's shape of the op's value)."""
+    like = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    device = torch.device(kw.get("device") or (like.device if like is not None else "cpu"))
+    if site.name == "native_dropout":
+        assert like is not None
+        return [(like.dtype, device), (torch.bool, device)]
+    if site.name == "bernoulli.p":
+        assert like is not None
+        return [(like.dtype, device)]
+    return [(_dtype(kw, like), device)]
+
+
+_CALLS: dict[int, tuple[RandomSite, tuple[Any, ...], dict[str, Any]]] = {}
+"""The random calls of compiled programs, by the key their ``meshfold::random_call`` node holds: the
+site and its arguments, ``None`` where a tensor operand goes. Programs live as long as the process
+(a module keeps its programs), so entries are never dropped."""
+
+
+def _bound(key: int, tensors: list[torch.Tensor]) -> tuple[RandomSite, tuple[Any, ...], dict[str, Any]]:
+    site, template, kw = _CALLS[key]
+    given = iter(tensors)
+    return site, tuple(next(given) if a is None else a for a in template), kw
+
+
+@torch.library.custom_op("meshfold::random_call", mutates_args=())
+def random_call(key: int, tensors: list[torch.Tensor], what: str) -> list[torch.Tensor]:
+    """One random op of a compiled program, drawn by its ``RandomSite`` from meshfold's generator as
+    the eager program draws it (a compiler calls it as it is and keeps the calls in program order).
+    ``what`` spells the site and its arguments: unused here, it makes two different draws two
+    different graphs to a compiler's cache, whatever their keys."""
+    site, args, kw = _bound(key, tensors)
+    out = site(*args, **kw)
+    return list(out) if isinstance(out, tuple) else [out]
+
+
+@random_call.register_fake
+def _(key: int, tensors: list[torch.Tensor], what: str) -> list[torch.Tensor]:
+    site, args, kw = _bound(key, tensors)
+    shape = tuple(size for _, size in site.bounds)
+    return [torch.empty(shape, dtype=dtype, device=device) for dtype, device in _meta(site, args, kw)]
+
+
+# NOTE: ordered, so a compiler neither reorders two draws nor drops one whose result goes unused:
+# each advances the generator, and the next draws must see it advanced as the eager program does
+torch._higher_order_ops.effects._register_effectful_op(
+    torch.ops.meshfold.random_call.default, torch._higher_order_ops.effects._EffectType.ORDERED
+)
+
+
+def as_random_call(site: RandomSite, args: tuple[Any, ...], kw: dict[str, Any]) -> tuple[tuple[Any, ...], bool]:
+    """Register ``site`` called on ``args``/``kw`` (fx nodes among them) for ``random_call``: the
+    call's arguments (key, tensor operands, description) and whether the site returns a tuple
+    (dropout's output and mask)."""
+    key = len(_CALLS)
+    template = tuple(None if isinstance(a, torch.fx.Node) else a for a in args)
+    _CALLS[key] = (site, template, kw)
+    what = f"{site.name} of {site.global_shape} at {site.bounds} on {template} {sorted(kw.items())}"
+    return (key, [a for a in args if isinstance(a, torch.fx.Node)], what), site.name == "native_dropout"

@@ -17,6 +17,7 @@ import torch.fx as fx
 
 from meshfold.backends.eager import OP_META
 from meshfold.backends.moe import EXCHANGE_OPS, flat_exchange_args
+from meshfold.backends.random import RandomSite, as_random_call
 from meshfold.backends.watch import Watch
 from meshfold.passes.base import PassError
 
@@ -40,13 +41,16 @@ def plain(
     advice: str,
     *,
     exchange_op: bool = True,
+    random_op: bool = False,
     refused: Mapping[str, str] | None = None,
 ) -> fx.GraphModule:
     """``module`` with every ``Watch`` unwrapped and, with ``exchange_op``, each MoE token exchange as
-    its custom op (``backends.moe.EXCHANGE_OPS``). Raises ``PassError`` naming the op, its module
-    path and source line where a call is none of these: a helper of a module in ``REFUSED`` or
-    ``refused`` (which gives the backend's own reasons), or one outside ``PURE``; the message is
-    ``cannot`` (who cannot take what: "backend='inductor' cannot compile"), the op, why, ``advice``."""
+    its custom op (``backends.moe.EXCHANGE_OPS``); with ``random_op``, each random op as the custom
+    op ``meshfold::random_call`` (``backends.random``), which draws as the eager program does.
+    Raises ``PassError`` naming the op, its module path and source line where a call is none of
+    these: a helper of a module in ``REFUSED`` or ``refused`` (which gives the backend's own
+    reasons), or one outside ``PURE``; the message is ``cannot`` (who cannot take what:
+    "backend='inductor' cannot compile"), the op, why, ``advice``."""
     why = {**REFUSED, **(refused or {})}
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -57,10 +61,28 @@ def plain(
         if exchange_op and copy.target in EXCHANGE_OPS:
             copy.args = flat_exchange_args(copy.args)
             copy.target = EXCHANGE_OPS[copy.target]  # type: ignore[index]
+        if random_op and isinstance(copy.target, RandomSite):
+            copy = _random_call(graph, copy)
         if copy.op == "call_function":
             _check(copy, why, cannot, advice)
         env[node] = copy
     return fx.GraphModule(module, graph)
+
+
+def _random_call(graph: fx.Graph, node: fx.Node) -> fx.Node:
+    """``node`` (a ``RandomSite`` call) as a ``meshfold::random_call`` node, its result as before."""
+    assert isinstance(node.target, RandomSite)
+    args, returns_tuple = as_random_call(node.target, node.args, dict(node.kwargs))
+    with graph.inserting_after(node):
+        call = graph.call_function(torch.ops.meshfold.random_call.default, args)
+        call.meta = dict(node.meta)
+    if returns_tuple:
+        result = call
+    else:
+        with graph.inserting_after(call):
+            result = graph.call_function(operator.getitem, (call, 0))
+    graph.erase_node(node)
+    return result
 
 
 def _check(node: fx.Node, refused: Mapping[str, str], cannot: str, advice: str) -> None:

@@ -41,6 +41,13 @@ def _zoo_names() -> list[str]:
     return zoo_names()
 
 
+def _model_arguments(p: argparse.ArgumentParser) -> None:
+    """What a command that runs a zoo model on local CPU ranks takes: the model, the mesh, the plan."""
+    p.add_argument("--model", default="llama-tiny", help="a zoo model (`pass-debug --help` lists them)")
+    p.add_argument("--mesh", default="dp=2,tp=2", help="named mesh, e.g. dp=2,tp=2 (its size = number of ranks)")
+    p.add_argument("--plan", default=None, help="preset such as fsdp+tp; None: the one the mesh's axis names imply")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``meshfold`` console script."""
     ap = argparse.ArgumentParser(prog="meshfold", description="Compile single-device PyTorch models for meshes.")
@@ -51,9 +58,7 @@ def main(argv: list[str] | None = None) -> int:
         help="train a built-in model on local CPU ranks beside the single-device model",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    d.add_argument("--model", default="llama-tiny", help="a zoo model (`pass-debug --help` lists them)")
-    d.add_argument("--mesh", default="dp=2,tp=2", help="named mesh, e.g. dp=2,tp=2 (its size = number of ranks)")
-    d.add_argument("--plan", default=None, help="preset such as fsdp+tp; None: the one the mesh's axis names imply")
+    _model_arguments(d)
     d.add_argument("--steps", type=int, default=20, help="training steps")
     d.add_argument("--dump-dir", type=Path, default=Path("dumps"), help="where the pass dumps go")
     d.add_argument(
@@ -72,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         help="write each rank's forward program of a built-in model as ONNX, checked against the program",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    e.add_argument("--model", default="llama-tiny", help="a zoo model (`pass-debug --help` lists them)")
-    e.add_argument("--mesh", default="dp=2,tp=2", help="named mesh, e.g. dp=2,tp=2 (its size = number of ranks)")
-    e.add_argument("--plan", default=None, help="preset such as fsdp+tp; None: the one the mesh's axis names imply")
+    _model_arguments(e)
     e.add_argument("--out", type=Path, default=Path("onnx"), help="where rank{R}.onnx go")
     e.add_argument("--moe", default="off", help="expert mapping for MoE models: off, or ep=N (EP is refused)")
     plan_cli.add_arguments(

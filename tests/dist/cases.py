@@ -10,11 +10,11 @@ from typing import Any
 import torch
 
 from meshfold.api import parallelize
+from meshfold.ir import ParamStack
 from meshfold.moe import MoeSpec, experts_as_ops
 from meshfold.moe_lists import as_stacked
 from meshfold.passes.memory.policies import Saved
 from meshfold.tools.zoo import build
-from meshfold.ir import ParamStack
 from tests.dist.pool import device_mesh
 
 RTOL, ATOL = 1e-5, 1e-6

@@ -10,8 +10,6 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 from meshfold.api import parallelize
 from meshfold.backends import ascend
 from meshfold.backends.eager import lower

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
+from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
 from meshfold.moe import MoeSpec, experts_as_ops
 from meshfold.tools.zoo import build
-from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
 from tests.dist.cases import equivalence
 
 

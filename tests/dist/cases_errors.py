@@ -10,8 +10,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshfold.api import parallelize
-from meshfold.tools.zoo import build
 from meshfold.passes import PassError
+from meshfold.tools.zoo import build
 from tests.dist.pool import device_mesh
 
 

@@ -12,8 +12,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from meshfold.backends import p2p
-from meshfold.backends.ring_reach import reach
 from meshfold.backends.ring import ring_attention, ring_forward, sequence_shard, sequence_unshard
+from meshfold.backends.ring_reach import reach
 from meshfold.backends.tokenring import tokenring_backward, tokenring_forward
 
 
@@ -167,7 +167,10 @@ def compiled_attention(
             splits.append({a: kinds.get(getattr(q.layout.placement(a), "dim", -1), "whole") for a in graph.mesh.names})
     out["attention"] = splits
     out["ring_steps"] = {
-        phase: (sum(op.target in (RING_STEP, RING_STEP_BACKWARD) for op in ops), sum(op.target == PPERMUTE for op in ops))
+        phase: (
+            sum(op.target in (RING_STEP, RING_STEP_BACKWARD) for op in ops),
+            sum(op.target == PPERMUTE for op in ops),
+        )
         for phase in ("fwd", "bwd")
         for ops in [[op for op in graph.ops if op.prov.phase == phase]]
     }
@@ -182,7 +185,10 @@ def compiled_attention(
         if op.name.startswith("meshfold.affine_scan")
     ]
     out["convolutions"] = [
-        (op.prov.phase, {a: str(op.operands[int(op.prov.phase == "bwd")].layout.placement(a)) for a in graph.mesh.names})
+        (
+            op.prov.phase,
+            {a: str(op.operands[int(op.prov.phase == "bwd")].layout.placement(a)) for a in graph.mesh.names},
+        )
         for op in graph.ops
         if op.name.startswith("meshfold.causal_conv1d")
     ]

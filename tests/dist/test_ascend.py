@@ -47,9 +47,8 @@ def test_expert_exchange_is_refused_naming_the_op(rank_pools: RankPools) -> None
 def _npu() -> bool:
     if importlib.util.find_spec("torch_npu") is None or importlib.util.find_spec("torchair") is None:
         return False
-    import torch_npu  # noqa: F401
-
     import torch
+    import torch_npu  # noqa: F401
 
     return bool(torch.npu.is_available())  # type: ignore[attr-defined]
 

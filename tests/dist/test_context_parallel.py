@@ -41,7 +41,9 @@ def test_context_parallel_equals_single_device(
 # kernel causal (no mask) and, in float32, differs from one device by rounding only, so it runs in
 # float64; ulysses on hf-llama splits the 4 heads over 4 ranks instead, and auto prices ring attention
 # cheaper (no all-to-all); hf-mixtral's experts fold over the ranks the ring runs on (ep=4 over cp, and
-# over fsdp x cp); plan="auto" on one sequence of 2048 chooses the sequence split and ring attention itself; on 8 ranks ring attention over cp=4 beside tp=2; TokenRing with a mask and with the kernel's causal flag;
+# over fsdp x cp); plan="auto" on one sequence of 2048 chooses the sequence split and ring attention
+# itself; on 8 ranks ring attention over cp=4 beside tp=2; TokenRing with a mask and with the kernel's
+# causal flag;
 # hf-llama-padded: a padding mask beside the causal one (a sequence padded on the left: its first rows
 # see no key at all; one on the right), ring attention and TokenRing, float64; hf-llama-eager: HF's eager
 # attention (softmax(QKᵀ)V written out), fused at capture and split by sequence like the others;

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from meshfold import ir
-from tests.dist.conftest import RankPools
 from meshfold.tools.demo import auto_ep
+from tests.dist.conftest import RankPools
 
 Case = tuple[str, tuple[int, ...], tuple[str, ...], str, dict[str, Any], tuple[str, ...]]
 

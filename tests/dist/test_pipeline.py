@@ -16,8 +16,8 @@ PP4 = {"schedule": "1f1b", "microbatches": 4}
 # NOTE: (model, mesh shape, axis names, plan, pp options, layers); 5 layers split unevenly over 2
 # stages; HF Llama with its output layer tied to the token embedding, which both stages then hold;
 # HF Mixtral's experts split over each stage's ranks (EP 2); the solve choosing the layouts on dp;
-# (and the time model choosing the schedule); every block recomputed; the pp axis second; a label of every sequence ignored (equal counts per
-# microbatch: the mean of the microbatches' mean losses is the batch's)
+# (and the time model choosing the schedule); every block recomputed; the pp axis second; a label of
+# every sequence ignored (equal counts per microbatch: the mean of the microbatches' mean losses is the batch's)
 CASES: list[Case] = [
     ("llama", (2, 2), ("pp", "dp"), "pp+fsdp", {"schedule": "1f1b", "microbatches": 4}, 5),
     ("llama", (2, 2), ("pp", "tp"), "pp+tp", {"schedule": "1f1b", "microbatches": 4}, 4),
