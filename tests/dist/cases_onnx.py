@@ -8,17 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from meshfold.api import parallelize
 from meshfold.passes import PassError
 from meshfold.tools.zoo import build
 from tests.dist.pool import device_mesh
-
-
-def _local(pm: Any, out: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return (out.to_local() if isinstance(out, DTensor) else out).detach()
 
 
 def exported_forward(model: str, plan: str, shape: tuple[int, ...], names: tuple[str, ...]) -> dict[str, Any]:
@@ -38,7 +33,8 @@ def exported_forward(model: str, plan: str, shape: tuple[int, ...], names: tuple
     mesh = device_mesh(shape, names)
     pm = parallelize(net, mesh, inputs, plan=plan)
     with torch.no_grad():
-        compiled = _local(pm, pm(*inputs))
+        out = pm(*inputs)
+        compiled = (out.to_local() if isinstance(out, DTensor) else out).detach()
     with tempfile.TemporaryDirectory() as tmp:
         path = pm.export_onnx(tmp)
         proto = onnx.load(str(path))
