@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch._ops import OpOverload
@@ -35,9 +35,12 @@ VolumeFn = Callable[[float, int], float]
 """Given the bytes one operand holds on one rank and the axis size ``n``, bytes that rank sends."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)
 class OpDef:
     """One of meshfold's own ops: ``namespace.name`` with named attributes and a contract.
+
+    Declared once per name, so equal only to itself (a program compares and hashes op targets
+    millions of times); copies and pickles resolve to the declared op.
 
     ``keeps_value``: the op changes only how or where ranks hold a value, never the global value
     (every ``comm.*`` and ``mem.*`` op but ``comm.ppermute``, which moves pieces of a split dim
@@ -58,6 +61,9 @@ class OpDef:
     @property
     def qualname(self) -> str:
         return f"{self.namespace}.{self.name}"
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return _declared, (self.qualname,)
 
     def moves(self, attrs: Attrs, operand: int = 0) -> tuple[Placement, Placement]:
         """(operand placement, result placement) of operand ``operand`` (its result is the one at
@@ -98,6 +104,10 @@ class OpDef:
 Target = OpOverload | OpDef
 
 _OWN: dict[str, OpDef] = {}
+
+
+def _declared(qualname: str) -> OpDef:
+    return _OWN[qualname]
 
 
 def _declare(

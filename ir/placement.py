@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any, Literal
 
 from meshfold.ir.mesh import Mesh
@@ -112,22 +113,8 @@ class Layout:
         when a split is uneven (the sharding passes only choose dividing shards; JAX's
         ``shard_shape`` refuses them too); symbolic sizes give symbolic bounds.
         """
-        # NOTE: a symbolic size stays symbolic; it splits only where every value of it divides (``divides``).
-        bounds: list[list[Any]] = [[0, d] for d in global_shape]
-        at = tuple(0 for _ in mesh.names) if coord is None else tuple(coord)
-        for axis, p in zip(self.axes, self.placements, strict=True):
-            if not isinstance(p, Shard):
-                continue
-            n = mesh.size(axis)
-            size = bounds[p.dim][1]
-            if not divides(size, n) and size != 0:
-                raise ValueError(
-                    f"dim {p.dim} (size {size}) of shape {tuple(global_shape)} does not divide over mesh axis "
-                    f"{axis!r} ({n} ranks) in layout {self}"
-                )
-            bounds[p.dim][1] = size // n
-            bounds[p.dim][0] += at[mesh.index(axis)] * (size // n)
-        return tuple((lo, size) for lo, size in bounds)
+        shape = tuple(global_shape)
+        return _bounds(self, shape, mesh, tuple(0 for _ in mesh.names) if coord is None else tuple(coord))
 
     def local_shape(
         self, global_shape: Sequence[Dim], mesh: Mesh, coord: Sequence[int] | None = None
@@ -141,3 +128,24 @@ class Layout:
             f"{a}: {p}" for a, p in zip(self.axes, self.placements, strict=True) if not isinstance(p, Replicate)
         )
         return "{" + inner + "}"
+
+
+@lru_cache(maxsize=65536)
+def _bounds(layout: Layout, shape: tuple[Dim, ...], mesh: Mesh, at: tuple[int, ...]) -> tuple[tuple[Any, Any], ...]:
+    """``Layout.shard_bounds``, kept per layout, shape, mesh and coordinate: every layer of a stack
+    asks for the same few (a 70B model's pipeline asks about fifty thousand times)."""
+    # NOTE: a symbolic size stays symbolic; it splits only where every value of it divides (``divides``).
+    bounds: list[list[Any]] = [[0, d] for d in shape]
+    for axis, p in zip(layout.axes, layout.placements, strict=True):
+        if not isinstance(p, Shard):
+            continue
+        n = mesh.size(axis)
+        size = bounds[p.dim][1]
+        if not divides(size, n) and size != 0:
+            raise ValueError(
+                f"dim {p.dim} (size {size}) of shape {shape} does not divide over mesh axis "
+                f"{axis!r} ({n} ranks) in layout {layout}"
+            )
+        bounds[p.dim][1] = size // n
+        bounds[p.dim][0] += at[mesh.index(axis)] * (size // n)
+    return tuple((lo, size) for lo, size in bounds)

@@ -17,7 +17,7 @@ across them.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 from meshfold.ir import Graph, Value
 
@@ -89,7 +89,7 @@ def _hoisted(graph: Graph, rep: list[int], block: list[int], prefix: str) -> set
 
 
 def _mirror(
-    graph: Graph, keys: list[int], rep: str, block: list[int], blocks: dict[str, list[int]]
+    graph: Graph, keys: Sequence[int], rep: str, block: list[int], blocks: dict[str, list[int]]
 ) -> dict[int, int] | None:
     """``block``'s ops → the ``rep`` ops they repeat, one for one and in order; None if they do not."""
     shared = _hoisted(graph, blocks[rep], block, rep)
@@ -99,9 +99,10 @@ def _mirror(
     return dict(zip(block, repeated, strict=True))
 
 
-def mirrors(graph: Graph) -> tuple[dict[str, str], dict[int, int]]:
-    """``mirrored_blocks`` and ``mirrored_ops`` at once."""
-    keys = op_kinds(graph)
+def mirrors(graph: Graph, keys: Sequence[int] | None = None) -> tuple[dict[str, str], dict[int, int]]:
+    """``mirrored_blocks`` and ``mirrored_ops`` at once; ``keys``: ``op_kinds(graph)`` where the
+    caller has it."""
+    keys = op_kinds(graph) if keys is None else keys
     blocks = block_ops(graph)
     kinds: dict[str, list[str]] = defaultdict(list)
     out: dict[str, str] = {}

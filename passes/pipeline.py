@@ -100,7 +100,7 @@ class PassPipeline:
         self.check(initial)
         timings: list[PassTiming] = []
         n = len(self.passes)
-        with long_lived_heap():
+        with long_lived_heap() as settle:
             for i, p in enumerate(self.passes):
                 start = time.perf_counter()
                 try:
@@ -109,24 +109,27 @@ class PassPipeline:
                 except Exception as e:
                     raise PassFailure(i, pass_spelling(p), e) from e
                 timings.append(PassTiming(p.name, time.perf_counter() - start))
+                settle()
                 if callback is not None:
                     callback(i, p, graph)
         return graph, timings
 
 
 @contextlib.contextmanager
-def long_lived_heap() -> Iterator[None]:
+def long_lived_heap() -> Iterator[Callable[[], None]]:
     """Within: the objects alive on entry (torch, the model, the input graph) are left out of the
     cyclic collector's scans, which otherwise walk them again and again while a pass builds a
     graph of a hundred thousand small objects (at 80 layers a third of the pipeline's time went
     there). Objects made inside are collected as usual; the rest return to the collector on exit.
-    A no-op inside another one, or where the program froze or switched off the collector itself."""
+    Yields ``settle``: leaves what is alive now out of the scans too (the graph a pass returned,
+    which every later pass reads). A no-op inside another one, or where the program froze or
+    switched off the collector itself."""
     if gc.get_freeze_count() or not gc.isenabled():
-        yield
+        yield lambda: None
         return
     gc.freeze()
     try:
-        yield
+        yield gc.freeze
     finally:
         gc.unfreeze()
 

@@ -20,16 +20,17 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from meshfold.ir import Graph, Mesh, Op, OpDef, TensorType, Value
+from meshfold.ir import Graph, Layout, Mesh, Op, OpDef, TensorType, Value
 from meshfold.ir.asynchrony import ASYNC_COLLECTIVES, starts
 from meshfold.ir.graph import local_nbytes
 from meshfold.ir.ops import ALL_GATHER, ALL_GATHER_BUCKET, ALL_REDUCE, ALL_TO_ALL, OFFLOAD, PPERMUTE, RELOAD, WAIT
-from meshfold.ir.symbolic import size_hint
+from meshfold.ir.symbolic import Dim, size_hint
 from meshfold.passes.cost.axis import AxisModel, axis_models
 from meshfold.passes.cost.hardware import LOCAL, Cluster
 from meshfold.passes.sharding.opwork import op_bytes, op_flops
@@ -52,6 +53,8 @@ class Costs:
     _seconds: dict[Op, float] = field(default_factory=dict, init=False, repr=False, compare=False)
     """Each op's priced kernel time (ops hash by identity; a scheduler asks many times)."""
     _divided: dict[Value, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _work: dict[Hashable, tuple[float, float]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """FLOPs and bytes by ``Op.key`` (the ops of every layer of a stack are priced once)."""
 
     def compute(self, op: Op) -> float:
         """An op's kernel time on one rank: its work divided as much as its layouts divide it (a
@@ -63,7 +66,11 @@ class Costs:
         t = self._seconds.get(op)
         if t is None:
             ways = max((self._ways(v) for v in (*op.operands, *op.results)), default=1.0)
-            t = self._seconds[op] = self.models[0].compute(op_flops(op) / ways, op_bytes(op) / ways)
+            key = op.key()
+            work = self._work.get(key)
+            if work is None:
+                work = self._work[key] = (op_flops(op), op_bytes(op))
+            t = self._seconds[op] = self.models[0].compute(work[0] / ways, work[1] / ways)
         return t
 
     def _ways(self, v: Value) -> float:
@@ -111,8 +118,14 @@ def _ways(v: Value, mesh: Mesh | None) -> float:
     t = v.type
     if mesh is None or not isinstance(t, TensorType):
         return 1.0
-    whole = math.prod(size_hint(d) for d in t.shape)
-    local = math.prod(size_hint(d) for d in v.layout.local_shape(t.shape, mesh))
+    return _divides(t.shape, v.layout, mesh)
+
+
+@lru_cache(maxsize=16384)
+def _divides(shape: tuple[Dim, ...], layout: Layout, mesh: Mesh) -> float:
+    """How many ways ``layout`` divides a value of ``shape`` (every layer's values ask the same)."""
+    whole = math.prod(size_hint(d) for d in shape)
+    local = math.prod(size_hint(d) for d in layout.local_shape(shape, mesh))
     return whole / local if local else 1.0
 
 

@@ -60,6 +60,9 @@ class Problem:
     reads its queries, keys, values (and output gradient) split: by sequence, batch or heads (an
     all-to-all from the sequence split: Ulysses), never whole; and the token ids and labels
     (integers) may be read whole by an op that cannot read them split (the labels' shift by one)."""
+    mirrored: tuple[dict[str, str], dict[int, int]] | None = None
+    """``passes.blocks.mirrors`` of the graph where the caller has it (the same for every problem
+    made of one graph: a preset's, ``auto``'s); None: found when the solve needs it."""
     cp_method: str = "auto"
     """How attention reads the sequence split on those axes (``passes.cp.CpSpec.method``): by heads
     or batch (``ulysses``), by sequence as ring attention (``ring``), or as priced (``auto``)."""

@@ -142,7 +142,11 @@ class AxisProgram(MoveColumns):
                 built.setdefault(w, built[v])
         spills = self._memory(x) if self.budget is not None else []
         res = self._run(self._start_values(start, x) if start is not None else None)
-        picks = [ss[max(range(len(xs)), key=lambda i: (res[xs[i]], -i))] for ss, xs in zip(self.per_op, x, strict=True)]
+        chosen: dict[int, int] = {}  # NOTE: by column list: ops of a repeated block share theirs
+        for xs in x:
+            if id(xs) not in chosen:
+                chosen[id(xs)] = max(range(len(xs)), key=lambda i: (res[xs[i]], -i))
+        picks = [ss[chosen[id(xs)]] for ss, xs in zip(self.per_op, x, strict=True)]
         inputs = {v: max(opts, key=lambda p: (res[opts[p]], -list(opts).index(p))) for v, opts in self.choice.items()}
         compute = sum(self._work(works[i], _splits(s)) for i, s in enumerate(picks))
         a = self.answer

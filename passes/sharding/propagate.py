@@ -34,7 +34,7 @@ from meshfold.ir.graph import Arg
 from meshfold.ir.ops import REDISTRIBUTE
 from meshfold.passes import cp
 from meshfold.passes.base import JOINT, Pass, PassContext, PassError
-from meshfold.passes.blocks import op_kinds
+from meshfold.passes.blocks import mirrors, op_kinds
 from meshfold.passes.cost.axis import AxisModel, axis_models
 from meshfold.passes.moe.spec import plan_with_experts
 from meshfold.passes.sharding.batch import attention_split, batch_splits
@@ -138,6 +138,7 @@ def _solved(
     known: dict[int, list[Strategy]] = {}
     candidates = []
     keys = op_kinds(graph)
+    mirrored = mirrors(graph, keys) if opts.share_blocks else None
     for op, key in zip(graph.ops, keys, strict=True):  # NOTE: a mirrored layer's op has the same strategies
         if key not in known:
             known[key] = prop.candidates(op)
@@ -179,6 +180,7 @@ def _solved(
         sequence_axes=frozenset(sequence_axes(seeds.roles)),
         cp_method=cp.method_of(ctx),
         keys=keys,
+        mirrored=mirrored,
     )
     presets = mesh_presets(mesh) if auto and not prop.pinned else []  # NOTE: presets lay out no expert weights
     preset = preset_plan(graph, mesh, problem, presets[0]) if presets else None

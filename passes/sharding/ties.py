@@ -22,7 +22,7 @@ class Ties:
         if not problem.share_blocks:
             return Ties({}, {})
         graph = problem.graph
-        blocks, mirrored = mirrors(graph)
+        blocks, mirrored = problem.mirrored if problem.mirrored is not None else mirrors(graph)
         ops = {i: r for i, r in mirrored.items() if problem.candidates[i] == problem.candidates[r]}
         by_name = {i.name: i.value for i in graph.inputs}
         inputs = {
