@@ -2,6 +2,7 @@
 
     python -m meshfold.tools.bench.solve_scale            # every case, each in a fresh process
     python -m meshfold.tools.bench.solve_scale --case llama-32
+    python -m meshfold.tools.bench.solve_scale --case llama-32 --case llama70b-80 --pairs 3
 
 Cases: HF Llama at Llama3-8B dimensions with 2, 8 and 32 layers and at Llama3-70B dimensions
 with 80 layers (seq 2048, global batch 16), and DeepSeek-V3-shaped MoE at 8 layers (3 dense,
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
 import time
@@ -152,29 +154,49 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--case", choices=sorted(CASES), action="append", help="run only these cases")
     ap.add_argument("--json", action="store_true", help="print one case's figures as JSON (used by the runner)")
+    ap.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="run the 32- and 80-layer cases this many times in turn and print each pair's ratio and their median",
+    )
     args = ap.parse_args(argv)
     if args.json:
         for name in args.case or []:
             print(json.dumps(run_case(name)))
         return 0
-    figures = {}
-    for name in args.case or list(CASES):
-        proc = subprocess.run(
-            [sys.executable, "-m", "meshfold.tools.bench.solve_scale", "--json", "--case", name],
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        if proc.returncode:
-            print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
-            return 1
-        figures[name] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(_row(figures[name], os.getloadavg()[0]), flush=True)
-    if "llama-32" in figures and "llama70b-80" in figures:
-        a, b = figures["llama-32"], figures["llama70b-80"]
-        ratio = (b["capture_s"] + b["pipeline_s"]) / (a["capture_s"] + a["pipeline_s"])
-        print(f"80 layers (70B dims) / 32 layers (8B dims), capture + pipeline: {ratio:.2f}x")
+    cases = args.case or list(CASES)
+    ratios: list[float] = []
+    for k in range(max(args.pairs, 1)):
+        figures = {}
+        for name in cases if k == 0 else [c for c in cases if c in ("llama-32", "llama70b-80")]:
+            got = _case(name)
+            if got is None:
+                return 1
+            figures[name] = got
+            print(_row(got, os.getloadavg()[0]), flush=True)
+        if "llama-32" in figures and "llama70b-80" in figures:
+            a, b = figures["llama-32"], figures["llama70b-80"]
+            ratios.append((b["capture_s"] + b["pipeline_s"]) / (a["capture_s"] + a["pipeline_s"]))
+            print(f"80 layers (70B dims) / 32 layers (8B dims), capture + pipeline: {ratios[-1]:.2f}x", flush=True)
+    if len(ratios) > 1:
+        each = ", ".join(f"{r:.2f}" for r in ratios)
+        print(f"median of {len(ratios)} pairs: {statistics.median(ratios):.2f}x ({each})")
     return 0
+
+
+def _case(name: str) -> dict[str, Any] | None:
+    """One case's figures, from a fresh process (None, with its error printed, if it failed)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshfold.tools.bench.solve_scale", "--json", "--case", name],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if proc.returncode:
+        print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
+        return None
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
 if __name__ == "__main__":
