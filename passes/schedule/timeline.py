@@ -53,6 +53,8 @@ class Costs:
     _seconds: dict[Op, float] = field(default_factory=dict, init=False, repr=False, compare=False)
     """Each op's priced kernel time (ops hash by identity; a scheduler asks many times)."""
     _divided: dict[Value, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _wire: dict[Op, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Each collective's priced wire time (the scheduler and each replay ask again)."""
     _work: dict[Hashable, tuple[float, float]] = field(default_factory=dict, init=False, repr=False, compare=False)
     """FLOPs and bytes by ``Op.key`` (the ops of every layer of a stack are priced once)."""
 
@@ -102,13 +104,15 @@ class Costs:
             return self.copy(op) if self.copy_engine else 0.0
         if op.target not in ASYNC_COLLECTIVES or self.graph.mesh is None:
             return 0.0
-        model = self.models[self.graph.mesh.index(str(op.kwarg("axis")))]
-        if model.size <= 1:
-            return 0.0
-        kind = _KIND.get(op.target, "reduce_scatter")  # type: ignore[call-overload]
-        # NOTE: the collective model takes the whole buffer: a gather's result, a reduction's input
-        held = op.results if kind == "all_gather" else op.operands
-        return model.collective(kind, sum(local_nbytes(v, self.graph.mesh) for v in held))
+        t = self._wire.get(op)
+        if t is None:
+            model = self.models[self.graph.mesh.index(str(op.kwarg("axis")))]
+            kind = _KIND.get(op.target, "reduce_scatter")  # type: ignore[call-overload]
+            # NOTE: the collective model takes the whole buffer: a gather's result, a reduction's input
+            held = op.results if kind == "all_gather" else op.operands
+            size = sum(local_nbytes(v, self.graph.mesh) for v in held)
+            t = self._wire[op] = 0.0 if model.size <= 1 else model.collective(kind, size)
+        return t
 
     def moves_data(self, op: Op) -> bool:
         return self.comm(op) > 0.0
