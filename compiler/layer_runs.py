@@ -31,7 +31,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 MIN_RUN = 3
 """The shortest run folded: its first and last layers are captured, the one between them stamped."""
@@ -87,9 +86,8 @@ class _Recorder(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         here, prev, prefix = self.stack[-1] if self.stack else (None, None, "")
-        leaves, _ = tree_flatten((args, kwargs))
-        tokens = tuple(self._token(x, here, prev, prefix) for x in leaves)
-        results, _ = tree_flatten(out)
+        tokens = tuple(self._token(x, here, prev, prefix) for x in _leaves((args, kwargs)))
+        results = list(_leaves(out))
         shapes = tuple((tuple(map(_plain, r.shape)), r.dtype) for r in results if isinstance(r, torch.Tensor))
         if here is None:
             index = self.root_ops
@@ -125,6 +123,19 @@ class _Recorder(TorchDispatchMode):
         if id(x) in self.inputs:
             return ("input", self.inputs[id(x)])
         return ("tensor", id(x))
+
+
+def _leaves(x: Any) -> Iterator[Any]:
+    """The leaves of an ATen op's arguments or results (tuples, lists and dicts of them), in
+    ``tree_flatten``'s order; a plain walk, as every op of the recorded forward is flattened."""
+    if isinstance(x, (tuple, list)):
+        for y in x:
+            yield from _leaves(y)
+    elif isinstance(x, dict):
+        for y in x.values():
+            yield from _leaves(y)
+    else:
+        yield x
 
 
 def _plain(x: Any) -> Hashable:
