@@ -128,3 +128,16 @@ def test_purity() -> None:
     assert not ir.is_pure(aten.add_.Tensor)
     assert not ir.is_pure(aten.native_dropout.default)
     assert not ir.is_pure(ir.ops.OFFLOAD)
+
+
+def test_own_ops_are_one_object_each_through_copies_and_pickles() -> None:
+    """meshfold's ops compare by identity (``OpDef`` is declared once per name): a graph copied or
+    pickled must still hold the declared op, or ``op.target == WAIT`` would be false."""
+    import copy
+    import pickle
+
+    from meshfold.ir.ops import ALL_GATHER, WAIT
+
+    assert copy.deepcopy(WAIT) is WAIT and copy.copy(ALL_GATHER) is ALL_GATHER
+    assert pickle.loads(pickle.dumps(ALL_GATHER)) is ALL_GATHER
+    assert WAIT == WAIT and WAIT != ALL_GATHER and len({WAIT, copy.deepcopy(WAIT), ALL_GATHER}) == 2
