@@ -52,7 +52,6 @@ class Costs:
     models: Sequence[AxisModel]
     _seconds: dict[Op, float] = field(default_factory=dict, init=False, repr=False, compare=False)
     """Each op's priced kernel time (ops hash by identity; a scheduler asks many times)."""
-    _divided: dict[Value, float] = field(default_factory=dict, init=False, repr=False, compare=False)
     _wire: dict[Op, float] = field(default_factory=dict, init=False, repr=False, compare=False)
     """Each collective's priced wire time (the scheduler and each replay ask again)."""
     _work: dict[Hashable, tuple[float, float]] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -67,20 +66,13 @@ class Costs:
             return 0.0
         t = self._seconds.get(op)
         if t is None:
-            ways = max((self._ways(v) for v in (*op.operands, *op.results)), default=1.0)
+            ways = max((_ways(v, self.graph.mesh) for v in (*op.operands, *op.results)), default=1.0)
             key = op.key()
             work = self._work.get(key)
             if work is None:
                 work = self._work[key] = (op_flops(op), op_bytes(op))
             t = self._seconds[op] = self.models[0].compute(work[0] / ways, work[1] / ways)
         return t
-
-    def _ways(self, v: Value) -> float:
-        """How many ways ``v``'s layout divides it (a value is read by several ops: asked once)."""
-        w = self._divided.get(v)
-        if w is None:
-            w = self._divided[v] = _ways(v, self.graph.mesh)
-        return w
 
     @property
     def copy_engine(self) -> bool:
