@@ -30,7 +30,8 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
+from torch.utils._pytree import tree_map_only
 
 MIN_RUN = 3
 """The shortest run folded: its first and last layers are captured, the one between them stamped."""
@@ -71,6 +72,20 @@ class _Recorder(TorchDispatchMode):
         self.calls: dict[int, list[int]] = {}
         self.leaked: set[Layer] = set()
         self.root_ops = 0
+        self.alias: dict[int, torch.Tensor] = {}  # a layer's meta copy of a value -> the value
+
+    def copy(self, x: Any, make: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+        """``x`` (a layer's arguments or results) with each tensor replaced by ``make``'s copy of it,
+        which reads as the tensor it copies in every later record."""
+
+        def one(t: torch.Tensor) -> torch.Tensor:
+            with _disable_current_modes():
+                c = make(t)
+            self.alias[id(c)] = self.alias.get(id(t), t)
+            self.alive.append(c)
+            return c
+
+        return tree_map_only(torch.Tensor, one, x)
 
     def enter(self, layer: Layer, prefix: str) -> None:
         called = self.calls.setdefault(layer[0], [])
@@ -87,7 +102,7 @@ class _Recorder(TorchDispatchMode):
         out = func(*args, **kwargs)
         here, prev, prefix = self.stack[-1] if self.stack else (None, None, "")
         tokens = tuple(self._token(x, here, prev, prefix) for x in _leaves((args, kwargs)))
-        results = list(_leaves(out))
+        results = _leaves(out)
         shapes = tuple((tuple(map(_plain, r.shape)), r.dtype) for r in results if isinstance(r, torch.Tensor))
         if here is None:
             index = self.root_ops
@@ -104,6 +119,7 @@ class _Recorder(TorchDispatchMode):
     def _token(self, x: Any, here: Layer | None, prev: Layer | None, prefix: str) -> Hashable:
         if not isinstance(x, torch.Tensor):
             return _plain(x)
+        x = self.alias.get(id(x), x)
         made = self.made.get(id(x))
         if made is not None:
             where, index, k = made
@@ -125,17 +141,16 @@ class _Recorder(TorchDispatchMode):
         return ("tensor", id(x))
 
 
-def _leaves(x: Any) -> Iterator[Any]:
+def _leaves(x: Any, into: list[Any] | None = None) -> list[Any]:
     """The leaves of an ATen op's arguments or results (tuples, lists and dicts of them), in
     ``tree_flatten``'s order; a plain walk, as every op of the recorded forward is flattened."""
-    if isinstance(x, (tuple, list)):
-        for y in x:
-            yield from _leaves(y)
-    elif isinstance(x, dict):
-        for y in x.values():
-            yield from _leaves(y)
-    else:
-        yield x
+    out: list[Any] = [] if into is None else into
+    for y in x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else (x,):
+        if isinstance(y, (tuple, list, dict)):
+            _leaves(y, out)
+        else:
+            out.append(y)
+    return out
 
 
 def _plain(x: Any) -> Hashable:
@@ -161,23 +176,34 @@ def _lists(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _record(model: nn.Module, inputs: Sequence[Any], lists: list[tuple[str, nn.Module]]) -> _Recorder:
-    """Run ``model(*inputs)`` once (on the fake tensors it holds) and record every listed layer."""
+def _record(
+    model: nn.Module, inputs: Sequence[Any], lists: list[tuple[str, nn.Module]], meta: _Meta | None = None
+) -> _Recorder:
+    """Run ``model(*inputs)`` once (on the fake tensors it holds) and record every listed layer; with
+    ``meta``, each layer runs on meta copies of what it is given and hands fakes back."""
     names = {id(t): n for n, t in [*model.named_parameters(), *model.named_buffers()]}
     rec = _Recorder(names, inputs)
     handles = []
 
-    def hooks(layer: Layer, prefix: str) -> tuple[Callable[..., None], Callable[..., None]]:
-        return (lambda *_: rec.enter(layer, prefix)), (lambda *_: rec.leave())
+    def hooks(layer: Layer, prefix: str) -> tuple[Callable[..., Any], Callable[..., Any], Callable[..., None]]:
+        def enter(_m: nn.Module, args: Any, kwargs: Any) -> Any:
+            rec.enter(layer, prefix)
+            return None if meta is None else rec.copy((args, kwargs), meta.to_meta)
+
+        def back(_m: nn.Module, _args: Any, out: Any) -> Any:
+            return None if meta is None else rec.copy(out, meta.to_fake)
+
+        return enter, back, (lambda *_: rec.leave())
 
     try:
         for n, (path, mod) in enumerate(lists):
             for key, child in mod._modules.items():
                 if child is None:
                     continue
-                pre, post = hooks((n, int(key)), f"{path}.{key}" if path else key)
-                handles.append(child.register_forward_pre_hook(pre))
-                handles.append(child.register_forward_hook(post, always_call=True))
+                enter, back, leave = hooks((n, int(key)), f"{path}.{key}" if path else key)
+                handles.append(child.register_forward_pre_hook(enter, with_kwargs=True))
+                handles.append(child.register_forward_hook(back))
+                handles.append(child.register_forward_hook(leave, always_call=True))
         # NOTE: without autograd (no graph is built); whole and reduced models are recorded alike
         with rec, torch.no_grad():
             model(*inputs)
@@ -203,19 +229,47 @@ def _runs(rec: _Recorder, lists: list[tuple[str, nn.Module]]) -> list[Run]:
     return runs
 
 
+@dataclass(frozen=True)
+class _Meta:
+    """Layers recorded on meta tensors: their own parameters are meta, what they are given is copied
+    to meta on the way in and what they return to fakes of ``mode`` on ``device`` on the way out.
+    Meta kernels cost a fraction of fake dispatch, and the layers are nearly all of a deep model's
+    forward; the code around the lists (masks that read data) runs on fakes as before."""
+
+    mode: FakeTensorMode
+    device: torch.device
+
+    def to_meta(self, t: torch.Tensor) -> torch.Tensor:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+    def to_fake(self, t: torch.Tensor) -> torch.Tensor:
+        if t.device.type != "meta":
+            return t
+        with self.mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
+
+
 @contextlib.contextmanager
-def _apart(model: nn.Module, inputs: Sequence[Any]) -> Iterator[list[Any]]:
+def _apart(
+    model: nn.Module, inputs: Sequence[Any], on_meta: Sequence[nn.Module] = ()
+) -> Iterator[tuple[list[Any], _Meta | None]]:
     """The model's tensors and ``inputs`` as fakes of a fake mode of their own, for the duration:
     whatever the recorded forward does to its shape environment (a data-dependent size adds a
-    symbol) stays out of the capture's."""
+    symbol) stays out of the capture's. The tensors of ``on_meta`` (and their submodules) are meta
+    instead, and the ``_Meta`` that records them so is yielded (None where the fakes lie on more
+    than one device, or none are asked for)."""
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
+    meta_ids = {id(m) for layer in on_meta for m in layer.modules()}
 
-    def fresh(t: torch.Tensor) -> torch.Tensor:
+    def fresh(t: torch.Tensor, meta: bool) -> torch.Tensor:
+        if meta:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
         with mode:
             return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
 
     made: dict[int, torch.Tensor] = {}
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
+    devices = {x.device for x in inputs if isinstance(x, torch.Tensor)}
     try:
         for mod in model.modules(remove_duplicate=False):
             for store, is_param in ((mod._parameters, True), (mod._buffers, False)):
@@ -223,10 +277,13 @@ def _apart(model: nn.Module, inputs: Sequence[Any]) -> Iterator[list[Any]]:
                     if t is None:
                         continue
                     if id(t) not in made:
-                        made[id(t)] = nn.Parameter(fresh(t), t.requires_grad) if is_param else fresh(t)
+                        devices.add(t.device)
+                        new = fresh(t, id(mod) in meta_ids)
+                        made[id(t)] = nn.Parameter(new, t.requires_grad) if is_param else new
                     store[key] = made[id(t)]
                     swapped.append((store, key, t))
-        yield [fresh(x) if isinstance(x, torch.Tensor) else x for x in inputs]
+        meta = _Meta(mode, devices.pop()) if on_meta and len(devices) == 1 else None
+        yield [fresh(x, False) if isinstance(x, torch.Tensor) else x for x in inputs], meta
     finally:
         for store, key, t in reversed(swapped):
             store[key] = t
@@ -236,14 +293,31 @@ def find_runs(model: nn.Module, inputs: Sequence[Any]) -> list[Run]:
     """The runs to fold in ``model(*inputs)`` (on fake tensors): for each list called once per layer
     in order, maximal stretches of ``MIN_RUN`` or more layers with equal records, whose left-out
     layers no code outside them reads and which draw no random numbers; none unless the model with
-    them left out runs its kept layers exactly as the whole model did."""
+    them left out runs its kept layers exactly as the whole model did.
+
+    The layers are recorded on meta tensors (``_Meta``); where their code cannot run on those (it
+    reads data, or mixes in a tensor of its own), on fakes."""
     lists = _lists(model)
     if not lists:
         return []
-    with _apart(model, inputs) as apart:
+    layers = [child for _, mod in lists for child in mod.children()]
+    try:
+        return _found(model, inputs, lists, layers)
+    except Exception:
+        return _found(model, inputs, lists, [])
+
+
+def _found(
+    model: nn.Module, inputs: Sequence[Any], lists: list[tuple[str, nn.Module]], on_meta: Sequence[nn.Module]
+) -> list[Run]:
+    with _apart(model, inputs, on_meta) as (apart, meta):
+        if on_meta and meta is None:
+            raise ValueError("the model's tensors lie on more than one device")
         try:
-            whole = _record(model, apart, lists)
+            whole = _record(model, apart, lists, meta)
         except Exception:
+            if meta is not None:
+                raise
             # NOTE: a forward fake tensors cannot run as they are (it reads data): nothing is folded,
             # and the capture proper reports what is wrong with it
             return []
@@ -251,7 +325,7 @@ def find_runs(model: nn.Module, inputs: Sequence[Any]) -> list[Run]:
         if not runs:
             return []
         with reduced(model, runs):
-            part = _record(model, apart, lists)
+            part = _record(model, apart, lists, meta)
             kept = {n: [int(k) for k in mod._modules] for n, (_, mod) in enumerate(lists)}
     if any(part.calls.get(n, []) != keys for n, keys in kept.items()):
         return []

@@ -97,6 +97,8 @@ class _Block(nn.Module):
         y = self.drop(torch.relu(self.fc(x))) * scale
         if self.how == "parity" and self.idx % 2:
             y = y * 2
+        if self.how == "own":  # NOTE: a tensor made in the forward, on the CPU
+            y = y + torch.ones(16)
         return x + y
 
 
@@ -145,6 +147,43 @@ def test_layers_that_differ_are_traced(how: str, runs: list[tuple[int, int]]) ->
     inputs = (torch.randn(4, 16), torch.randn(4, 16))
     assert _runs(model, inputs) == [Run("blocks", a, b) for a, b in runs]
     _same_as_whole(model, inputs)
+
+
+def test_layers_meta_tensors_cannot_run_are_recorded_on_fakes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NOTE: the layers are recorded on meta tensors; a block adding a CPU tensor it makes in its
+    # forward cannot run on them, and the model is recorded on fakes instead, with the same runs
+    tried: list[bool] = []
+    real = layer_runs._found
+
+    def spy(model: nn.Module, inputs: Any, lists: Any, on_meta: Any) -> list[Run]:
+        tried.append(bool(on_meta))
+        return real(model, inputs, lists, on_meta)
+
+    monkeypatch.setattr(layer_runs, "_found", spy)
+    inputs = (torch.randn(4, 16), torch.randn(4, 16))
+    assert _runs(_Stack("plain"), inputs) == [Run("blocks", 1, 5)]
+    assert tried == [True]
+    tried.clear()
+    torch.manual_seed(0)
+    model = _Stack("own")
+    assert _runs(model, inputs) == [Run("blocks", 1, 5)]
+    assert tried == [True, False]
+    _same_as_whole(model, inputs)
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize(("kind", "layers"), [("llama", 6), ("deepseek-v3", 6)])
+def test_meta_and_fake_records_find_the_same_runs(kind: str, layers: int) -> None:
+    # NOTE: on meta, attention decomposes into other ops than on a CPU fake; each layer alike, so the
+    # runs are the same (and the reduced model's record is checked on meta too)
+    with torch.device("meta"):
+        model = _hf(kind, layers)
+    ids = torch.zeros(2, 32, dtype=torch.long)
+    with fake_copies(model, (ids, ids)) as (_, fake), experts_as_ops(model):
+        lists = layer_runs._lists(model)
+        layers_ = [child for _, mod in lists for child in mod.children()]
+        on_meta = layer_runs._found(model, fake, lists, layers_)
+        assert on_meta and on_meta == layer_runs._found(model, fake, lists, [])
 
 
 def test_a_run_that_depends_on_its_length_is_not_folded() -> None:
