@@ -10,7 +10,7 @@ then 256 routed experts, top 8), whose expert split ``auto`` chooses itself; all
 of h100:8x8.
 
 Per case: capture and whole-pipeline wall time (the default pipeline ``parallelize`` runs, the
-verifier included), each mesh axis's program (binaries, columns, rows), its
+verifier included) and each pass's share of it, each mesh axis's program (binaries, columns, rows), its
 gap and nodes, peak RSS, and the modelled step time of the ``auto`` plan against the preset the
 mesh names (``fsdp+tp``) priced by the same program (a parameter the preset stores sharded pays
 for its gathers). The load average is printed beside each row; the machine is shared.
@@ -127,6 +127,7 @@ def run_case(name: str) -> dict[str, Any]:
             }
             for s in stats["sharding.solve"]  # type: ignore[attr-defined]
         ],
+        "passes": {t.name: t.seconds for t in result.timings if t.seconds >= 0.005},
         "auto_ms": 1e3 * float(stats["sharding.step_time"]),  # type: ignore[arg-type]
         "preset": None if preset is None else [preset[0], 1e3 * preset[1]],  # type: ignore[index]
         "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -146,7 +147,8 @@ def _row(r: dict[str, Any], load: float) -> str:
     return (
         f"{r['case']:<14} {r['ops']:>6} ops  capture {r['capture_s']:5.1f} s  pipeline {r['pipeline_s']:5.1f} s  "
         f"total {r['capture_s'] + r['pipeline_s']:5.1f} s  RSS {r['peak_rss_gib']:.2f} GiB  load {load:.2f}\n"
-        f"{'':<14} {axes}{vs}"
+        f"{'':<14} {axes}{vs}\n"
+        f"{'':<14} passes: {', '.join(f'{k} {v:.2f} s' for k, v in r['passes'].items())}"
     )
 
 
