@@ -158,8 +158,9 @@ class Timeline:
         return sum(self.comm.values())
 
 
-def replay(graph: Graph, costs: Costs) -> Timeline:
-    """The timeline of ``graph`` run in its op order, forward then backward (see the module doc)."""
+def replay(graph: Graph, costs: Costs, events: bool = True) -> Timeline:
+    """The timeline of ``graph`` run in its op order, forward then backward (see the module doc);
+    ``events=False``: its totals alone (``Timeline.events`` left empty, as a pass's statistics need)."""
     tl = Timeline()
     waits = starts(graph)
     started = set(waits.values())
@@ -173,25 +174,27 @@ def replay(graph: Graph, costs: Costs) -> Timeline:
             wire = costs.comm(op)
             if op.target == WAIT:
                 start = waits[op]
-                now, exposed = _hold(tl, phase, op, done.pop(start), now, exposed)
+                now, exposed = _hold(tl if events else None, phase, op, done.pop(start), now, exposed)
                 continue
             if op.target == OFFLOAD and costs.copy_engine:  # NOTE: on the copy engine, never waited on
                 begin = max(now, free["copy"])
                 free["copy"] = begin + costs.copy(op)
-                tl.events.append(Event("copy", op.name, phase, begin, free["copy"] - begin))
+                if events:
+                    tl.events.append(Event("copy", op.name, phase, begin, free["copy"] - begin))
                 continue
             if wire > 0.0:
                 stream = costs.stream(op)
                 begin = max(now, free[stream])
                 free[stream] = end = begin + wire
                 busy += wire if stream == "comm" else 0.0
-                tl.events.append(Event(stream, op.name, phase, begin, wire))
+                if events:
+                    tl.events.append(Event(stream, op.name, phase, begin, wire))
                 done[op] = end
                 if op not in started:
-                    now, exposed = _hold(tl, phase, op, end, now, exposed)
+                    now, exposed = _hold(tl if events else None, phase, op, end, now, exposed)
                 continue
             t = costs.compute(op)
-            if t > 0.0:
+            if t > 0.0 and events:
                 tl.events.append(Event("compute", op.name, phase, now, t))
             now += t
         for end in done.values():  # NOTE: a collective never waited on still ends the phase
@@ -200,9 +203,10 @@ def replay(graph: Graph, costs: Costs) -> Timeline:
     return tl
 
 
-def _hold(tl: Timeline, phase: str, op: Op, until: float, now: float, exposed: float) -> tuple[float, float]:
+def _hold(tl: Timeline | None, phase: str, op: Op, until: float, now: float, exposed: float) -> tuple[float, float]:
     if until > now:
-        tl.events.append(Event("wait", f"wait {op.name}", phase, now, until - now))
+        if tl is not None:
+            tl.events.append(Event("wait", f"wait {op.name}", phase, now, until - now))
         return until, exposed + until - now
     return now, exposed
 

@@ -182,6 +182,9 @@ def test_chrome_trace_of_the_predicted_timeline() -> None:
     # NOTE: some collective runs while the compute stream is busy
     assert any(c["ts"] < k["ts"] + k["dur"] and k["ts"] < c["ts"] + c["dur"] for c in comm for k in compute)
     assert max(e["ts"] + e["dur"] for e in boxes) == pytest.approx(1e6 * tl.step, rel=1e-6)
+    # NOTE: the pass's statistics replay without events: the same totals
+    bare = replay(graph, Costs(graph, axis_models(graph.mesh, None)), events=False)  # type: ignore[arg-type]
+    assert not bare.events and (bare.end, bare.comm, bare.exposed) == (tl.end, tl.comm, tl.exposed)
 
 
 def test_tp_chunks_split_each_partial_gemm_and_its_all_reduce() -> None:
