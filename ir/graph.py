@@ -80,6 +80,8 @@ class Op:
     prov: Provenance = Provenance()
     operands: tuple[Value, ...] = field(init=False, repr=False)
     """Every value used by this op, in argument order (duplicates kept)."""
+    _key: Hashable = field(init=False, repr=False, default=None)
+    """``key()``, once asked (every part of it is immutable)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "operands", tuple(_values_in((self.args, tuple(v for _, v in self.kwargs)))))
@@ -109,12 +111,15 @@ class Op:
         replaced by its type, and result types (``cat([%a, %b], -1)`` in one layer keys as
         ``cat([%c, %d], -1)`` in the next). Anything decided from an op's types alone (its type
         check, its sharding strategies, its work) is the same for ops of one key."""
-        return (
-            self.target,
-            _skeleton(self.args),
-            tuple((k, _skeleton(v)) for k, v in self.kwargs),
-            tuple(r.type for r in self.results),
-        )
+        if self._key is None:
+            key = (
+                self.target,
+                _skeleton(self.args),
+                tuple((k, _skeleton(v)) for k, v in self.kwargs),
+                tuple(r.type for r in self.results),
+            )
+            object.__setattr__(self, "_key", key)
+        return self._key
 
 
 def _values_in(arg: Arg) -> Iterator[Value]:
