@@ -240,13 +240,19 @@ class _Meta:
     device: torch.device
 
     def to_meta(self, t: torch.Tensor) -> torch.Tensor:
-        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        return _blank(t, None)
 
     def to_fake(self, t: torch.Tensor) -> torch.Tensor:
-        if t.device.type != "meta":
-            return t
-        with self.mode:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=self.device)
+        return _blank(t, self.mode, self.device) if t.device.type == "meta" else t
+
+
+def _blank(t: torch.Tensor, mode: FakeTensorMode | None, device: torch.device | None = None) -> torch.Tensor:
+    """A tensor of ``t``'s shape, strides and dtype: a fake of ``mode`` on ``device`` (``t``'s by
+    default), or with no mode a meta tensor."""
+    if mode is None:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    with mode:
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device or t.device)
 
 
 @contextlib.contextmanager
@@ -261,12 +267,6 @@ def _apart(
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True)
     meta_ids = {id(m) for layer in on_meta for m in layer.modules()}
 
-    def fresh(t: torch.Tensor, meta: bool) -> torch.Tensor:
-        if meta:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-        with mode:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
-
     made: dict[int, torch.Tensor] = {}
     swapped: list[tuple[dict[str, Any], str, torch.Tensor]] = []
     devices = {x.device for x in inputs if isinstance(x, torch.Tensor)}
@@ -278,12 +278,12 @@ def _apart(
                         continue
                     if id(t) not in made:
                         devices.add(t.device)
-                        new = fresh(t, id(mod) in meta_ids)
+                        new = _blank(t, None if id(mod) in meta_ids else mode)
                         made[id(t)] = nn.Parameter(new, t.requires_grad) if is_param else new
                     store[key] = made[id(t)]
                     swapped.append((store, key, t))
         meta = _Meta(mode, devices.pop()) if on_meta and len(devices) == 1 else None
-        yield [fresh(x, False) if isinstance(x, torch.Tensor) else x for x in inputs], meta
+        yield [_blank(x, mode) if isinstance(x, torch.Tensor) else x for x in inputs], meta
     finally:
         for store, key, t in reversed(swapped):
             store[key] = t
