@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import threading
 
@@ -80,6 +81,12 @@ def exit_on(rank: int, code: int) -> None:
     """``rank`` exits its process abruptly; the others return."""
     if dist.get_rank() == rank:
         os._exit(code)
+
+
+def crash_on(rank: int) -> None:
+    """``rank`` dies of a segmentation fault (as a crash in native code would); the others return."""
+    if dist.get_rank() == rank:
+        faulthandler._sigsegv()
 
 
 def unfinished_collective_then_raise(rank: int) -> None:

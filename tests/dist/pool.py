@@ -92,6 +92,22 @@ class _Rank:
         """Where the worker's faulthandler writes its stacks on SIGUSR1."""
         return self.tmpdir / f"rank{self.rank}.stacks"
 
+    def died(self) -> str:
+        """Why the worker's process ended: its exit code, and for a fatal signal (a crash in native
+        code, such as a segmentation fault) the Python stacks faulthandler wrote as it died."""
+        self.process.join(1.0)
+        code = self.process.exitcode
+        text = f"rank died (exit code {code})"
+        if code is None or code >= 0:
+            return text
+        with contextlib.suppress(ValueError):
+            text = f"rank died (exit code {code}, {signal.Signals(-code).name})"
+        try:
+            crash = (self.tmpdir / f"rank{self.rank}.crash").read_text(errors="replace").strip()
+        except FileNotFoundError:
+            return text
+        return f"{text}\n{crash}" if crash else text
+
     def new_output(self) -> str:
         """What the worker wrote to stdout/stderr since the last call."""
         try:
@@ -295,6 +311,10 @@ def _worker_main(rank: int, world: int, tmpdir: str, parent_pid: int, path: list
     if hasattr(signal, "SIGUSR1"):
         stacks = open(os.path.join(tmpdir, f"rank{rank}.stacks"), "a")  # noqa: SIM115 (lives as long as we do)
         faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
+    # NOTE: a crash in native code (a kernel, gloo) kills the rank without a traceback; the stacks of
+    # its threads as it died go to a file the parent puts in the failure (``_Rank.died``)
+    crash = open(os.path.join(tmpdir, f"rank{rank}.crash"), "w")  # noqa: SIM115 (lives as long as we do)
+    faulthandler.enable(file=crash, all_threads=True)
     threading.Thread(target=_exit_when_orphaned, args=(parent_pid, tmpdir), daemon=True).start()
     try:
         import torch
@@ -350,8 +370,7 @@ def _receive(r: _Rank, task_id: int) -> tuple[bool, Any, _Fingerprint, bool]:
     try:
         reply = r.conn.recv_bytes()
     except (EOFError, OSError):
-        r.process.join(1.0)
-        return False, f"rank died (exit code {r.process.exitcode})", None, True
+        return False, r.died(), None, True
     try:
         got_id, ok, payload, fingerprint = pickle.loads(reply)
     except Exception:

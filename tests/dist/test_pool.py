@@ -132,6 +132,19 @@ def test_dead_rank_respawns(rank_pools: RankPools) -> None:
     assert pool.spawns == spawns + 1
 
 
+def test_a_crashed_rank_is_reported_with_its_python_stack(rank_pools: RankPools) -> None:
+    """A rank killed by a fatal signal (here a segmentation fault) leaves no traceback; the failure
+    names the signal and holds the stacks faulthandler wrote as it died, and the pool respawns."""
+    pool = rank_pools.get(2)
+    spawns = pool.spawns
+    with pytest.raises(RankFailure, match=r"rank died \(exit code -11, SIGSEGV\)") as info:
+        pool.run(f"{CASES}:crash_on", rank=1)
+    assert list(info.value.failures) == [1]
+    assert "Segmentation fault" in info.value.failures[1] and "in crash_on" in info.value.failures[1]
+    assert pool.run(f"{CASES}:rank_and_world") == [(0, 2), (1, 2)]
+    assert pool.spawns == spawns + 1
+
+
 def test_diverged_process_group_state_respawns(rank_pools: RankPools) -> None:
     pool = rank_pools.get(2)
     spawns = pool.spawns

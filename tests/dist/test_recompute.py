@@ -3,6 +3,7 @@ single-device model, and the measured peak falls as the liveness estimate says."
 
 from __future__ import annotations
 
+import functools
 import warnings
 from typing import Any
 
@@ -147,17 +148,33 @@ BUDGETED = {"llama-tiny": (32, 64), "mixtral-tiny": (64, 64), "qwen2": (32, 64)}
 FRACTIONS = [(m, f) for m in sorted(BUDGETED) for f in (0.7, 0.5, 0.3)]
 
 
+def _budgeted(model: str) -> tuple[Any, tuple[Any, ...]]:
+    """``model`` (a zoo name or ``qwen2``) and its inputs at the ``BUDGETED`` tokens."""
+    tokens = BUDGETED[model]
+    return build_hf(model, 2, *tokens) if model == "qwen2" else (build(model)[0], token_inputs(tokens))
+
+
+@functools.cache
+def _keep_peak(model: str) -> int:
+    """The predicted peak per rank of ``model``'s keep-everything fsdp+tp program (one compile for
+    all of its budgets)."""
+    net, inputs = _budgeted(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return rank_memory(compile_model(net, inputs, CompileOptions.of(**FSDP_TP)).graph).peak
+
+
 @pytest.mark.parametrize(("model", "fraction"), FRACTIONS, ids=[f"{f}-{m}" for m, f in FRACTIONS])
 def test_budgets_equal_single_device(rank_pools: RankPools, model: str, fraction: float) -> None:
     """A budget at 70, 50 and 30% of the keep-everything program's predicted peak per rank: the
     memory pass meets it (recomputing or offloading, whichever its time model prices lower), and the
     program's loss and every gradient equal single device."""
     tokens = BUDGETED[model]
-    net, inputs = build_hf(model, 2, *tokens) if model == "qwen2" else (build(model)[0], token_inputs(tokens))
+    net, inputs = _budgeted(model)
+    keep = _keep_peak(model)
+    budget = int(fraction * keep)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        keep = rank_memory(compile_model(net, inputs, CompileOptions.of(**FSDP_TP)).graph).peak
-        budget = int(fraction * keep)
         result = compile_model(net, inputs, CompileOptions.of(**FSDP_TP, memory=budget))
     stats = result.stats["memory"]
     assert isinstance(stats, dict) and stats["recomputed"] + stats["offloaded"], stats
