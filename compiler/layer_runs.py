@@ -33,6 +33,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
+from meshfold.meta_results import MetaResults, leaves
+
 MIN_RUN = 3
 """The shortest run folded: its first and last layers are captured, the one between them stamped."""
 
@@ -73,6 +75,7 @@ class _Recorder(TorchDispatchMode):
         self.leaked: set[Layer] = set()
         self.root_ops = 0
         self.alias: dict[int, torch.Tensor] = {}  # a layer's meta copy of a value -> the value
+        self.meta = MetaResults()
 
     def copy(self, x: Any, make: Callable[[torch.Tensor], torch.Tensor]) -> Any:
         """``x`` (a layer's arguments or results) with each tensor replaced by ``make``'s copy of it,
@@ -99,10 +102,10 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = func(*args, **kwargs)
+        out = self.meta.call(func, args, kwargs)
         here, prev, prefix = self.stack[-1] if self.stack else (None, None, "")
-        tokens = tuple(self._token(x, here, prev, prefix) for x in _leaves((args, kwargs)))
-        results = _leaves(out)
+        tokens = tuple(self._token(x, here, prev, prefix) for x in leaves((args, kwargs)))
+        results = leaves(out)
         shapes = tuple((tuple(map(_plain, r.shape)), r.dtype) for r in results if isinstance(r, torch.Tensor))
         if here is None:
             index = self.root_ops
@@ -139,18 +142,6 @@ class _Recorder(TorchDispatchMode):
         if id(x) in self.inputs:
             return ("input", self.inputs[id(x)])
         return ("tensor", id(x))
-
-
-def _leaves(x: Any, into: list[Any] | None = None) -> list[Any]:
-    """The leaves of an ATen op's arguments or results (tuples, lists and dicts of them), in
-    ``tree_flatten``'s order; a plain walk, as every op of the recorded forward is flattened."""
-    out: list[Any] = [] if into is None else into
-    for y in x.values() if isinstance(x, dict) else x if isinstance(x, (tuple, list)) else (x,):
-        if isinstance(y, (tuple, list, dict)):
-            _leaves(y, out)
-        else:
-            out.append(y)
-    return out
 
 
 def _plain(x: Any) -> Hashable:
