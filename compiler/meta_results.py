@@ -60,11 +60,13 @@ class MetaResults:
         """What decides a pure op's results on meta tensors: the op, the names of its keyword
         arguments, each tensor's shape, strides, offset and dtype, each other argument with its type
         (``2`` and ``2.0`` promote differently). None for an op that writes or aliases its operands
-        (its results are not fresh tensors), or that reads a tensor off meta or a symbolic size."""
-        schema = func._schema
-        if schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
+        (its results are not fresh tensors), or that reads a tensor off meta or a symbolic size; None
+        too for what has no schema (a higher-order operator). The default dtype is part of the key
+        (a factory op given no dtype makes one of it)."""
+        schema = getattr(func, "_schema", None)
+        if schema is None or schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
             return None
-        key: list[Hashable] = [func, tuple(kwargs)]
+        key: list[Hashable] = [func, tuple(kwargs), torch.get_default_dtype()]
         for x in leaves((args, kwargs)):
             if isinstance(x, torch.Tensor):
                 if x.device.type != "meta" or x.layout != torch.strided:

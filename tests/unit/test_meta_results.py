@@ -85,3 +85,25 @@ def test_the_record_of_a_real_model_is_the_record_of_every_kernel(monkeypatch: p
     assert reused.records == every.records and reused.root_ops == every.root_ops
     lists = layer_runs._lists(model)
     assert layer_runs._runs(reused, lists) == layer_runs._runs(every, lists) != []
+
+
+def test_a_factory_op_given_no_dtype_follows_the_default_dtype() -> None:
+    results = MetaResults()
+    args, kwargs = ([2], 1.0), {"device": torch.device("meta")}
+    assert results.call(aten.full.default, args, kwargs).dtype == torch.float32
+    was = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        assert results.call(aten.full.default, args, kwargs).dtype == torch.float64
+    finally:
+        torch.set_default_dtype(was)
+    assert results.reused == 0
+
+
+def test_what_has_no_schema_runs_as_it_is() -> None:
+    # NOTE: a higher-order operator reaches a dispatch mode without an ATen schema
+    results = MetaResults()
+    calls = []
+    for _ in range(2):
+        results.call(lambda x: calls.append(x) or x, (_meta(2),), {})
+    assert len(calls) == 2 and not results.seen
