@@ -77,7 +77,7 @@ def test_compiled_graph_text_is_byte_identical_across_processes(rank_pools: Rank
 def test_a_killed_rank_surfaces_on_the_others_within_a_second(rank_pools: RankPools, tmp_path: Path) -> None:
     with pytest.raises(RankFailure) as info:
         rank_pools.get(4).run(f"{CASES}:killed_rank", where=str(tmp_path), victim=3)
-    assert "rank died (exit code -9)" in info.value.failures[3]
+    assert "rank died (exit code -9, SIGKILL)" in info.value.failures[3]
     for rank in (0, 1, 2):
         report = tmp_path / f"rank{rank}"
         assert report.exists(), f"rank {rank} did not raise: {info.value}"
