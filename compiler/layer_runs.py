@@ -33,7 +33,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
-from meshfold.meta_results import MetaResults, leaves
+from meshfold.meta_results import SYMBOLIC, MetaResults, leaves
 
 MIN_RUN = 3
 """The shortest run folded: its first and last layers are captured, the one between them stamped."""
@@ -146,7 +146,7 @@ class _Recorder(TorchDispatchMode):
 
 def _plain(x: Any) -> Hashable:
     """An argument as a key: a symbolic size by its expression (comparing those would add guards)."""
-    if isinstance(x, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+    if isinstance(x, SYMBOLIC):
         return ("sym", str(x.node.expr))
     return x if isinstance(x, Hashable) else repr(x)
 

@@ -17,7 +17,8 @@ import torch
 Spec = tuple[tuple[int, ...], tuple[int, ...], torch.dtype]
 """A meta tensor's shape, strides and dtype."""
 
-_SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+SYMBOLIC = (torch.SymInt, torch.SymFloat, torch.SymBool)
+"""The symbolic scalar types (a size or value the shape environment tracks)."""
 
 
 def leaves(x: Any, into: list[Any] | None = None) -> list[Any]:
@@ -72,10 +73,10 @@ class MetaResults:
                 if x.device.type != "meta" or x.layout != torch.strided:
                     return None
                 shape, stride = tuple(x.shape), x.stride()
-                if any(isinstance(d, _SYMBOLIC) for d in (*shape, *stride)):
+                if any(isinstance(d, SYMBOLIC) for d in (*shape, *stride)):
                     return None
                 key.append((shape, stride, x.storage_offset(), x.dtype))
-            elif isinstance(x, _SYMBOLIC) or not isinstance(x, Hashable):
+            elif isinstance(x, SYMBOLIC) or not isinstance(x, Hashable):
                 return None
             else:
                 key.append((type(x), x))
