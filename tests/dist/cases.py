@@ -46,13 +46,15 @@ def equivalence(
     inputs: tuple[torch.Tensor, ...] | None = None,
     ref_inputs: tuple[torch.Tensor, ...] | None = None,
     backend: str = "eager",
+    windows: bool = False,
 ) -> dict[str, Any]:
     """Train ``steps`` AdamW steps compiled (under ``pipeline``, default the default pipeline) and
     single-device side by side; raise on any difference. Also returns the parameters' layouts
     (``plan="auto"`` chooses them). ``tokens``: (batch, sequence) of fresh token inputs in place of
     the zoo's, for the zoo's language models; ``inputs``: the compiled program's in place of the
     zoo's, and ``ref_inputs`` the single-device model's where they differ (a packed row in another
-    order)."""
+    order). ``windows`` (Inductor): also returns, per collective, the matrix products in flight beside
+    it in the eager programs and in the code Inductor generated (``cases_backends.first_step_windows``)."""
     warnings.filterwarnings("ignore")
     mesh = device_mesh(tuple(shape), tuple(names))
     net, zoo_inputs = build(model)
@@ -80,23 +82,16 @@ def equivalence(
     for step in range(steps):
         opt.zero_grad()
         ref_opt.zero_grad()
-        loss = pm(*inputs)
-        loss.backward()
-        with _reference_experts(ref, moe):
+        if windows and step == 0:
+            from tests.dist.cases_backends import first_step_windows
+
+            loss, overlap = first_step_windows(pm, lambda: _trained(pm, inputs))
+        else:
+            loss = _trained(pm, inputs)
+        with reference_experts(ref, moe):
             ref_loss = ref(*ref_inputs)
         ref_loss.backward()
-        torch.testing.assert_close(
-            loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL, msg=lambda m, s=step: f"step {s} loss: {m}"
-        )
-        ref_grads = _as_compiled(ref, stacks, "grad")
-        for name, p in pm.named_parameters():
-            assert p.grad is not None, f"{name} has no gradient"
-            full = p.grad.full_tensor()
-            want = ref_grads[name]
-            torch.testing.assert_close(
-                full, want, rtol=RTOL, atol=ATOL, msg=lambda m, n=name, s=step: f"step {s} grad {n}: {m}"
-            )
-            worst = max(worst, float((full - want).abs().max()))
+        worst = max(worst, assert_step_matches(pm, loss, ref, ref_loss, stacks, step))
         opt.step()
         ref_opt.step()
     ref_params = _as_compiled(ref, stacks, "param")
@@ -127,9 +122,43 @@ def equivalence(
     if backend == "inductor":  # NOTE: what Inductor compiled, how long it took, and how often each ran
         low = pm._mf_programs.first.lowered
         out["compiled"] = [(m.what, m.seconds, m.calls) for m in (low.forward, low.backward)]
+    if windows:
+        out["windows"] = overlap
     if keep_module:
         out["module"] = pm
     return out
+
+
+def _trained(pm: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """One forward and backward of ``pm``; the loss."""
+    loss = pm(*inputs)
+    loss.backward()
+    return loss
+
+
+def assert_step_matches(
+    pm: torch.nn.Module,
+    loss: torch.Tensor,
+    ref: torch.nn.Module,
+    ref_loss: torch.Tensor,
+    stacks: tuple[ParamStack, ...] = (),
+    step: int = 0,
+) -> float:
+    """After one forward + backward of the compiled module ``pm`` (``loss``) and of the single-device
+    model ``ref`` (``ref_loss``): the losses and every gradient agree; returns the largest gradient
+    difference."""
+    torch.testing.assert_close(
+        loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL, msg=lambda m: f"step {step} loss: {m}"
+    )
+    ref_grads = _as_compiled(ref, stacks, "grad")
+    worst = 0.0
+    for name, p in pm.named_parameters():
+        assert p.grad is not None, f"{name} has no gradient"
+        full = p.grad.full_tensor()
+        want = ref_grads[name]
+        torch.testing.assert_close(full, want, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"step {step} grad {n}: {m}")
+        worst = max(worst, float((full - want).abs().max()))
+    return worst
 
 
 def _as_compiled(model: torch.nn.Module, stacks: tuple[ParamStack, ...], what: str) -> dict[str, torch.Tensor]:
@@ -143,7 +172,7 @@ def _as_compiled(model: torch.nn.Module, stacks: tuple[ParamStack, ...], what: s
     return as_stacked(stacks, own)
 
 
-def _reference_experts(model: torch.nn.Module, moe: dict[str, Any] | None) -> contextlib.AbstractContextManager[Any]:
+def reference_experts(model: torch.nn.Module, moe: dict[str, Any] | None) -> contextlib.AbstractContextManager[Any]:
     """With token dropping, the single-device reference drops the same way (the experts op with the
     same capacity); dropless, the model runs its own experts code."""
     if moe is None or moe.get("capacity_factor") is None:

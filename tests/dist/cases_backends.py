@@ -1,9 +1,12 @@
-"""Tasks for the backends' rank tests: what ``backend="inductor"`` refuses before anything runs."""
+"""Tasks for the backends' rank tests: what ``backend="inductor"`` refuses before anything runs, and
+where the collectives of its compiled code overlap the matrix products."""
 
 from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 
@@ -11,6 +14,8 @@ from meshfold.api import parallelize
 from meshfold.passes import PassError
 from meshfold.tools.zoo import build
 from tests.dist.pool import device_mesh
+
+T = TypeVar("T")
 
 
 def inductor_refused(kind: str) -> str:
@@ -66,19 +71,15 @@ def _compiled_windows(code: str) -> list[int]:
     return out
 
 
-def overlap_windows() -> dict[str, list[list[int]]]:
-    """llama-tiny under fsdp+tp compiled by Inductor: per collective, the matrix products that run
-    while it is in flight, in the eager modules (the order the overlap pass chose) and in the code
-    Inductor generated from them, forward then backward."""
+def first_step_windows(pm: Any, step: Callable[[], T]) -> tuple[T, dict[str, list[list[int]]]]:
+    """``step()``, the first call of ``pm``'s programs compiled by Inductor, and per collective the
+    matrix products that run while it is in flight, in the eager modules (the order the overlap pass
+    chose) and in the code Inductor generated from them, forward then backward."""
     from torch._inductor.utils import run_and_get_code
 
-    warnings.filterwarnings("ignore")
-    mesh = device_mesh((2, 2), ("dp", "tp"))
-    net, inputs = build("llama-tiny")
-    pm = parallelize(net, mesh, inputs, plan="fsdp+tp", backend="inductor")
     low = pm._mf_programs.first.lowered
-    _, codes = run_and_get_code(lambda: pm(*inputs).backward())
-    return {
+    result, codes = run_and_get_code(step)
+    return result, {
         "eager": [_eager_windows(low.forward.module), _eager_windows(low.backward.module)],
         "inductor": [_compiled_windows(c) for c in codes],
     }

@@ -3,6 +3,7 @@ liveness estimate of ``passes.cost.memory`` for the same compiled graph."""
 
 from __future__ import annotations
 
+import copy
 import warnings
 from typing import Any
 
@@ -15,6 +16,7 @@ from meshfold.passes.cost.memory import rank_memory
 from meshfold.tools.measure import allocator_accounting, settled_peak_new_bytes, storage_bytes
 from meshfold.tools.zoo import build
 from meshfold.tools.zoo.models import LlamaTiny
+from tests.dist.cases import assert_step_matches, reference_experts
 from tests.dist.pool import device_mesh
 
 
@@ -31,11 +33,12 @@ def step_memory(
     moe: dict[str, Any] | None = None,
     cluster: str | None = None,
 ) -> dict[str, Any]:
-    """Compile a model, take one AdamW step (so the optimizer state exists), then measure the next
-    steps' forward + backward: resident bytes (parameters, buffers, optimizer state) plus the
-    allocator's peak on top of them, the lower of two steps (``settled_peak_new_bytes``: gloo's
-    worker thread can hold a finished collective's tensors past its wait). Returns measured and
-    estimated figures on this rank.
+    """Compile a model, take one AdamW step (so the optimizer state exists; its loss and every
+    gradient checked against the single-device model's, so what is measured is a right program),
+    then measure the next steps' forward + backward: resident bytes (parameters, buffers, optimizer
+    state) plus the allocator's peak on top of them, the lower of two steps
+    (``settled_peak_new_bytes``: gloo's worker thread can hold a finished collective's tensors past
+    its wait). Returns measured and estimated figures on this rank.
 
     ``model``: None for a Llama-style model of width ``hidden``; else a zoo language model's name or
     ``"hf:<arch>"`` for one of ``tests.dist.hf_models``; each on ``batch`` x ``seq`` tokens. ``moe``:
@@ -45,9 +48,16 @@ def step_memory(
     torch.manual_seed(0)
     mesh = device_mesh(tuple(shape), tuple(names))
     net, (ids, labels) = _language_model(model, hidden, batch, seq)
+    ref = copy.deepcopy(net)
     pm = parallelize(net, mesh, (ids, labels), plan=plan, memory=memory, moe=moe, cluster=cluster)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
-    pm(ids, labels).backward()
+    loss = pm(ids, labels)
+    loss.backward()
+    with reference_experts(ref, moe):
+        ref_loss = ref(ids, labels)
+    ref_loss.backward()
+    assert_step_matches(pm, loss, ref, ref_loss, pm.graph().stacks)
+    del ref, ref_loss, loss
     opt.step()
     opt.zero_grad(set_to_none=True)
     params = [p for p in pm.parameters()]
