@@ -10,8 +10,9 @@ A task builds what it needs itself (``init_device_mesh``, or ``device_mesh`` bel
 leave no collective half-issued; tasks share the worker processes, so they must not rely on each other.
 
 Each rank writes its stdout/stderr to a log file; after every task the parent prints what the ranks
-wrote, prefixed ``[rank r]``, so pytest shows it with a failing test. A script (not pytest) that makes a
-pool needs the ``if __name__ == "__main__":`` guard: ``spawn`` re-imports the main module in every rank.
+wrote, prefixed ``[rank r]``, so pytest shows it with a failing test. Ranks are forked from a server
+process (``forkserver``) that has torch and meshfold imported. A script (not pytest) that makes a pool
+needs the ``if __name__ == "__main__":`` guard: the server imports the main module.
 """
 
 from __future__ import annotations
@@ -50,6 +51,9 @@ MAX_WORLD = 8
 # NOTE: these must be in the environment when the interpreter starts (PYTHONUNBUFFERED) or when torch is
 # first imported (thread counts), so the parent sets them around ``Process.start``; 8 ranks share 2 cores.
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+# NOTE: ranks are forked from one server process per test process that has imported these already: a
+# spawned rank spent about 6 s of CPU importing torch and meshfold, and a session starts dozens of ranks
+_PRELOAD = ["torch", "torch.distributed", "meshfold.api", "tests.dist.cases"]
 _READY = -1
 _Fingerprint = tuple[int, dict[str, int]] | None
 
@@ -121,7 +125,7 @@ class _Rank:
 
 
 class RankPool:
-    """``world`` gloo ranks on localhost in ``spawn``-ed processes, serving tasks until ``close``.
+    """``world`` gloo ranks on localhost in processes of their own, serving tasks until ``close``.
 
     Ranks are spawned at construction. A task that raises on some ranks leaves the pool usable when the
     ranks still agree on their process-group state; a hang, a dead rank or diverged state kills every rank,
@@ -246,11 +250,13 @@ class RankPool:
         """Start ``world`` workers on a fresh FileStore and wait until each has joined the process group."""
         tmp = Path(tempfile.mkdtemp(prefix=f"meshfold-rankpool-w{self.world}-"))
         self._tmpdirs.append(tmp)
-        ctx = multiprocessing.get_context("spawn")
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        # NOTE: the environment reaches the fork server, started by the first ``start``, and so every rank
         with mock.patch.dict(os.environ, _WORKER_ENV):
             for rank in range(self.world):
                 parent_conn, child_conn = ctx.Pipe()
-                args = (rank, self.world, str(tmp), os.getpid(), list(sys.path), child_conn)
+                args = (rank, self.world, str(tmp), list(sys.path), child_conn)
                 process = ctx.Process(target=_worker_main, args=args, name=f"rankpool-w{self.world}-r{rank}")
                 process.start()
                 child_conn.close()
@@ -298,7 +304,7 @@ def device_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
 _MESHES: dict[tuple[tuple[int, ...], tuple[str, ...]], DeviceMesh] = {}
 
 
-def _worker_main(rank: int, world: int, tmpdir: str, parent_pid: int, path: list[str], conn: Connection) -> None:
+def _worker_main(rank: int, world: int, tmpdir: str, path: list[str], conn: Connection) -> None:
     """Body of a worker process: join the gloo group, then run tasks until told to stop or orphaned."""
     sys.path[:] = path
     os.environ.update(_WORKER_ENV)
@@ -315,7 +321,8 @@ def _worker_main(rank: int, world: int, tmpdir: str, parent_pid: int, path: list
     # its threads as it died go to a file the parent puts in the failure (``_Rank.died``)
     crash = open(os.path.join(tmpdir, f"rank{rank}.crash"), "w")  # noqa: SIM115 (lives as long as we do)
     faulthandler.enable(file=crash, all_threads=True)
-    threading.Thread(target=_exit_when_orphaned, args=(parent_pid, tmpdir), daemon=True).start()
+    # NOTE: our parent process is the fork server, which exits when the pool's process does
+    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(), tmpdir), daemon=True).start()
     try:
         import torch
         import torch.distributed as dist
@@ -426,7 +433,7 @@ def _dump_stacks(ranks: list[_Rank]) -> dict[int, str]:
 
 
 def _exit_when_orphaned(parent_pid: int, tmpdir: str) -> None:
-    """Worker watchdog thread: notices within a second that the parent is gone, even mid-task."""
+    """Worker watchdog thread: notices within a second that ``parent_pid`` is gone, even mid-task."""
     while os.getppid() == parent_pid:
         time.sleep(1.0)
     _orphaned(tmpdir)
