@@ -52,8 +52,16 @@ MAX_WORLD = 8
 # first imported (thread counts), so the parent sets them around ``Process.start``; 8 ranks share 2 cores.
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 # NOTE: ranks are forked from one server process per test process that has imported these already: a
-# spawned rank spent about 6 s of CPU importing torch and meshfold, and a session starts dozens of ranks
-_PRELOAD = ["torch", "torch.distributed", "meshfold.api", "tests.dist.cases"]
+# spawned rank spent about 6 s of CPU importing torch and meshfold (and 2-3 s more for transformers or
+# Inductor where its tasks used them), and a session starts dozens of ranks
+_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "meshfold.api",
+    "tests.dist.cases",
+    "transformers",
+    "torch._inductor.compile_fx",
+]
 _READY = -1
 _Fingerprint = tuple[int, dict[str, int]] | None
 
