@@ -9,10 +9,18 @@ import pytest
 import torch
 
 from tests.dist.conftest import RankPools
-from tests.dist.pool import RankFailure, RankTimeout
+from tests.dist.pool import RankFailure, RankPool, RankTimeout
 
 CASES = "tests.dist.cases_smoke"
 WORLDS = [1, 2, 4, 8]
+
+
+def _live(rank_pools: RankPools, world: int) -> RankPool:
+    """The session's pool of ``world`` ranks with its ranks running: a test before may have left it to
+    respawn them on its next task, which a test counting spawns must not count."""
+    pool = rank_pools.get(world)
+    assert pool.run(f"{CASES}:rank_and_world") == [(rank, world) for rank in range(world)]
+    return pool
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -63,7 +71,7 @@ def test_rank_output_is_relayed(rank_pools: RankPools, capsys: pytest.CaptureFix
 
 
 def test_failure_on_one_rank_reports_its_traceback_and_keeps_the_pool(rank_pools: RankPools) -> None:
-    pool = rank_pools.get(4)
+    pool = _live(rank_pools, 4)
     spawns = pool.spawns
     with pytest.raises(RankFailure) as info:
         pool.run(f"{CASES}:raise_on", rank=1)
@@ -79,7 +87,7 @@ def test_failure_on_one_rank_reports_its_traceback_and_keeps_the_pool(rank_pools
 
 
 def test_unknown_target_and_unpicklable_result_keep_the_pool(rank_pools: RankPools) -> None:
-    pool = rank_pools.get(2)
+    pool = _live(rank_pools, 2)
     spawns = pool.spawns
     with pytest.raises(RankFailure, match="ModuleNotFoundError"):
         pool.run("tests.dist.no_such_module:case")
@@ -101,7 +109,7 @@ def test_bad_arguments_fail_in_the_parent(rank_pools: RankPools) -> None:
 
 
 def test_hang_times_out_and_the_pool_recovers(rank_pools: RankPools) -> None:
-    pool = rank_pools.get(2)
+    pool = _live(rank_pools, 2)
     spawns = pool.spawns
     with pytest.raises(RankTimeout) as info:
         pool.run(f"{CASES}:skip_collective", rank=0, timeout=10)
@@ -112,7 +120,7 @@ def test_hang_times_out_and_the_pool_recovers(rank_pools: RankPools) -> None:
 
 
 def test_failure_while_others_wait_in_a_collective_respawns(rank_pools: RankPools) -> None:
-    pool = rank_pools.get(2)
+    pool = _live(rank_pools, 2)
     spawns = pool.spawns
     with pytest.raises(RankFailure) as info:
         pool.run(f"{CASES}:raise_before_collective", rank=1)
@@ -124,7 +132,7 @@ def test_failure_while_others_wait_in_a_collective_respawns(rank_pools: RankPool
 
 
 def test_dead_rank_respawns(rank_pools: RankPools) -> None:
-    pool = rank_pools.get(2)
+    pool = _live(rank_pools, 2)
     spawns = pool.spawns
     with pytest.raises(RankFailure, match=r"rank died \(exit code 3\)"):
         pool.run(f"{CASES}:exit_on", rank=1, code=3)
@@ -135,7 +143,7 @@ def test_dead_rank_respawns(rank_pools: RankPools) -> None:
 def test_a_crashed_rank_is_reported_with_its_python_stack(rank_pools: RankPools) -> None:
     """A rank killed by a fatal signal (here a segmentation fault) leaves no traceback; the failure
     names the signal and holds the stacks faulthandler wrote as it died, and the pool respawns."""
-    pool = rank_pools.get(2)
+    pool = _live(rank_pools, 2)
     spawns = pool.spawns
     with pytest.raises(RankFailure, match=r"rank died \(exit code -11, SIGSEGV\)") as info:
         pool.run(f"{CASES}:crash_on", rank=1)
@@ -146,7 +154,7 @@ def test_a_crashed_rank_is_reported_with_its_python_stack(rank_pools: RankPools)
 
 
 def test_diverged_process_group_state_respawns(rank_pools: RankPools) -> None:
-    pool = rank_pools.get(2)
+    pool = _live(rank_pools, 2)
     spawns = pool.spawns
     with pytest.raises(RankFailure, match="disagree on process-group state"):
         pool.run(f"{CASES}:unfinished_collective_then_raise", rank=1)
