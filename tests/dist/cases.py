@@ -288,35 +288,19 @@ def decorated_usual_order() -> float:
     return float(net(*inputs))
 
 
-def hf_equivalence(
-    arch: str,
-    shape: tuple[int, ...],
-    names: tuple[str, ...],
-    plan: str,
-    layers: int = 2,
-    memory: int | str | None = None,
-    tokens: tuple[int, int] = (4, 16),
-) -> float:
-    """One step of an HF model from ``tests.dist.hf_models`` on ``tokens`` (batch, sequence): loss and
-    every gradient as single device."""
+def hf_equivalence(arch: str, shape: tuple[int, ...], names: tuple[str, ...], plan: str, layers: int = 2) -> float:
+    """One step of an HF model from ``tests.dist.hf_models`` (4 sequences of 16 tokens): loss and every
+    gradient as single device, the parameters named as the model names them."""
     from tests.dist.hf_models import build_hf
 
     warnings.filterwarnings("ignore")
     mesh = device_mesh(tuple(shape), tuple(names))
-    net, inputs = build_hf(arch, layers, *tokens)
+    net, inputs = build_hf(arch, layers)
     ref, _ = build_hf(arch, layers)
-    pm = parallelize(net, mesh, inputs, plan=plan, memory=memory)
-    loss = pm(*inputs)
-    loss.backward()
-    ref_loss = ref(*inputs)
-    ref_loss.backward()
-    torch.testing.assert_close(loss.detach(), ref_loss.detach(), rtol=RTOL, atol=ATOL)
-    ref_params = dict(ref.named_parameters())
-    assert [n for n, _ in pm.named_parameters()] == list(ref_params)
-    for name, p in pm.named_parameters():
-        torch.testing.assert_close(
-            p.grad.full_tensor(), ref_params[name].grad, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"grad {n}: {m}"
-        )
+    pm = parallelize(net, mesh, inputs, plan=plan)
+    assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
+    loss = _trained(pm, inputs)
+    assert_step_matches(pm, loss, ref, _trained(ref, inputs))
     return float(loss)
 
 
