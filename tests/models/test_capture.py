@@ -25,9 +25,7 @@ def _captured(name: str) -> tuple[ir.Graph, str]:
 
 
 def _marks(name: str) -> list[pytest.MarkDecorator]:
-    # NOTE: a model's tests run in one test process (``--dist loadgroup``), which captures it once for all
-    group = pytest.mark.xdist_group(f"capture-{name}")
-    return [group, pytest.mark.hf] if name in HF else [group]
+    return [pytest.mark.hf] if name in HF else []
 
 
 CASES = [pytest.param(n, marks=_marks(n), id=n) for n in NAMES]
