@@ -96,6 +96,17 @@ def unfinished_collective_then_raise(rank: int) -> None:
     dist.all_reduce(torch.ones(1), async_op=True)
 
 
+def send_to_next() -> int:
+    """Rank 0 sends a tensor to rank 1, which receives it: only these two ranks count the transfer
+    in their group's collective sequence. Returns what this rank holds."""
+    t = torch.full((2,), float(dist.get_rank()))
+    if dist.get_rank() == 0:
+        dist.send(t, 1)
+    elif dist.get_rank() == 1:
+        dist.recv(t, 0)
+    return int(t[0].item())
+
+
 def unpicklable_result() -> object:
     """Return something pickle refuses (a lock)."""
     return threading.Lock()

@@ -136,8 +136,9 @@ class RankPool:
     """``world`` gloo ranks on localhost in processes of their own, serving tasks until ``close``.
 
     Ranks are spawned at construction. A task that raises on some ranks leaves the pool usable when the
-    ranks still agree on their process-group state; a hang, a dead rank or diverged state kills every rank,
-    and the next ``run`` respawns them (``spawns`` counts spawns, so tests can tell).
+    ranks did alike to their process-group state during it (groups made, collectives issued); a hang,
+    a dead rank or diverged state kills every rank, and the next ``run`` respawns them (``spawns``
+    counts spawns, so tests can tell).
     """
 
     def __init__(
@@ -160,6 +161,8 @@ class RankPool:
         # killed and temporary files removed even when the pool is dropped without ``close``.
         self._ranks: list[_Rank] = []
         self._tmpdirs: list[Path] = []
+        # NOTE: each rank's process-group state when it last finished a task the pool kept it after
+        self._settled: dict[int, _Fingerprint] = {}
         self._finalizer = weakref.finalize(self, _kill, self._ranks, self._tmpdirs)
         self._spawn()
 
@@ -212,11 +215,14 @@ class RankPool:
         stuck = _dump_stacks(pending)
         self._relay_output()
         if not (stuck or broken or failures):
+            self._settled = prints
             return [results[rank] for rank in range(self.world)]
-        diverged = not (stuck or broken) and not _agree(list(prints.values()))
+        diverged = not (stuck or broken) and not _agree([_since(self._settled.get(r), p) for r, p in prints.items()])
         respawn = bool(stuck) or broken or diverged
         if respawn:
             self._teardown()
+        else:
+            self._settled = prints
         notes = [f"rank(s) {sorted(failures)} failed"] if failures else []
         if stuck:
             waited = f"{self.failure_grace}s after the first failure" if failures else f"within {timeout}s"
@@ -270,7 +276,7 @@ class RankPool:
                 child_conn.close()
                 self._ranks.append(_Rank(rank, process, parent_conn, tmp))
         self.spawns += 1
-        _, failures, _, pending, _ = self._gather(_READY, self.spawn_timeout, grace=0.0)
+        _, failures, self._settled, pending, _ = self._gather(_READY, self.spawn_timeout, grace=0.0)
         if failures or pending:
             stuck = _dump_stacks(pending)
             self._teardown()
@@ -342,7 +348,7 @@ def _worker_main(rank: int, world: int, tmpdir: str, path: list[str], conn: Conn
     except BaseException:
         conn.send_bytes(pickle.dumps((_READY, False, traceback.format_exc(), None)))
         return
-    conn.send_bytes(pickle.dumps((_READY, True, None, None)))
+    conn.send_bytes(pickle.dumps((_READY, True, None, _fingerprint())))
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
@@ -405,8 +411,19 @@ def _fingerprint() -> _Fingerprint:
         return None
 
 
+def _since(before: _Fingerprint, now: _Fingerprint) -> _Fingerprint:
+    """What a rank did to its process-group state in one task: groups made and collectives issued per
+    group since ``before`` (the state it settled in after its last task)."""
+    if before is None or now is None:
+        return None
+    count, seqs = now
+    return count - before[0], {name: seq - before[1].get(name, 0) for name, seq in seqs.items()}
+
+
 def _agree(prints: list[_Fingerprint]) -> bool:
-    """Whether ranks' fingerprints allow another task: same group count, same collective count per group."""
+    """Whether ranks did alike in a failed task, so another may follow: as many groups made, as many
+    collectives issued in each group. Compared within the task, not since the start: a finished task
+    may leave ranks' counts apart for good (a send and its receive count on their two ranks only)."""
     known = [p for p in prints if p is not None]
     if len(known) != len(prints):
         return False

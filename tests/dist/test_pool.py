@@ -86,6 +86,20 @@ def test_failure_on_one_rank_reports_its_traceback_and_keeps_the_pool(rank_pools
     assert pool.spawns == spawns
 
 
+def test_a_failure_after_a_point_to_point_task_keeps_the_pool(rank_pools: RankPools) -> None:
+    """A send and its receive leave the two ranks' sequence counts ahead of the others' for good; a
+    later failure on one rank before any collective finds the ranks alike within that task and keeps
+    them (compared since the start, their counts would disagree, and the pool respawned them)."""
+    pool = _live(rank_pools, 4)
+    spawns = pool.spawns
+    assert pool.run(f"{CASES}:send_to_next") == [0, 0, 2, 3]
+    with pytest.raises(RankFailure, match="deliberate failure on rank 2") as info:
+        pool.run(f"{CASES}:raise_on", rank=2)
+    assert "disagree" not in str(info.value) and "respawns" not in str(info.value)
+    assert pool.run(f"{CASES}:rank_and_world") == [(rank, 4) for rank in range(4)]
+    assert pool.spawns == spawns
+
+
 def test_unknown_target_and_unpicklable_result_keep_the_pool(rank_pools: RankPools) -> None:
     pool = _live(rank_pools, 2)
     spawns = pool.spawns
