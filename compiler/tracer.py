@@ -21,7 +21,6 @@ import sympy
 import torch
 import torch.fx as fx
 from torch import nn
-from torch._dynamo.functional_export import _dynamo_graph_capture_for_export
 from torch._functorch.aot_autograd import aot_export_joint_with_descriptors
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
@@ -34,6 +33,7 @@ from meshfold.capture_errors import (
     retried_without_grad,
     source_line,
 )
+from meshfold.export_trace import dynamo_trace
 from meshfold.fakes import fake_copies, guards_of
 from meshfold.fold_scan import fold_scans
 from meshfold.fuse_attention import fuse_attention
@@ -107,7 +107,7 @@ def capture(
 
         def traced(runs: list[Run]) -> ir.Graph:
             with reduced(model, runs):
-                gm = _dynamo_capture(model, fake_inputs)
+                gm = _dynamo_capture(model, fake_inputs, static=not dynamic)
                 stacked, stacks = fold_expert_lists(gm, model, fake_mode, op_options(moe))
                 for rewrite in (fuse_attention, fuse_causal_convs, fold_scans):
                     rewrite(gm)
@@ -175,24 +175,18 @@ def _flat_name_to_fqn(gm: fx.GraphModule, model: nn.Module) -> dict[str, str]:
     return fqns
 
 
-def _dynamo_capture(model: nn.Module, inputs: Sequence[Any]) -> fx.GraphModule:
+def _dynamo_capture(model: nn.Module, inputs: Sequence[Any], *, static: bool = False) -> fx.GraphModule:
     try:
-        return _dynamo_trace(model, inputs)
+        return dynamo_trace(model, inputs, static=static)
     except Exception as e:
         raise capture_error(e, "capturing the forward", mutated=lambda: _mutated_parameter(model, inputs)) from e
-
-
-def _dynamo_trace(model: nn.Module, inputs: Sequence[Any]) -> fx.GraphModule:
-    # NOTE: dynamo refuses nn.LSTM/GRU/RNN unless asked; their ATen decompositions trace fine.
-    with torch._dynamo.config.patch(allow_rnn=True):
-        return _dynamo_graph_capture_for_export(model)(*inputs)
 
 
 def _mutated_parameter(model: nn.Module, inputs: Sequence[Any]) -> str | None:
     """The FQN of the parameter the forward updates in place: dynamo refuses the update on a parameter
     that requires grad without saying which, so trace once more with none requiring grad and look."""
     try:
-        gm = retried_without_grad(model, lambda: _dynamo_trace(model, inputs))
+        gm = retried_without_grad(model, lambda: dynamo_trace(model, inputs))
     except Exception:
         # NOTE: only a diagnosis: when the retry fails too, the error names the line without the FQN.
         return None

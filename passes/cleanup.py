@@ -141,11 +141,13 @@ def eliminate_common_subexpressions(graph: Graph) -> Graph:
     b = GraphBuilder.like(graph)
     changed = False
     for op in graph.ops:
-        args = tuple(map_values(a, vmap) for a in op.args)
-        kwargs = tuple((k, map_values(v, vmap)) for k, v in op.kwargs)
-        new = op if (args == op.args and kwargs == op.kwargs) else Op(op.target, args, kwargs, op.results, op.prov)
+        new = op
+        if vmap and any(v in vmap for v in op.operands):
+            args = tuple(map_values(a, vmap) for a in op.args)
+            kwargs = tuple((k, map_values(v, vmap)) for k, v in op.kwargs)
+            new = Op(op.target, args, kwargs, op.results, op.prov)
         if is_pure(op.target):
-            key = computation_key(op.target, args, kwargs, op.results)
+            key = computation_key(op.target, new.args, new.kwargs, op.results)
             first = seen.get(key)
             if first is not None:
                 vmap.update(zip(op.results, first.results, strict=True))

@@ -76,8 +76,9 @@ def megatron_roles(graph: Graph) -> dict[str, str]:
     producers = graph.producers()
     users = graph.users()
     linears: list[tuple[Op, Value, Value]] = []
+    param_values = set(params)
     for op in graph.ops:
-        found = _linear_weight(op, set(params), producers)
+        found = _linear_weight(op, param_values, producers)
         if found is not None:
             linears.append((op, *found))
     by_activation: dict[Value, list[tuple[Op, Value]]] = {}
