@@ -25,7 +25,10 @@ def _no_constraint_check() -> Iterator[None]:
     """Export's check of the traced frame's shape constraints left out: it builds every guard of the
     frame only to report symbolic sizes the trace specialized, and a trace with static sizes (no
     symbolic input dim, no constraint passed) has none and uses no guard. It was 8-15% of a small
-    model's capture (llama-tiny 0.15 of 1.9 s, qwen2 0.36 of 2.9 s, CPU time)."""
+    model's capture (llama-tiny 0.15 of 1.9 s, qwen2 0.36 of 2.9 s, CPU time).
+
+    NOTE: it swaps a module attribute of torch for the duration of the trace: two threads must not
+    capture at once."""
     name = "_suggest_or_raise_constraint_violation"
     real = getattr(dynamo_export, name, None)
     if real is None:  # NOTE: a torch without the check: nothing to leave out

@@ -26,7 +26,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from meshfold.ir import Graph, GraphInput, GraphOutput, Op, ParamStack, Value
-from meshfold.ir.graph import map_values
+from meshfold.ir.graph import map_values, remap_op
 from meshfold.layer_runs import Run
 from meshfold.passes.blocks import block_ops, op_kinds
 
@@ -120,9 +120,9 @@ class _Stamp:
                     self._emit(ops, bwd, j, maps)
             if i in l_ops:
                 # NOTE: ``l`` reads the last copy where it read ``t`` (the forward chain only)
-                op = _remap(op, {v: maps[copies[-1]][v] for v in op.operands if v in self.in_t})
+                op = remap_op(op, {v: maps[copies[-1]][v] for v in op.operands if v in self.in_t})
             elif i in t_bwd:
-                op = _remap(op, {x: maps[copies[0]][t] for x, t in self.bwd_chain.items()})
+                op = remap_op(op, {x: maps[copies[0]][t] for x, t in self.bwd_chain.items()})
             ops.append(op)
             if fwd and i == fwd[-1]:
                 for j in copies:
@@ -198,14 +198,6 @@ class _Stamp:
             for s in mine
         ]
         return (*self.g.stacks[:at], *stamped, *self.g.stacks[at:])
-
-
-def _remap(op: Op, m: dict[Value, Value]) -> Op:
-    if not m:
-        return op
-    args = tuple(map_values(a, m) for a in op.args)
-    kwargs = tuple((k, map_values(a, m)) for k, a in op.kwargs)
-    return Op(op.target, args, kwargs, op.results, op.prov)
 
 
 def _check_order(graph: Graph) -> None:

@@ -165,6 +165,16 @@ def map_values(arg: Arg, fn: dict[Value, Value]) -> Arg:
     return arg
 
 
+def remap_op(op: Op, fn: dict[Value, Value]) -> Op:
+    """``op`` reading ``fn[value]`` for every value it reads that is in ``fn``; ``op`` itself where it
+    reads none of them."""
+    if not fn or not any(v in fn for v in op.operands):
+        return op
+    args = tuple(map_values(a, fn) for a in op.args)
+    kwargs = tuple((k, map_values(v, fn)) for k, v in op.kwargs)
+    return Op(op.target, args, kwargs, op.results, op.prov)
+
+
 @dataclass(frozen=True, slots=True)
 class GraphInput:
     """A graph input: a parameter or buffer (named by FQN), a user input, or a backward tangent."""

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from meshfold.ir.graph import Arg, Graph, GraphBuilder, Op, Provenance, Value, map_values
+from meshfold.ir.graph import Arg, Graph, GraphBuilder, Op, Provenance, Value, remap_op
 from meshfold.ir.ops import Target
 
 Pattern = Callable[["Rewriter", Op], Sequence[Value] | None]
@@ -87,7 +87,7 @@ def _sweep(graph: Graph, table: PatternTable) -> tuple[Graph, bool]:
     vmap: dict[Value, Value] = {}
     changed = False
     for op in graph.ops:
-        new_op = _remap(op, vmap)
+        new_op = remap_op(op, vmap)
         replacement: Sequence[Value] | None = None
         for pattern in table.for_target(new_op.target):
             replacement = pattern(rw, new_op)
@@ -107,11 +107,3 @@ def _sweep(graph: Graph, table: PatternTable) -> tuple[Graph, bool]:
     for o in graph.outputs:
         b.add_output(o.kind, o.name, vmap.get(o.value, o.value))
     return b.build(), changed
-
-
-def _remap(op: Op, vmap: dict[Value, Value]) -> Op:
-    if not vmap or not any(v in vmap for v in op.operands):
-        return op
-    args = tuple(map_values(a, vmap) for a in op.args)
-    kwargs = tuple((k, map_values(v, vmap)) for k, v in op.kwargs)
-    return Op(op.target, args, kwargs, op.results, op.prov)

@@ -9,7 +9,7 @@ from typing import ClassVar
 import torch
 
 from meshfold.ir import Graph, GraphBuilder, Op, PatternTable, Rewriter, Value, apply_patterns, is_pure, view_trait
-from meshfold.ir.graph import Arg, map_values
+from meshfold.ir.graph import Arg, remap_op
 from meshfold.ir.ops import Target
 from meshfold.passes.base import CLEAN, JOINT, Pass, PassContext
 
@@ -141,11 +141,7 @@ def eliminate_common_subexpressions(graph: Graph) -> Graph:
     b = GraphBuilder.like(graph)
     changed = False
     for op in graph.ops:
-        new = op
-        if vmap and any(v in vmap for v in op.operands):
-            args = tuple(map_values(a, vmap) for a in op.args)
-            kwargs = tuple((k, map_values(v, vmap)) for k, v in op.kwargs)
-            new = Op(op.target, args, kwargs, op.results, op.prov)
+        new = remap_op(op, vmap)
         if is_pure(op.target):
             key = computation_key(op.target, new.args, new.kwargs, op.results)
             first = seen.get(key)
