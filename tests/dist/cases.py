@@ -15,6 +15,7 @@ from meshfold.moe import MoeSpec, experts_as_ops
 from meshfold.moe_lists import as_stacked
 from meshfold.passes.memory.policies import Saved
 from meshfold.tools.zoo import build
+from tests.dist.captures import shared_capture
 from tests.dist.pool import device_mesh
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -68,7 +69,10 @@ def equivalence(
     extra: dict[str, Any] = {} if pipeline is None else {"pipeline": pipeline}
     if cp is not None:
         extra["cp"] = {"method": cp}
-    pm = parallelize(net, mesh, inputs, plan=plan, cluster=cluster, memory=memory, moe=moe, backend=backend, **extra)
+    with shared_capture(f"zoo:{model}"):
+        pm = parallelize(
+            net, mesh, inputs, plan=plan, cluster=cluster, memory=memory, moe=moe, backend=backend, **extra
+        )
     stacks = pm.graph().stacks
     names_pm = [n for n, _ in pm.named_parameters()]
     # NOTE: stacked experts sit in the module tree where their list is, so only the set is compared for them.
@@ -196,7 +200,8 @@ def verify_mode(
     warnings.filterwarnings("ignore")
     mesh = device_mesh(tuple(shape), tuple(names))
     net, inputs = build(model)
-    pm = parallelize(net, mesh, inputs, plan=plan, verify=True, moe=moe, cp=cp)
+    with shared_capture(f"zoo:{model}"):
+        pm = parallelize(net, mesh, inputs, plan=plan, verify=True, moe=moe, cp=cp)
     if corrupt and torch.distributed.get_rank() == 1:
         with torch.no_grad():
             dict(pm.named_parameters())[corrupt].to_local().add_(1.0)
@@ -297,7 +302,8 @@ def hf_equivalence(arch: str, shape: tuple[int, ...], names: tuple[str, ...], pl
     mesh = device_mesh(tuple(shape), tuple(names))
     net, inputs = build_hf(arch, layers)
     ref, _ = build_hf(arch, layers)
-    pm = parallelize(net, mesh, inputs, plan=plan)
+    with shared_capture(f"hf:{arch}"):
+        pm = parallelize(net, mesh, inputs, plan=plan)
     assert [n for n, _ in pm.named_parameters()] == [n for n, _ in ref.named_parameters()]
     loss = _trained(pm, inputs)
     assert_step_matches(pm, loss, ref, _trained(ref, inputs))

@@ -14,6 +14,7 @@ from meshfold.backends.comm import GATHER_BY_ALL_TO_ALL
 from meshfold.tools.collectives import group_labels, summarize
 from meshfold.tools.demo import collectives_table, measured_step
 from meshfold.tools.zoo import build
+from tests.dist.captures import shared_capture
 from tests.dist.pool import device_mesh
 
 # NOTE: the profiler names each collective's op and records its inputs' shapes and dtypes;
@@ -81,7 +82,8 @@ def demo_table_matches_profiler(
     warnings.filterwarnings("ignore")
     mesh = device_mesh(tuple(shape), tuple(names))
     net, inputs = build(model)
-    pm = parallelize(net, mesh, inputs, plan=plan, moe=moe)
+    with shared_capture(f"zoo:{model}"):
+        pm = parallelize(net, mesh, inputs, plan=plan, moe=moe)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3)
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], record_shapes=True) as prof:
         _, recorded = measured_step(pm, inputs, opt)

@@ -16,6 +16,7 @@ from meshfold.passes.cost.memory import rank_memory
 from meshfold.tools.measure import allocator_accounting, settled_peak_new_bytes, storage_bytes
 from meshfold.tools.zoo import build
 from meshfold.tools.zoo.models import LlamaTiny
+from tests.dist.captures import shared_capture
 from tests.dist.cases import assert_step_matches, reference_experts
 from tests.dist.pool import device_mesh
 
@@ -49,7 +50,8 @@ def step_memory(
     mesh = device_mesh(tuple(shape), tuple(names))
     net, (ids, labels) = _language_model(model, hidden, batch, seq)
     ref = copy.deepcopy(net)
-    pm = parallelize(net, mesh, (ids, labels), plan=plan, memory=memory, moe=moe, cluster=cluster)
+    with shared_capture(f"language-model:{model}"):
+        pm = parallelize(net, mesh, (ids, labels), plan=plan, memory=memory, moe=moe, cluster=cluster)
     opt = torch.optim.AdamW(pm.parameters(), lr=1e-3, foreach=False)
     loss = pm(ids, labels)
     loss.backward()

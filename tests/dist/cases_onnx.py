@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from meshfold.api import parallelize
 from meshfold.passes import PassError
 from meshfold.tools.zoo import build
+from tests.dist.captures import shared_capture
 from tests.dist.pool import device_mesh
 
 
@@ -31,7 +32,8 @@ def exported_forward(model: str, plan: str, shape: tuple[int, ...], names: tuple
     with torch.no_grad():
         reference = net(*inputs)
     mesh = device_mesh(shape, names)
-    pm = parallelize(net, mesh, inputs, plan=plan)
+    with shared_capture(f"zoo:{model}"):
+        pm = parallelize(net, mesh, inputs, plan=plan)
     with torch.no_grad():
         out = pm(*inputs)
         compiled = (out.to_local() if isinstance(out, DTensor) else out).detach()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
+from collections import OrderedDict
 from contextlib import nullcontext
 from typing import Any
 
@@ -19,6 +20,7 @@ from meshfold import capture, ir
 from meshfold.passes import PassContext, parse_pipeline
 from meshfold.passes.blocks import mirrored_blocks, mirrored_ops
 from meshfold.passes.cost.hardware import parse_cluster
+from meshfold.passes.sharding import milp
 from meshfold.passes.sharding.milp import Columns, MilpAnswer, solve_milp
 from meshfold.passes.sharding.plans import Plan
 from meshfold.passes.sharding.problem import AxisStats
@@ -186,13 +188,37 @@ def _market_split() -> tuple[Any, ...]:
     return cost, np.zeros(n + 2 * m), upper, [1] * n + [0] * (2 * m), matrix, d, d
 
 
-def test_a_search_stopped_by_its_node_limit_says_so_and_is_repeatable() -> None:
+def test_a_search_stopped_by_its_node_limit_says_so_and_is_repeatable(monkeypatch: pytest.MonkeyPatch) -> None:
     first = solve_milp(*_market_split(), gap=1e-4, node_limit=5)
+    monkeypatch.setattr(milp, "_KEPT", OrderedDict())  # NOTE: HiGHS solves it again, not the kept answer
     again = solve_milp(*_market_split(), gap=1e-4, node_limit=5)
     assert not first.optimal and first.nodes <= 5, first
     assert first.x is not None and first.bound < first.objective and 0 < first.gap <= 1, first
     # NOTE: a unit of work, not time: the same program stops at the same point
     assert again.x is not None and np.array_equal(first.x, again.x) and again.objective == first.objective
+
+
+def test_the_same_program_is_solved_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A program solved before in this process gets the kept answer (a copy); any change to it, a
+    cost or a setting, is solved anew."""
+    calls = []
+    real = milp._solve
+
+    def counted(*args: Any) -> MilpAnswer:
+        calls.append(args)
+        return real(*args)
+
+    monkeypatch.setattr(milp, "_solve", counted)
+    monkeypatch.setattr(milp, "_KEPT", OrderedDict())
+    first = solve_milp(*_market_split(), gap=1e-4, node_limit=5)
+    again = solve_milp(*_market_split(), gap=1e-4, node_limit=5)
+    assert len(calls) == 1 and first.x is not None and again.x is not None
+    assert again.x is not first.x and np.array_equal(first.x, again.x) and again.objective == first.objective
+    cost, *rest = _market_split()
+    cost[-1] = 2.0
+    solve_milp(cost, *rest, gap=1e-4, node_limit=5)
+    solve_milp(*_market_split(), gap=1e-4, node_limit=6)
+    assert len(calls) == 3
 
 
 def test_a_plan_stopped_early_warns_with_its_gap(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -246,12 +272,15 @@ def test_a_plan_stopped_early_is_no_worse_than_any_preset_of_the_mesh(monkeypatc
 
 
 @pytest.mark.parametrize("name", ["llama-tiny", "gpt2-tiny", "mlp"])
-def test_auto_models_no_slower_than_the_preset_and_gives_the_same_plan_every_time(name: str) -> None:
+def test_auto_models_no_slower_than_the_preset_and_gives_the_same_plan_every_time(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model, inputs = build(name)
     opts = CompileOptions.of(mesh="dp=2,tp=2", plan="auto", cluster="h100:8x1", pipeline="cleanup,sharding,boxing")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         first = compile_model(model, inputs, opts, status=lambda _m: nullcontext())
+        monkeypatch.setattr(milp, "_KEPT", OrderedDict())  # NOTE: HiGHS solves again, not the kept answers
         again = compile_model(model, inputs, opts, status=lambda _m: nullcontext())
     preset = first.stats["sharding.preset"]
     assert isinstance(preset, tuple) and preset[0] == "fsdp+tp"
