@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import os
 from collections import OrderedDict
@@ -56,14 +57,44 @@ KEEP = 32
 """At most this many answers kept (each holds one float per column)."""
 
 
+def forget() -> None:
+    """Drop the kept answers: the next solve of each program runs HiGHS again (a bench timing
+    compiles of one model side by side in one process pays for each as a fresh process would)."""
+    _KEPT.clear()
+
+
 def _digest(*parts: object) -> bytes:
     """A digest of a program's arrays and settings: equal programs, equal digests."""
     h = hashlib.blake2b(digest_size=20)
     for part in parts:
+        if isinstance(part, (csc_array, csr_array)):
+            h.update(_digest(part.shape, part.indptr, part.indices, part.data))
+            continue
+        if isinstance(part, dict):
+            part = sorted(part.items())
+        if isinstance(part, (list, tuple)) and all(isinstance(v, (int, float)) for v in part):
+            part = np.asarray(part, dtype=np.float64)
         data = np.ascontiguousarray(part).tobytes() if isinstance(part, np.ndarray) else repr(part).encode()
         h.update(len(data).to_bytes(8, "little"))
         h.update(data)
     return h.digest()
+
+
+def _kept(solve: Callable[..., MilpAnswer]) -> Callable[..., MilpAnswer]:
+    """``solve``, answering a program it solved before in this process from ``_KEPT`` (a copy)."""
+
+    @functools.wraps(solve)
+    def kept(*args: object, **kwargs: object) -> MilpAnswer:
+        key = _digest(*args, *sorted(kwargs.items()))
+        answer = _KEPT.get(key)
+        if answer is None:
+            answer = _KEPT[key] = solve(*args, **kwargs)
+            while len(_KEPT) > KEEP:
+                _KEPT.popitem(last=False)
+        _KEPT.move_to_end(key)
+        return dataclasses.replace(answer, x=None if answer.x is None else answer.x.copy())
+
+    return kept
 
 
 @contextlib.contextmanager
@@ -90,6 +121,7 @@ def _banner_shown() -> bool:
     return True
 
 
+@_kept
 def solve_milp(
     cost: Sequence[float],
     lower: Sequence[float],
@@ -111,40 +143,6 @@ def solve_milp(
 
     HiGHS sees the program scaled (each row by its largest coefficient, the costs to a largest of
     1000): byte counts of 1e10 beside costs of 1e-9 seconds would otherwise strain its tolerances."""
-    f64 = np.float64
-    key = _digest(
-        *(np.asarray(v, dtype=f64) for v in (cost, lower, upper, row_lower, row_upper)),
-        np.asarray(integer, dtype=np.int8),
-        matrix.indptr,
-        matrix.indices,
-        np.asarray(matrix.data, dtype=f64),
-        matrix.shape,
-        (gap, node_limit, presolve),
-        sorted((start or {}).items()),
-    )
-    kept = _KEPT.get(key)
-    if kept is None:
-        kept = _solve(cost, lower, upper, integer, matrix, row_lower, row_upper, gap, node_limit, start, presolve)
-        _KEPT[key] = kept
-        while len(_KEPT) > KEEP:
-            _KEPT.popitem(last=False)
-    _KEPT.move_to_end(key)
-    return dataclasses.replace(kept, x=None if kept.x is None else kept.x.copy())
-
-
-def _solve(
-    cost: Sequence[float],
-    lower: Sequence[float],
-    upper: Sequence[float],
-    integer: Sequence[int],
-    matrix: csc_array,
-    row_lower: Sequence[float],
-    row_upper: Sequence[float],
-    gap: float,
-    node_limit: int,
-    start: dict[int, float] | None,
-    presolve: bool,
-) -> MilpAnswer:
     _banner_shown()
     a = csr_array(matrix)
     row_scale = np.ones(a.shape[0])

@@ -11,6 +11,7 @@ from collections import OrderedDict
 from contextlib import nullcontext
 from typing import Any
 
+import highspy
 import numpy as np
 import pytest
 import torch
@@ -200,15 +201,15 @@ def test_a_search_stopped_by_its_node_limit_says_so_and_is_repeatable(monkeypatc
 
 def test_the_same_program_is_solved_once(monkeypatch: pytest.MonkeyPatch) -> None:
     """A program solved before in this process gets the kept answer (a copy); any change to it, a
-    cost or a setting, is solved anew."""
+    cost or a setting, is solved anew, and so is every program after ``forget``."""
     calls = []
-    real = milp._solve
 
-    def counted(*args: Any) -> MilpAnswer:
-        calls.append(args)
-        return real(*args)
+    class Counted(highspy.Highs):  # type: ignore[misc]
+        def run(self) -> Any:
+            calls.append(self)
+            return super().run()
 
-    monkeypatch.setattr(milp, "_solve", counted)
+    monkeypatch.setattr(milp.highspy, "Highs", Counted)
     monkeypatch.setattr(milp, "_KEPT", OrderedDict())
     first = solve_milp(*_market_split(), gap=1e-4, node_limit=5)
     again = solve_milp(*_market_split(), gap=1e-4, node_limit=5)
@@ -219,6 +220,9 @@ def test_the_same_program_is_solved_once(monkeypatch: pytest.MonkeyPatch) -> Non
     solve_milp(cost, *rest, gap=1e-4, node_limit=5)
     solve_milp(*_market_split(), gap=1e-4, node_limit=6)
     assert len(calls) == 3
+    milp.forget()
+    solve_milp(*_market_split(), gap=1e-4, node_limit=5)
+    assert len(calls) == 4
 
 
 def test_a_plan_stopped_early_warns_with_its_gap(monkeypatch: pytest.MonkeyPatch) -> None:

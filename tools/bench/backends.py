@@ -35,12 +35,14 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
         from torch.distributed.device_mesh import init_device_mesh
 
         from meshfold.api import parallelize
+        from meshfold.passes.sharding.milp import forget
 
         cfg = Config(**cfg_dict)
         mesh = init_device_mesh("cpu", tuple(opts["mesh"]), mesh_dim_names=("dp", "tp"))
         rows = []
         for backend in BACKENDS:
             model, inputs = build(cfg)
+            forget()  # NOTE: each backend's compile solves its plan, as in a fresh process
             dist.barrier()
             start = time.perf_counter()
             pm = parallelize(model, mesh, inputs, plan=opts["plan"], backend=backend)

@@ -147,6 +147,7 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
 
         from meshfold import parallelize
         from meshfold.passes.schedule.timeline import predicted
+        from meshfold.passes.sharding.milp import forget
 
         cfg = Config(**cfg_dict)
         mesh = init_device_mesh("cpu", tuple(opts["mesh"]), mesh_dim_names=("dp", "tp"))
@@ -156,6 +157,7 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
         trainers: dict[str, Any] = {}
         out: dict[str, Any] = {"compile_s": {}}
         for label in ("overlap", "no overlap"):
+            forget()  # NOTE: each compile solves its plan, as in a fresh process
             t0 = time.perf_counter()
             pm = parallelize(
                 build(cfg)[0],
