@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import hashlib
 import os
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass
@@ -55,12 +56,14 @@ _KEPT: OrderedDict[bytes, MilpAnswer] = OrderedDict()
 """Answers by their program's digest (``_digest``), the most recently used last."""
 KEEP = 32
 """At most this many answers kept (each holds one float per column)."""
+_LOCK = threading.Lock()
 
 
 def forget() -> None:
     """Drop the kept answers: the next solve of each program runs HiGHS again (a bench timing
     compiles of one model side by side in one process pays for each as a fresh process would)."""
-    _KEPT.clear()
+    with _LOCK:
+        _KEPT.clear()
 
 
 def _digest(*parts: object) -> bytes:
@@ -86,12 +89,16 @@ def _kept(solve: Callable[..., MilpAnswer]) -> Callable[..., MilpAnswer]:
     @functools.wraps(solve)
     def kept(*args: object, **kwargs: object) -> MilpAnswer:
         key = _digest(*args, *sorted(kwargs.items()))
-        answer = _KEPT.get(key)
+        with _LOCK:
+            answer = _KEPT.get(key)
+            if answer is not None:
+                _KEPT.move_to_end(key)
         if answer is None:
-            answer = _KEPT[key] = solve(*args, **kwargs)
-            while len(_KEPT) > KEEP:
-                _KEPT.popitem(last=False)
-        _KEPT.move_to_end(key)
+            answer = solve(*args, **kwargs)
+            with _LOCK:  # NOTE: compiles on two threads may solve at once
+                _KEPT[key] = answer
+                while len(_KEPT) > KEEP:
+                    _KEPT.popitem(last=False)
         return dataclasses.replace(answer, x=None if answer.x is None else answer.x.copy())
 
     return kept
