@@ -5,7 +5,7 @@ Values and ops are immutable; a pass builds a new graph with :class:`GraphBuilde
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, TypeAlias
 
@@ -84,7 +84,11 @@ class Op:
     """``key()``, once asked (every part of it is immutable)."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "operands", tuple(_values_in((self.args, tuple(v for _, v in self.kwargs)))))
+        found: list[Value] = []
+        _values_in(self.args, found)
+        for _, v in self.kwargs:
+            _values_in((v,), found)
+        object.__setattr__(self, "operands", tuple(found))
 
     @property
     def name(self) -> str:
@@ -122,12 +126,14 @@ class Op:
         return self._key
 
 
-def _values_in(arg: Arg) -> Iterator[Value]:
-    if isinstance(arg, Value):
-        yield arg
-    elif isinstance(arg, tuple):
-        for a in arg:
-            yield from _values_in(a)
+def _values_in(args: tuple[Arg, ...], found: list[Value]) -> None:
+    """Append the values in ``args`` (nested tuples walked) to ``found``, in order (every op made
+    asks: a loop, not a generator per level)."""
+    for a in args:
+        if isinstance(a, Value):
+            found.append(a)
+        elif isinstance(a, tuple):
+            _values_in(a, found)
 
 
 def _skeleton(a: Arg) -> Hashable:
@@ -168,7 +174,12 @@ def map_values(arg: Arg, fn: dict[Value, Value]) -> Arg:
 def remap_op(op: Op, fn: dict[Value, Value]) -> Op:
     """``op`` reading ``fn[value]`` for every value it reads that is in ``fn``; ``op`` itself where it
     reads none of them."""
-    if not fn or not any(v in fn for v in op.operands):
+    if not fn:
+        return op
+    for v in op.operands:
+        if v in fn:
+            break
+    else:
         return op
     args = tuple(map_values(a, fn) for a in op.args)
     kwargs = tuple((k, map_values(v, fn)) for k, v in op.kwargs)

@@ -381,6 +381,14 @@ def is_pure(target: Target) -> bool:
     """True when removing or merging calls of ``target`` cannot change results (no mutation, no RNG)."""
     if isinstance(target, OpDef):
         return target.pure
-    if target._schema.is_mutable:
-        return False
-    return torch.Tag.nondeterministic_seeded not in target.tags
+    hit = _PURE.get(id(target))
+    if hit is None or hit[0] is not target:
+        pure = not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+        hit = _PURE[id(target)] = (target, pure)
+    return hit[1]
+
+
+_PURE: dict[int, tuple[Target, bool]] = {}
+"""``is_pure`` of each ATen overload asked about, by identity (every pass asks for each op, each
+layer alike, and hashing an overload is a Python call); the entry holds the overload, so its id
+is never another's."""

@@ -22,6 +22,9 @@ class PatternTable:
 
     name: str
     patterns: dict[Target | None, list[Pattern]] = field(default_factory=dict)
+    _asked: dict[int, tuple[Target, list[Pattern]]] = field(default_factory=dict, repr=False, compare=False)
+    """``for_target``'s answers by the target's identity (a sweep asks for every op; hashing an
+    overload is a Python call); each entry holds its target, so its id is never another's."""
 
     def register(self, *targets: Target | None) -> Callable[[Pattern], Pattern]:
         """``@table.register(aten.view.default, aten.reshape.default)`` adds a pattern."""
@@ -29,12 +32,16 @@ class PatternTable:
         def deco(fn: Pattern) -> Pattern:
             for t in targets or (None,):
                 self.patterns.setdefault(t, []).append(fn)
+            self._asked.clear()
             return fn
 
         return deco
 
     def for_target(self, target: Target) -> list[Pattern]:
-        return self.patterns.get(target, []) + self.patterns.get(None, [])
+        hit = self._asked.get(id(target))
+        if hit is None or hit[0] is not target:
+            hit = self._asked[id(target)] = (target, self.patterns.get(target, []) + self.patterns.get(None, []))
+        return hit[1]
 
 
 class Rewriter:

@@ -78,19 +78,20 @@ class _Failure(Exception):
 
 def _verify(graph: Graph, check_types: bool) -> None:
     defined: set[Value] = set()
+    axes = Layout.replicated(graph.mesh).axes
     names: set[str] = set()
     for i in graph.inputs:
         if i.name in names:
             raise _Failure(f"graph @{graph.name}: input %{i.name} appears twice", i.value)
         names.add(i.name)
-        _define(graph, i.value, defined, f"input %{i.name}", i.value)
+        _define(graph, i.value, defined, f"input %{i.name}", i.value, axes)
     fake = _FakeRunner() if check_types else None
     for op in graph.ops:
         for v in op.operands:
             if v not in defined:
                 raise _Failure(f"{op.describe()}: operand %{v.name} is not defined before this op", op)
         for r in op.results:
-            _define(graph, r, defined, op.describe(), op)
+            _define(graph, r, defined, None, op, axes)
         if fake is not None and not isinstance(op.target, OpDef):
             fake.check(op)
     for o in graph.outputs:
@@ -98,43 +99,49 @@ def _verify(graph: Graph, check_types: bool) -> None:
             raise _Failure(f"graph @{graph.name}: output {o.kind}({o.name}) uses undefined %{o.value.name}", o)
 
 
-def _define(graph: Graph, v: Value, defined: set[Value], where: str, item: Value | Op) -> None:
+def _define(
+    graph: Graph, v: Value, defined: set[Value], where: str | None, item: Value | Op, axes: tuple[str, ...]
+) -> None:
+    """``where``: the definition as errors name it (None: ``item``, an op, describes itself; made
+    only for an error, as every op of the graph passes here)."""
     if v in defined:
-        raise _Failure(f"{where}: value %{v.name} is defined twice", item)
+        raise _Failure(f"{where or _described(item)}: value %{v.name} is defined twice", item)
     defined.add(v)
     try:
-        _check_shape(v, where)
-        _check_layout(graph, v, where)
+        _check_shape(v)
+        _check_layout(v, axes)
     except _Failure as f:
-        raise _Failure(f.message, item) from None
+        raise _Failure(f"{where or _described(item)}: {f.message}", item) from None
 
 
-def _check_shape(v: Value, where: str) -> None:
+def _described(item: Value | Op) -> str:
+    return item.describe() if isinstance(item, Op) else f"%{item.name}"
+
+
+def _check_shape(v: Value) -> None:
     if not isinstance(v.type, TensorType):
         return
     n = 1
     for d in v.type.shape:
         if isinstance(d, int) or d.is_Integer:
             if int(d) < 0:
-                raise _Failure(f"{where}: %{v.name} : {v.type} has a negative dimension {d}; sizes must be >= 0")
+                raise _Failure(f"%{v.name} : {v.type} has a negative dimension {d}; sizes must be >= 0")
             n *= int(d)
         elif d.is_negative:
-            raise _Failure(f"{where}: %{v.name} : {v.type} has a negative dimension {d}; sizes must be >= 0")
+            raise _Failure(f"%{v.name} : {v.type} has a negative dimension {d}; sizes must be >= 0")
     if n >= MAX_NUMEL:
-        raise _Failure(f"{where}: %{v.name} : {v.type} has {n} elements; the limit is 2**62")
+        raise _Failure(f"%{v.name} : {v.type} has {n} elements; the limit is 2**62")
 
 
-def _check_layout(graph: Graph, v: Value, where: str) -> None:
-    expected = Layout.replicated(graph.mesh).axes
+def _check_layout(v: Value, expected: tuple[str, ...]) -> None:
+    """``expected``: the axes of the graph's mesh (a replicated layout's)."""
     if v.layout.axes != expected:
-        raise _Failure(f"{where}: %{v.name} has layout axes {v.layout.axes} but the graph's mesh has {expected}")
+        raise _Failure(f"%{v.name} has layout axes {v.layout.axes} but the graph's mesh has {expected}")
     for axis, p in zip(v.layout.axes, v.layout.placements, strict=True):
         if isinstance(p, Shard):
             rank = v.type.rank if isinstance(v.type, TensorType) else 0
             if not 0 <= p.dim < rank:
-                raise _Failure(
-                    f"{where}: %{v.name} : {v.type} is sharded on dim {p.dim} over {axis!r}, but it has rank {rank}"
-                )
+                raise _Failure(f"%{v.name} : {v.type} is sharded on dim {p.dim} over {axis!r}, but it has rank {rank}")
 
 
 class _FakeRunner:

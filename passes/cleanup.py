@@ -117,9 +117,9 @@ def eliminate_dead_code(graph: Graph) -> Graph:
 
 def _key(arg: Arg) -> object:
     if isinstance(arg, Value):
-        return ("%", id(arg))
+        return arg  # NOTE: values hash and compare by identity: the very same value
     if isinstance(arg, tuple):
-        return tuple(_key(a) for a in arg)
+        return tuple([_key(a) for a in arg])
     if isinstance(arg, float):
         return ("f", repr(arg))
     return (type(arg).__name__, arg)
@@ -129,9 +129,12 @@ def computation_key(
     target: Target, args: tuple[Arg, ...], kwargs: tuple[tuple[str, Arg], ...], out: tuple[Value, ...]
 ) -> object:
     """Equal for two calls of a pure op that compute the same values: the same target, the very same
-    operand values, equal constants (``-0.0`` is not ``0.0``) and equal result types and layouts."""
-    types = tuple((r.type, r.layout) for r in out)
-    return (target, _key(args), _key(tuple(v for _, v in kwargs)), tuple(k for k, _ in kwargs), types)
+    operand values, equal constants (``-0.0`` is not ``0.0``) and equal result types and layouts.
+    (The target by identity: an overload is one object for the process, and hashing it is a Python
+    call; ops of every layer ask.)"""
+    types = tuple([(r.type, r.layout) for r in out])
+    kw = tuple([_key(v) for _, v in kwargs]) if kwargs else ()
+    return (id(target), _key(args), kw, tuple([k for k, _ in kwargs]), types)
 
 
 def eliminate_common_subexpressions(graph: Graph) -> Graph:

@@ -47,7 +47,6 @@ from typing import ClassVar
 
 from meshfold.ir import Graph, GraphBuilder, Op, Value
 from meshfold.ir.asynchrony import inflight
-from meshfold.ir.graph import local_nbytes
 from meshfold.ir.ops import PPERMUTE, RELOAD, WAIT
 from meshfold.passes.base import Pass, PassContext, PassError
 from meshfold.passes.blocks import op_blocks
@@ -166,7 +165,7 @@ class _Scheduler:
         # gradient's reduce-scatter keeps the whole unreduced gradient alive)
         # NOTE: a reload's operand is in the host tier: it holds only the device copy it makes
         held = {c: (*(() if ops[c].target == RELOAD else ops[c].operands), *ops[c].results) for c in self.comm}
-        self.size = {c: sum(local_nbytes(v, graph.mesh) for v in vs) for c, vs in held.items()}
+        self.size = {c: sum(costs.nbytes(v) for v in vs) for c, vs in held.items()}
         # NOTE: the ops a computed collective that the phase reads waits for, from the last ``lookahead``
         # places before it: run first among the ready, so the collective starts early and independent
         # work goes under it (a gradient's reduce-scatter, read by no op, does not hurry its GEMM)

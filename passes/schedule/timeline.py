@@ -56,23 +56,43 @@ class Costs:
     """Each collective's priced wire time (the scheduler and each replay ask again)."""
     _work: dict[Hashable, tuple[float, float]] = field(default_factory=dict, init=False, repr=False, compare=False)
     """FLOPs and bytes by ``Op.key`` (the ops of every layer of a stack are priced once)."""
+    _ways: dict[Value, float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """How many ways each value's layout divides it (most values are read by several ops)."""
+    _bytes: dict[Value, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """``nbytes`` of each value asked."""
 
     def compute(self, op: Op) -> float:
         """An op's kernel time on one rank: its work divided as much as its layouts divide it (a
-        host-tier copy where the core makes it, ``copy``)."""
+        host-tier copy where the core makes it, ``copy``). Kept per op: a schedule asks many times."""
+        t = self._seconds.get(op)
+        if t is None:
+            t = self._seconds[op] = self._compute(op)
+        return t
+
+    def _compute(self, op: Op) -> float:
         if op.target in (OFFLOAD, RELOAD):
             return 0.0 if self.copy_engine else self.copy(op)
         if isinstance(op.target, OpDef):
             return 0.0
-        t = self._seconds.get(op)
-        if t is None:
-            ways = max((_ways(v, self.graph.mesh) for v in (*op.operands, *op.results)), default=1.0)
-            key = op.key()
-            work = self._work.get(key)
-            if work is None:
-                work = self._work[key] = (op_flops(op), op_bytes(op))
-            t = self._seconds[op] = self.models[0].compute(work[0] / ways, work[1] / ways)
-        return t
+        ways = 1.0
+        for v in (*op.operands, *op.results):
+            w = self._ways.get(v)
+            if w is None:
+                w = self._ways[v] = _ways(v, self.graph.mesh)
+            ways = max(ways, w)
+        key = op.key()
+        work = self._work.get(key)
+        if work is None:
+            work = self._work[key] = (op_flops(op), op_bytes(op))
+        return self.models[0].compute(work[0] / ways, work[1] / ways)
+
+    def nbytes(self, v: Value) -> int:
+        """``local_nbytes`` of ``v`` on this graph's mesh, kept (a collective's operands are asked
+        again by each replay and by the scheduler)."""
+        n = self._bytes.get(v)
+        if n is None:
+            n = self._bytes[v] = local_nbytes(v, self.graph.mesh)
+        return n
 
     @property
     def copy_engine(self) -> bool:
@@ -83,7 +103,7 @@ class Costs:
     def copy(self, op: Op) -> float:
         """Seconds of a ``mem.offload`` / ``mem.reload`` copy at the device's host bandwidth."""
         moved = op.operands if op.target == OFFLOAD else op.results
-        return sum(local_nbytes(v, self.graph.mesh) for v in moved) / self.models[0].cluster.device.host_bw
+        return sum(self.nbytes(v) for v in moved) / self.models[0].cluster.device.host_bw
 
     def stream(self, op: Op) -> str:
         """Where an op that ``moves_data`` runs beside the compute stream: ``copy`` or ``comm``."""
@@ -91,20 +111,26 @@ class Costs:
 
     def comm(self, op: Op) -> float:
         """A collective's wire time over its mesh axis, or a reload's copy time on a device with a copy
-        engine (0 on a one-rank axis, for local ops, and for copies a CPU rank's core makes)."""
+        engine (0 on a one-rank axis, for local ops, and for copies a CPU rank's core makes). Kept
+        per op: every op is asked, by each replay and by the scheduler."""
+        t = self._wire.get(op)
+        if t is None:
+            t = self._wire[op] = self._comm(op)
+        return t
+
+    def _comm(self, op: Op) -> float:
+        if not isinstance(op.target, OpDef):
+            return 0.0
         if op.target == RELOAD:
             return self.copy(op) if self.copy_engine else 0.0
         if op.target not in ASYNC_COLLECTIVES or self.graph.mesh is None:
             return 0.0
-        t = self._wire.get(op)
-        if t is None:
-            model = self.models[self.graph.mesh.index(str(op.kwarg("axis")))]
-            kind = _KIND.get(op.target, "reduce_scatter")  # type: ignore[call-overload]
-            # NOTE: the collective model takes the whole buffer: a gather's result, a reduction's input
-            held = op.results if kind == "all_gather" else op.operands
-            size = sum(local_nbytes(v, self.graph.mesh) for v in held)
-            t = self._wire[op] = 0.0 if model.size <= 1 else model.collective(kind, size)
-        return t
+        model = self.models[self.graph.mesh.index(str(op.kwarg("axis")))]
+        kind = _KIND.get(op.target, "reduce_scatter")  # type: ignore[call-overload]
+        # NOTE: the collective model takes the whole buffer: a gather's result, a reduction's input
+        held = op.results if kind == "all_gather" else op.operands
+        size = sum(self.nbytes(v) for v in held)
+        return 0.0 if model.size <= 1 else model.collective(kind, size)
 
     def moves_data(self, op: Op) -> bool:
         return self.comm(op) > 0.0

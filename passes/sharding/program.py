@@ -65,6 +65,8 @@ class AxisProgram(MoveColumns):
         self.budget = budget
         self.ties = ties
         self.work = work
+        self._times: dict[tuple[tuple[float, float, int], bool], float] = {}
+        self._split: dict[int, tuple[Strategy, bool]] = {}
         self.keys = problem.keys or op_kinds(graph)
         self.stats = AxisStats(axis, 0, 0, 0.0)
         self.m = Columns()
@@ -76,9 +78,10 @@ class AxisProgram(MoveColumns):
         self.choice: dict[Value, dict[Placement, int]] = {}
         self.shrink: dict[Value, int] = {}
         for op_i, op in enumerate(graph.ops):
+            before = earlier[op_i]
             for j, r in enumerate(op.results):
                 self.source[r] = (op_i, j)
-                self.shrink[r] = _ways(mesh, [(e.outputs[j]) for e in earlier[op_i]])
+                self.shrink[r] = _ways(mesh, [e.outputs[j] for e in before]) if before else 1
         for gi in graph.inputs:
             v = gi.value
             if v in problem.free:
@@ -117,20 +120,23 @@ class AxisProgram(MoveColumns):
             for var, c in zip(x[op_i], priced[costs], strict=True):
                 self.m.cost[var] += n * c
         shared = len(tied)
-        uses: dict[Value, list[Use]] = defaultdict(list)
+        # NOTE: consumers tied to one op read through its columns in one way: the first stands for them
+        # all (a value every layer reads, such as a view of the rotary tables, has two uses per layer)
+        reads: dict[Value, dict[tuple[int, int, str], Use]] = defaultdict(dict)
         for op_i, op in enumerate(self.graph.ops):
+            rep = tied.get(op_i, op_i)
             for k, v in enumerate(op.operands):
                 if isinstance(v.type, TensorType):
-                    uses[v].append(Use(v, op_i, k, op.prov.phase))
+                    seen = reads[v]
+                    if (rep, k, op.prov.phase) not in seen:
+                        seen[rep, k, op.prov.phase] = Use(v, op_i, k, op.prov.phase)
         for out_i, o in enumerate(self.graph.outputs):
             want = self.problem.wants.get(out_i)
             if want is not None and isinstance(o.value.type, TensorType):
                 phase = "bwd" if o.kind == "grad" else "fwd"
                 placement = want.placement(self.axis) if isinstance(want, Layout) else want
-                uses[o.value].append(Use(o.value, -1, out_i, phase, placement))
-        # NOTE: consumers tied to one op read through its columns in one way: one stands for them all
-        # (a value every layer reads, such as a view of the rotary tables, has two uses per layer)
-        uses = {v: list({(tied.get(u.op, u.op), u.index, u.phase): u for u in us}.values()) for v, us in uses.items()}
+                reads[o.value][-1, out_i, phase] = Use(o.value, -1, out_i, phase, placement)
+        uses = {v: list(us.values()) for v, us in reads.items()}
         built: dict[Value, int] = {}
         for v, us in uses.items():
             w = self._mirror(v, us, uses, tied)
@@ -148,7 +154,7 @@ class AxisProgram(MoveColumns):
                 chosen[id(xs)] = max(range(len(xs)), key=lambda i: (res[xs[i]], -i))
         picks = [ss[chosen[id(xs)]] for ss, xs in zip(self.per_op, x, strict=True)]
         inputs = {v: max(opts, key=lambda p: (res[opts[p]], -list(opts).index(p))) for v, opts in self.choice.items()}
-        compute = sum(self._work(works[i], _splits(s)) for i, s in enumerate(picks))
+        compute = sum(self._work(works[i], self._splits(s)) for i, s in enumerate(picks))
         a = self.answer
         self.stats = AxisStats(
             self.axis,
@@ -237,7 +243,7 @@ class AxisProgram(MoveColumns):
         """The op's FLOPs and bytes, and how many ways the earlier axes' strategies divide them."""
         shrink = 1
         for a, s in enumerate(self.earlier[op_i]):
-            if _splits(s):
+            if self._splits(s):
                 shrink *= self.mesh.sizes[a]
         key = self.keys[op_i]
         if key not in self.work:
@@ -245,11 +251,22 @@ class AxisProgram(MoveColumns):
             self.work[key] = (op_flops(op), op_bytes(op))
         return *self.work[key], shrink
 
+    def _splits(self, s: Strategy) -> bool:
+        """``_splits(s)``, kept by identity (ops of one kind share their strategy objects)."""
+        hit = self._split.get(id(s))
+        if hit is None or hit[0] is not s:
+            hit = self._split[id(s)] = (s, _splits(s))
+        return hit[1]
+
     def _work(self, work: tuple[float, float, int], splits: bool) -> float:
-        """Compute time of one rank's part of ``work`` (``_op_work``), this axis splitting it or not."""
-        flops, nbytes_, shrink = work
-        ways = shrink * (self.n if splits else 1)
-        return self.model.compute(flops / ways, nbytes_ / ways)
+        """Compute time of one rank's part of ``work`` (``_op_work``), this axis splitting it or not
+        (kept: every layer of a stack asks the same)."""
+        t = self._times.get((work, splits))
+        if t is None:
+            flops, nbytes_, shrink = work
+            ways = shrink * (self.n if splits else 1)
+            t = self._times[work, splits] = self.model.compute(flops / ways, nbytes_ / ways)
+        return t
 
     def _run(self, start: dict[int, float] | None) -> Any:
         # NOTE: presolve pays where a plan fixes the inputs' layouts (a preset's program: 0.24 s with it,
