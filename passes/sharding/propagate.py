@@ -238,7 +238,7 @@ class _Propagator:
     vmap: dict[Value, Value] = field(default_factory=dict)
     moved: dict[tuple[Value, Layout, str], Value] = field(default_factory=dict)
     compute: dict[Value, Layout] = field(default_factory=dict)
-    layouts: dict[tuple[int, ...], tuple[tuple[Strategy, ...], Layout]] = field(default_factory=dict)
+    layouts: dict[tuple[tuple[int, ...], int], tuple[tuple[Strategy, ...], Layout]] = field(default_factory=dict)
     """``_layout``'s answers; each holds its strategies, so their ids are never others'."""
     param_like: set[Value] = field(default_factory=set)
     warned: set[str] = field(default_factory=set)
@@ -302,23 +302,23 @@ class _Propagator:
             chosen = []
             for axis in self.mesh.names:
                 chosen.append(self._choose(op, operands, strategies, axis, chosen))
+        held, ids = tuple(chosen), tuple(map(id, chosen))
         for k, v in enumerate(operands):
             if isinstance(v.type, TensorType):
-                operands[k] = self._move(v, self._layout(chosen, k), op.prov)
+                operands[k] = self._move(v, self._layout(held, ids, k), op.prov)
         args, kwargs = _rebind(op, operands)
-        results = tuple(Value(r.name, r.type, self._layout(chosen, -1 - j)) for j, r in enumerate(op.results))
+        results = tuple(Value(r.name, r.type, self._layout(held, ids, -1 - j)) for j, r in enumerate(op.results))
         self.b.append(Op(op.target, args, kwargs, results, op.prov))
         self.vmap.update(zip(op.results, results, strict=True))
 
-    def _layout(self, chosen: list[Strategy], k: int) -> Layout:
-        """The layout ``chosen`` (a strategy per axis) gives operand ``k`` (result ``-1 - k`` for
-        ``k < 0``), kept by the strategies' identities: the ops of every layer choose the same
-        strategy objects (``Strategy`` hashes by its fields, a Python call per field)."""
-        key = (*map(id, chosen), k)
-        hit = self.layouts.get(key)
-        if hit is None or any(a is not b for a, b in zip(hit[0], chosen, strict=True)):
+    def _layout(self, chosen: tuple[Strategy, ...], ids: tuple[int, ...], k: int) -> Layout:
+        """The layout ``chosen`` (a strategy per axis, ``ids`` their identities) gives operand ``k``
+        (result ``-1 - k`` for ``k < 0``), kept by the strategies' identities: the ops of every layer
+        choose the same strategy objects, and ``Strategy`` hashes by its fields (a Python call)."""
+        hit = self.layouts.get((ids, k))
+        if hit is None or hit[0] != chosen:  # NOTE: the same objects compare equal at once
             ps = tuple(s.inputs[k] if k >= 0 else s.outputs[-1 - k] for s in chosen)
-            hit = self.layouts[key] = (tuple(chosen), Layout(self.mesh.names, ps))
+            hit = self.layouts[ids, k] = (chosen, Layout(self.mesh.names, ps))
         return hit[1]
 
     def _choose(
