@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 from torch._ops import OpOverload
 
+from meshfold.ir.memo import Kept, by_identity
 from meshfold.ir.mesh import Mesh
 from meshfold.ir.placement import Layout, Partial, Placement, ReduceOp, Replicate, Shard
 from meshfold.ir.symbolic import size_hint
@@ -381,14 +382,12 @@ def is_pure(target: Target) -> bool:
     """True when removing or merging calls of ``target`` cannot change results (no mutation, no RNG)."""
     if isinstance(target, OpDef):
         return target.pure
-    hit = _PURE.get(id(target))
-    if hit is None or hit[0] is not target:
-        pure = not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
-        hit = _PURE[id(target)] = (target, pure)
-    return hit[1]
+    return by_identity(_PURE, target, _aten_pure)
 
 
-_PURE: dict[int, tuple[Target, bool]] = {}
-"""``is_pure`` of each ATen overload asked about, by identity (every pass asks for each op, each
-layer alike, and hashing an overload is a Python call); the entry holds the overload, so its id
-is never another's."""
+def _aten_pure(target: OpOverload) -> bool:
+    return not target._schema.is_mutable and torch.Tag.nondeterministic_seeded not in target.tags
+
+
+_PURE: Kept[OpOverload, bool] = {}
+"""``is_pure`` of each ATen overload asked about (every pass asks for each op)."""

@@ -11,6 +11,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from meshfold.ir.graph import Arg, Graph, GraphBuilder, Op, Provenance, Value, remap_op
+from meshfold.ir.memo import Kept, by_identity
 from meshfold.ir.ops import Target
 
 Pattern = Callable[["Rewriter", Op], Sequence[Value] | None]
@@ -22,9 +23,8 @@ class PatternTable:
 
     name: str
     patterns: dict[Target | None, list[Pattern]] = field(default_factory=dict)
-    _asked: dict[int, tuple[Target, list[Pattern]]] = field(default_factory=dict, repr=False, compare=False)
-    """``for_target``'s answers by the target's identity (a sweep asks for every op; hashing an
-    overload is a Python call); each entry holds its target, so its id is never another's."""
+    _asked: Kept[Target, list[Pattern]] = field(default_factory=dict, repr=False, compare=False)
+    """``for_target``'s answers (a sweep asks for every op), emptied when a pattern registers."""
 
     def register(self, *targets: Target | None) -> Callable[[Pattern], Pattern]:
         """``@table.register(aten.view.default, aten.reshape.default)`` adds a pattern."""
@@ -38,10 +38,10 @@ class PatternTable:
         return deco
 
     def for_target(self, target: Target) -> list[Pattern]:
-        hit = self._asked.get(id(target))
-        if hit is None or hit[0] is not target:
-            hit = self._asked[id(target)] = (target, self.patterns.get(target, []) + self.patterns.get(None, []))
-        return hit[1]
+        return by_identity(self._asked, target, self._for)
+
+    def _for(self, target: Target) -> list[Pattern]:
+        return self.patterns.get(target, []) + self.patterns.get(None, [])
 
 
 class Rewriter:

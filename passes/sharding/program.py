@@ -13,6 +13,7 @@ from collections.abc import Hashable, Sequence
 from typing import Any
 
 from meshfold.ir import Layout, Mesh, Placement, Replicate, Shard, TensorType, Value
+from meshfold.ir.memo import Kept, by_identity
 from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
 from meshfold.ir.symbolic import divides
 from meshfold.passes.base import PassError
@@ -66,7 +67,7 @@ class AxisProgram(MoveColumns):
         self.ties = ties
         self.work = work
         self._times: dict[tuple[tuple[float, float, int], bool], float] = {}
-        self._split: dict[int, tuple[Strategy, bool]] = {}
+        self._split: Kept[Strategy, bool] = {}
         self.keys = problem.keys or op_kinds(graph)
         self.stats = AxisStats(axis, 0, 0, 0.0)
         self.m = Columns()
@@ -252,11 +253,8 @@ class AxisProgram(MoveColumns):
         return *self.work[key], shrink
 
     def _splits(self, s: Strategy) -> bool:
-        """``_splits(s)``, kept by identity (ops of one kind share their strategy objects)."""
-        hit = self._split.get(id(s))
-        if hit is None or hit[0] is not s:
-            hit = self._split[id(s)] = (s, _splits(s))
-        return hit[1]
+        """``_splits(s)``, kept (ops of one kind share their strategy objects)."""
+        return by_identity(self._split, s, _splits)
 
     def _work(self, work: tuple[float, float, int], splits: bool) -> float:
         """Compute time of one rank's part of ``work`` (``_op_work``), this axis splitting it or not
