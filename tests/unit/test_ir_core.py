@@ -141,3 +141,22 @@ def test_own_ops_are_one_object_each_through_copies_and_pickles() -> None:
     assert copy.deepcopy(WAIT) is WAIT and copy.copy(ALL_GATHER) is ALL_GATHER
     assert pickle.loads(pickle.dumps(ALL_GATHER)) is ALL_GATHER
     assert WAIT == WAIT and WAIT != ALL_GATHER and len({WAIT, copy.deepcopy(WAIT), ALL_GATHER}) == 2
+
+
+def test_answers_kept_by_identity_are_each_objects_own() -> None:
+    """``by_identity`` computes once per object, and an entry left by another object under the same
+    id (one freed, its id reused) is never taken for this one's."""
+    from meshfold.ir.memo import Kept, by_identity
+
+    calls: list[str] = []
+
+    def make(s: str) -> str:
+        calls.append(s)
+        return s.upper()
+
+    kept: Kept[str, str] = {}
+    a, b = "".join(["a", "x"]), "".join(["b", "y"])
+    assert by_identity(kept, a, make) == "AX" and by_identity(kept, a, make) == "AX" and calls == ["ax"]
+    kept[id(b)] = (a, "stale")  # NOTE: as if ``a`` had lived at ``b``'s address
+    assert by_identity(kept, b, make) == "BY" and calls == ["ax", "by"]
+    assert by_identity(kept, b, make) == "BY" and calls == ["ax", "by"]
