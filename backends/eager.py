@@ -57,8 +57,8 @@ class RankContext:
     flat_groups: tuple[tuple[tuple[str, ...], str], ...] = ()
     """Groups over several mesh axes at once (``exchange_axes`` says which a graph needs)."""
     gloo: bool = False
-    """Whether the collectives run on gloo (CPU tensors): started all-gathers are then sent so that
-    their buffers live to their waits (``comm.issue``'s ``held``)."""
+    """Whether the collectives run on gloo (CPU tensors): all-gathers and reduce-scatters are then
+    sent as all-to-alls (``comm.issue``'s ``gloo``)."""
     cp_method: str = "ring"
     """How an attention split along the sequence runs (``passes.cp.CpSpec``): ``ring`` attention or
     ``tokenring``."""
@@ -163,7 +163,7 @@ def build_module(
     for op in ops:
         last = g._root.prev  # NOTE: the node before this op's; its collectives' waits are named after it
         if op.results and op.results[0] in started:
-            pending[started[op.results[0]]] = (op, _issue(g, op, env, rank, started=True))
+            pending[started[op.results[0]]] = (op, _issue(g, op, env, rank))
             continue
         if op.target == WAIT:
             start, issued = pending.pop(op)
@@ -249,13 +249,13 @@ def _emit(
     return _unpacked(g, op, node)
 
 
-def _issue(g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext, started: bool = False) -> Issued:
-    if op.target == RELOAD:  # NOTE: started: the copy issued here, waited for at its comm.wait
+def _issue(g: fx.Graph, op: Op, env: dict[Value, fx.Node], rank: RankContext) -> Issued:
+    if op.target == RELOAD:  # NOTE: the copy issued here, waited for at its comm.wait
         return Issued(g.call_function(reload_start, (env[op.operands[0]],)), lambda g, out: [out], wait=reload_wait)
     axis = str(op.kwarg("axis"))
     xs = [env[x] for x in op.operands]
     local = local_shapes(op, rank.mesh)
-    return issue(g, op, xs, rank.size(axis), rank.group(axis), rank.coord(axis), local, held=started and rank.gloo)
+    return issue(g, op, xs, rank.size(axis), rank.group(axis), rank.coord(axis), local, gloo=rank.gloo)
 
 
 def _unpacked(g: fx.Graph, op: Op, node: fx.Node) -> list[fx.Node]:

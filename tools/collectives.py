@@ -5,8 +5,9 @@ the lowered programs' ``torch.ops._c10d_functional`` calls and the ``c10d`` call
 expert dispatcher makes (``dist.all_to_all_single``, with splits known only at run time). Layout
 changes that lower to no collective (``comm.shard``, ``comm.partial``) never appear. Bytes are each
 call's input tensor (``in``: what the profiler lists as the collective's input) and result
-(``out``) on this rank. A started all-gather on gloo runs as an all-to-all of its operand repeated
-once per rank (``backends.comm.issue``); it is counted as the all-gather it is, its operand as input.
+(``out``) on this rank. On gloo an all-gather runs as an all-to-all of its operand repeated once per
+rank, a reduce-scatter as an all-to-all of its operand's blocks (``backends.comm.issue``); each is
+counted as the collective it is, with that collective's input and result bytes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from meshfold.backends.comm import gathering_by_all_to_all
+from meshfold.backends.comm import sent_by_all_to_all
 
 _FUNCTIONAL_KINDS = {
     "all_gather_into_tensor": "all_gather",
@@ -94,9 +95,11 @@ def classify(func: Any, args: Sequence[Any], result: Any) -> tuple[str, str, int
     """(kind, group, in bytes, out bytes) when ``func`` is a collective, else None (``wait_tensor`` included)."""
     namespace = getattr(func, "namespace", "")
     name = func._schema.name.split("::")[-1] if hasattr(func, "_schema") else ""
-    if namespace == "_c10d_functional" and name == "all_to_all_single" and gathering_by_all_to_all():
-        # NOTE: a started all-gather on gloo, sent as an all-to-all of its operand repeated per rank
-        return "all_gather", _group_of(args), _bytes(args[0]) // len(args[1]), _bytes(result)
+    sent_for = sent_by_all_to_all() if namespace == "_c10d_functional" and name == "all_to_all_single" else None
+    if sent_for == "all_gather":  # NOTE: on gloo, an all-to-all of the operand repeated once per rank
+        return sent_for, _group_of(args), _bytes(args[0]) // len(args[1]), _bytes(result)
+    if sent_for == "reduce_scatter":  # NOTE: on gloo, an all-to-all of the operand's blocks, summed after
+        return sent_for, _group_of(args), _bytes(args[0]), _bytes(result) // len(args[1])
     if namespace == "_c10d_functional" and name in _FUNCTIONAL_KINDS:
         return _FUNCTIONAL_KINDS[name], _group_of(args), _bytes(args[0]), _bytes(result)
     if namespace == "c10d" and name in _C10D_KINDS:

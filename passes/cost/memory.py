@@ -18,11 +18,13 @@ type divided over the mesh axes that shard it) and mirrors how the program is ex
 * a started collective (``ir.asynchrony``) allocates its results at its start, and they are its
   wait's results (the same storage); its operands and its staging copy stay alive until the wait
   (the collective reads them while on the wire);
-* on gloo (CPU ranks: ``cluster`` None, the default, or the catalog's host device) an all-gather
-  gathers into a flat buffer the size of its output and copies out of it, so it holds twice its
-  output at its end (NCCL writes the output directly). Without this, offloaded programs on 4 CPU
-  ranks measured up to 38% over. An all-to-all whose concat and split dims are one is lowered as a
-  gather of every rank's operand, then this rank's chunk: gloo's flat buffer is that whole gather.
+* on gloo (CPU ranks: ``cluster`` None, the default, or the catalog's host device) the lowering
+  sends an all-gather as an all-to-all of its operand repeated once per rank, so it holds twice
+  its output at its end (NCCL writes the output directly; without this, offloaded programs on 4
+  CPU ranks measured up to 38% over), and a sum reduce-scatter as an all-to-all of its operand,
+  whose every block arrives before they are summed: it holds its whole operand again. An
+  all-to-all whose concat and split dims are one is lowered as a gather of every rank's operand,
+  then this rank's chunk: gloo's flat buffer is that whole gather.
 
 * a routed-experts op (``ir.moe``) also holds its working set while it runs (``ir.moe_memory.working_set``:
   its pairs' indices and one piece of one expert's temporaries); other kernels' internal
@@ -185,7 +187,7 @@ def _staging(op: Op, size: dict[Value, int], mesh: Mesh, gloo: bool) -> int:
     """Bytes a started collective's lowering copies its operands into (a flat bucket buffer, the
     contiguous copy of a non-leading dim; gloo's flat gather buffer), alive until its wait."""
     if op.target in (ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET):
-        return sum(size[u] for u in op.operands)
+        return sum(size[u] for u in op.operands) + (_flat(op, size, mesh) if gloo else 0)
     if op.target == PPERMUTE and _one_piece(op, mesh):
         return 0
     dim = op.kwarg("concat_dim", op.kwarg("dim", 0))
@@ -201,13 +203,18 @@ def _one_piece(op: Op, mesh: Mesh) -> bool:
 
 
 def _flat(op: Op, size: dict[Value, int], mesh: Mesh) -> int:
-    """gloo's flat buffer for a collective its lowering makes an all-gather (an all-gather, and an
-    all-to-all whose concat and split dims are one: a gather then this rank's chunk): what it
-    gathers, every rank's operand. 0 for others."""
-    if op.target == ALL_GATHER and op.kwarg("reduce") != "max":
-        return sum(size[r] for r in op.results)
+    """What the gloo lowering of a collective holds beyond its operands, its staging copies and its
+    results while on the wire: an all-gather's operand repeated once per rank (its bucket's flat
+    buffer repeated), a sum reduce-scatter's blocks from every rank but the one its result takes
+    the place of, the gather of an all-to-all whose concat and split dims are one (every rank's
+    operand). 0 for others."""
+    src, out = sum(size[u] for u in op.operands), sum(size[r] for r in op.results)
+    if op.target in (ALL_GATHER, ALL_GATHER_BUCKET) and op.kwarg("reduce") != "max":
+        return out
+    if op.target in (REDUCE_SCATTER, REDUCE_SCATTER_BUCKET) and op.kwarg("reduce") != "max":
+        return src - out
     if op.target == ALL_TO_ALL and op.kwarg("concat_dim") == op.kwarg("split_dim"):
-        return mesh.size(str(op.kwarg("axis"))) * sum(size[u] for u in op.operands)
+        return mesh.size(str(op.kwarg("axis"))) * src
     return 0
 
 
@@ -228,6 +235,12 @@ def _stages(op: Op, size: dict[Value, int], mesh: Mesh, gloo: bool) -> tuple[tup
     if op.target in (ALL_GATHER, REDUCE_SCATTER):
         if op.kwarg("reduce") == "max":  # NOTE: an all-reduce of the whole value, then this rank's chunk
             return ((src, True), (src + out, False))
+        if gloo and op.target == REDUCE_SCATTER:
+            # NOTE: every block arrives (the operand's size), then their sum; a copy with the dim in
+            # front first, moved back after
+            if int(op.kwarg("dim")):  # type: ignore[arg-type]
+                return ((src, True), (2 * src, False), (2 * src + out, False), (2 * out, False))
+            return ((src, True), (src + out, True), *(((2 * out, False),) if avg else ()))
         if int(op.kwarg("dim")):  # type: ignore[arg-type]
             return ((src, True), (src + out, False), (2 * out, False))
         if gloo and op.target == ALL_GATHER:
@@ -252,8 +265,12 @@ def _stages(op: Op, size: dict[Value, int], mesh: Mesh, gloo: bool) -> tuple[tup
     dims = [int(d) for d in given]
     moved = sum(size[u] for u, d in zip(op.operands, dims, strict=True) if d)
     if op.target == ALL_GATHER_BUCKET:
-        return ((moved + src, True), (src + n * src, False), (n * src + out, False))
+        sent = n * src if gloo else 0  # NOTE: the flat buffer repeated once per rank
+        return ((moved + src, True), (src + sent + n * src, False), (n * src + out, False))
     mine = src // n
+    if gloo:  # NOTE: every rank's blocks arrive beside the flat buffer, then their sum
+        summed = ((2 * src, False), (2 * src + mine, False))
+        return ((moved + src, True), *summed, (2 * mine * avg, False), (mine + out, False))
     return ((moved + src, True), (src + mine, False), (2 * mine * avg, False), (mine + out, False))
 
 

@@ -47,7 +47,7 @@ def _eager_windows(module: torch.fx.GraphModule) -> list[int]:
     for node in nodes:
         if "wait_tensor" in str(node.target):
             start = node.args[0]
-            while "c10d" not in str(start.target) and "gather_by_all_to_all" not in str(start.target):
+            while "c10d" not in str(start.target) and "by_all_to_all" not in str(start.target):
                 start = start.args[0]  # NOTE: through the views a started collective's result takes
             out.append(before[node] - before[start])
     return out

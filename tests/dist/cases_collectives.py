@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from meshfold.api import parallelize
-from meshfold.backends.comm import GATHER_BY_ALL_TO_ALL
+from meshfold.backends.comm import BY_ALL_TO_ALL
 from meshfold.tools.collectives import group_labels, summarize
 from meshfold.tools.demo import collectives_table, measured_step
 from meshfold.tools.zoo import build
@@ -32,7 +32,8 @@ _DTYPE_BYTES = {"float": 4, "double": 8, "long int": 8, "int": 4, "c10::Half": 2
 def _profiled(prof: Any) -> tuple[Counter[str], Counter[str]]:
     """Calls and bytes sent per kind, from the profiler's outermost event of each collective op (an
     all-to-all under ``backends.comm``'s label of a gloo all-gather: that all-gather, its operand
-    the ``1/n`` of the all-to-all's input that it repeats)."""
+    the ``1/n`` of the all-to-all's input that it repeats; of a gloo reduce-scatter: that
+    reduce-scatter, its operand the all-to-all's input)."""
     calls: Counter[str] = Counter()
     sent: Counter[str] = Counter()
     for e in prof.events():
@@ -42,24 +43,27 @@ def _profiled(prof: Any) -> tuple[Counter[str], Counter[str]]:
         numel = 1
         for d in e.input_shapes[i]:
             numel *= d
-        over = _gathered_over(e)
-        if over:
-            kind, numel = "all_gather", numel // over
+        sent_for, over = _sent_for(e)
+        if sent_for == "all_gather":
+            kind, numel = sent_for, numel // over
+        elif sent_for:
+            kind = sent_for
         calls[kind] += 1
         sent[kind] += numel * _DTYPE_BYTES[e.input_dtypes[i]]
     return calls, sent
 
 
-def _gathered_over(e: Any) -> int:
-    """The ranks of the all-gather ``e`` (an all-to-all) is sent for, per its label; 0 if none."""
-    label = re.compile(re.escape(GATHER_BY_ALL_TO_ALL).replace(r"\{\}", r"(\d+)"))
+def _sent_for(e: Any) -> tuple[str, int]:
+    """The collective ``e`` (an all-to-all) is sent for on gloo and its group's size, per its label;
+    ("", 0) if none."""
+    label = re.compile(re.escape(BY_ALL_TO_ALL).replace(r"\{\}", r"(\w+)", 1).replace(r"\{\}", r"(\d+)"))
     parent = e.cpu_parent
     while parent is not None:
         m = label.fullmatch(parent.name)
         if m:
-            return int(m.group(1))
+            return m.group(1), int(m.group(2))
         parent = parent.cpu_parent
-    return 0
+    return "", 0
 
 
 def _inside_a_collective(e: Any) -> bool:

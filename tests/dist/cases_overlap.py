@@ -15,7 +15,7 @@ from tests.dist.pool import device_mesh
 
 ISSUE = (
     "_c10d_functional::all_gather_into_tensor",
-    "_c10d_functional::all_to_all_single",  # NOTE: a started all-gather on gloo (``backends.comm.issue``)
+    "_c10d_functional::all_to_all_single",  # NOTE: gloo's all-gathers and reduce-scatters (``comm.issue``)
     "_c10d_functional::reduce_scatter_tensor",
     "_c10d_functional::all_reduce",
 )

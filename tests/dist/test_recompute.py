@@ -111,8 +111,8 @@ def test_a_budget_below_every_choice_is_refused_before_anything_runs() -> None:
 # also planned for H100s, where the overlap pass starts each reload ahead of its reader): a Llama,
 # a Mixtral-style model (its experts computed in place, and split over all 4 ranks with the
 # all-to-all dispatcher) and an HF model. Qwen2's offload-only peak has an FSDP all-gather in flight
-# (its wait after the reloads): measured as predicted since a started all-gather on gloo holds its
-# buffers to its wait (``backends.comm.issue``'s ``held``).
+# (its wait after the reloads): measured as predicted since an all-gather on gloo holds its
+# buffers to its wait (``backends.comm.issue``'s ``gloo``).
 MEASURED: list[tuple[str, tuple[int, int], dict[str, int] | None, tuple[float, ...], bool]] = [
     ("llama-tiny", BUDGETED["llama-tiny"], None, (0.7, 0.5, 0.3), True),
     ("mixtral-tiny", BUDGETED["mixtral-tiny"], None, (0.7, 0.5, 0.3), False),

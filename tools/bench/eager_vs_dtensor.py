@@ -219,16 +219,19 @@ class Side:
         self.step = step
         self.counter = CommCounter()
         self.times: list[float] = []
+        self.cpu: list[float] = []
+        """CPU seconds this rank's process (every thread: gloo's workers too) spent in each step."""
         self.losses: list[torch.Tensor] = []
 
     def run(self, count: bool) -> None:
         """One step between barriers (all ranks start together; the time is the slowest rank's)."""
         dist.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         with self.counter if count else contextlib.nullcontext():
             loss = self.step()
         dist.barrier()
         self.times.append(time.perf_counter() - t0)
+        self.cpu.append(time.process_time() - c0)
         self.losses.append(loss.detach())
 
 

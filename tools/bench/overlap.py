@@ -29,10 +29,13 @@ they compile on the first warm-up step, which is never timed.
 Measured: the median step time (forward + backward + AdamW between barriers, after warm-up steps),
 the load average sampled after each step; collectives and bytes each rank sends per step, counted
 in the last warm-up step (``CommCounter``; what a backend traces while it compiles on the first call
-is not counted); for both meshfold sides, torch.profiler on rank 0 over ``--profile-steps`` steps
-of each (interleaved, a barrier before each; medians): the CPU time inside
+is not counted); the CPU time each rank's process spends in a step (every thread, so gloo's workers
+too), summed over the ranks: where the ranks share fewer cores than they are, a step lasts at least
+that over the cores, however its communication is scheduled; for both meshfold sides,
+torch.profiler on rank 0 over ``--profile-steps`` steps of each (interleaved, a barrier before
+each; medians): the CPU time inside
 ``_c10d_functional::wait_tensor``, where a lowered program blocks (the exposed communication), the
-time gloo's worker threads run collectives (``gloo:all_gather`` ..., barriers left out; not the time
+time gloo's worker threads run collectives (``gloo:all_to_all`` ..., barriers left out; not the time
 a collective queues for a worker, so exposed time can exceed it) and the CPU time issuing the
 ``_c10d_functional`` collectives; peak memory on every rank as the multi-rank memory tests measure
 it: resident bytes (parameters, buffers, AdamW state) plus the CPU allocator's own peak over one
@@ -187,6 +190,9 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
             if label in ("dtensor", "titan"):
                 dist.all_reduce(stacked, op=dist.ReduceOp.AVG, group=mesh.get_group("dp"))
             losses[label] = stacked.tolist()
+        cpu = {label: statistics.median(side.cpu[cfg.warmup :]) for label, side in sides.items()}
+        cpu_per_rank: list[Any] = [None] * world
+        dist.all_gather_object(cpu_per_rank, cpu)
         comm = comm_profile({label: trainers[label][1] for label in SIDES[:2]}, opts["profile_steps"])
         comm_load = os.getloadavg()[0]
         memory = {label: step_memory(trainers[label][0], trainers[label][2], inputs) for label in SIDES[:2]}
@@ -196,6 +202,7 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
             out |= {
                 "times": {k: s.times[cfg.warmup :] for k, s in sides.items()},
                 "loads": {k: v[cfg.warmup :] for k, v in loads.items()},
+                "cpu": {k: sum(c[k] for c in cpu_per_rank) for k in SIDES},
                 "losses": losses,
                 "traced": {
                     k: (sum(s.counter.counts.values()), sum(s.counter.bytes.values())) for k, s in sides.items()
@@ -226,14 +233,21 @@ def _report(cfg: Config, opts: dict[str, Any], r: dict[str, Any], ref: list[floa
         print("!!! the pipeline has no overlap pass: both meshfold sides run the same program !!!")
 
     w, load = max(len(n) for n in NAMES.values()), statistics.median(r["loads"]["overlap"])
-    heads = ("median ms", "min / max ms", "colls/step", "MiB/rank/step", "load")
+    heads = ("median ms", "min / max ms", "colls/step", "MiB/rank/step", "CPU ms/step", "load")
     print(f"\n{'step time':<{w}}" + "".join(f"  {h:>13}" for h in heads))
     for k in SIDES:
         t, (n, b) = r["times"][k], r["traced"][k]
-        cells = (f"{med[k]:.1f}", f"{min(t) * 1e3:.0f} / {max(t) * 1e3:.0f}", n, f"{b / mib:.3f}")
+        cpu = f"{r['cpu'][k] * 1e3:.0f}"
+        cells = (f"{med[k]:.1f}", f"{min(t) * 1e3:.0f} / {max(t) * 1e3:.0f}", n, f"{b / mib:.3f}", cpu)
         print(
             f"{NAMES[k]:<{w}}" + "".join(f"  {c:>13}" for c in cells) + f"  {statistics.median(r['loads'][k]):>13.2f}"
         )
+    cores = len(os.sched_getaffinity(0))
+    print(
+        f"CPU ms/step: each rank's median CPU time per step (its process, all threads: gloo's workers too), "
+        f"summed over the ranks; a step takes at least that over the {cores} cores: "
+        + ", ".join(f"{NAMES[k]} {r['cpu'][k] * 1e3 / cores:.0f} ms" for k in SIDES)
+    )
     best = min(("dtensor", "titan"), key=lambda k: med[k])
     print(f"\noverlap's speed-up over no overlap: {med['no overlap'] / med['overlap']:.2f}x  (load {load:.2f})")
     print(
