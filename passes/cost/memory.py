@@ -236,11 +236,11 @@ def _stages(op: Op, size: dict[Value, int], mesh: Mesh, gloo: bool) -> tuple[tup
         if op.kwarg("reduce") == "max":  # NOTE: an all-reduce of the whole value, then this rank's chunk
             return ((src, True), (src + out, False))
         if gloo and op.target == REDUCE_SCATTER:
-            # NOTE: every block arrives (the operand's size), then their sum; a copy with the dim in
-            # front first, moved back after
+            # NOTE: every block arrives (the operand's size) while what was sent is held, then their
+            # sum; a copy with the dim in front first, moved back after
             if int(op.kwarg("dim")):  # type: ignore[arg-type]
-                return ((src, True), (2 * src, False), (2 * src + out, False), (2 * out, False))
-            return ((src, True), (src + out, True), *(((2 * out, False),) if avg else ()))
+                return ((src, True), (2 * src, False), (src + out, False), (2 * out, False))
+            return ((src, True), (src + out, False), *(((2 * out, False),) if avg else ()))
         if int(op.kwarg("dim")):  # type: ignore[arg-type]
             return ((src, True), (src + out, False), (2 * out, False))
         if gloo and op.target == ALL_GATHER:
@@ -268,8 +268,8 @@ def _stages(op: Op, size: dict[Value, int], mesh: Mesh, gloo: bool) -> tuple[tup
         sent = n * src if gloo else 0  # NOTE: the flat buffer repeated once per rank
         return ((moved + src, True), (src + sent + n * src, False), (n * src + out, False))
     mine = src // n
-    if gloo:  # NOTE: every rank's blocks arrive beside the flat buffer, then their sum
-        summed = ((2 * src, False), (2 * src + mine, False))
+    if gloo:  # NOTE: every rank's blocks arrive beside the flat buffer (held to the wait), then their sum
+        summed = ((2 * src, False), (src + mine, False))
         return ((moved + src, True), *summed, (2 * mine * avg, False), (mine + out, False))
     return ((moved + src, True), (src + mine, False), (2 * mine * avg, False), (mine + out, False))
 

@@ -203,9 +203,9 @@ def memory_line(stats: Mapping[str, object]) -> str | None:
     if s["pieces"]:
         parts.append(f"routed experts in smaller pieces: {', '.join(s['pieces'])}")
     what = "; ".join(parts) or "nothing recomputed or offloaded"
-    budget = f" under a budget of {s['budget'] / 2**20:.2f} MiB" if s["budget"] else ""
-    before, after = s["peak_before"] / 2**20, s["peak_after"] / 2**20
-    return f"memory: policy {s['policy']}{budget}; {what}; predicted peak per rank {before:.2f} -> {after:.2f} MiB"
+    budget = f" under a budget of {size_text(s['budget'])}" if s["budget"] else ""
+    before, after = size_text(s["peak_before"]), size_text(s["peak_after"])
+    return f"memory: policy {s['policy']}{budget}; {what}; predicted peak per rank {before} -> {after}"
 
 
 def _name(fn: Callable[[Saved], str]) -> str:

@@ -440,7 +440,7 @@ def test_the_summary_says_what_the_memory_pass_decided(capsys: pytest.CaptureFix
     assert main([str(path), "-p", "memory,verify", "--assume", "boxed", "--memory", "full", "--no-color"]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("memory:"))
     want = r"memory: policy full; recomputed layers\.0, layers\.1 \(\+[\d.]+ ms\); predicted peak per rank "
-    m = re.fullmatch(want + r"([\d.]+) -> ([\d.]+) MiB", line)
+    m = re.fullmatch(want + r"([\d.]+) KiB -> ([\d.]+) KiB", line)
     assert m is not None and float(m[2]) < float(m[1]), line
 
 

@@ -9,7 +9,8 @@ Spawns ``dp * tp`` local CPU ranks (gloo, one thread each) and trains the Llama-
 ``eager_vs_dtensor`` (same weights, inputs, global batch, AdamW) four ways, steps interleaved side by
 side (one step of each, between barriers, then the next) so that drift in machine load hits all alike:
 
-1. meshfold, ``plan="fsdp+tp"``, ``pipeline=DEFAULT_PIPELINE`` (which schedules collectives under
+1. meshfold, ``plan="fsdp+tp"`` (``--plan``: another plan, ``auto`` for the solve's),
+   ``pipeline=DEFAULT_PIPELINE`` (which schedules collectives under
    compute with its ``overlap`` pass);
 2. meshfold, the same pipeline with the ``overlap`` entry removed (when the default pipeline has no
    such entry both sides run the same program, and the report says so);
@@ -166,7 +167,7 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
                 build(cfg)[0],
                 mesh,
                 inputs,
-                plan="fsdp+tp",
+                plan=opts["plan"],
                 pipeline=opts["pipelines"][label],
                 backend=opts["backend"],
             )
@@ -226,7 +227,7 @@ def _report(cfg: Config, opts: dict[str, Any], r: dict[str, Any], ref: list[floa
     )
     for k in mf:
         print(
-            f"{NAMES[k]}: pipeline {opts['pipelines'][k]}, {opts['backend']} backend "
+            f"{NAMES[k]}: plan {opts['plan']}, pipeline {opts['pipelines'][k]}, {opts['backend']} backend "
             f"(parallelize {r['compile_s'][k]:.1f} s)"
         )
     if opts["pipelines"]["overlap"] == opts["pipelines"]["no overlap"]:
@@ -303,6 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     for size in SIZES:
         ap.add_argument(f"--{size.replace('_', '-')}", type=int, default=getattr(d, size))
     ap.add_argument("--pipeline", help="the overlap side's pipeline (default: DEFAULT_PIPELINE)")
+    ap.add_argument("--plan", default="fsdp+tp", help="both meshfold sides' plan (a preset, or auto)")
     ap.add_argument(
         "--backend", default="eager", choices=("eager", "inductor"), help="how both meshfold sides' programs run"
     )
@@ -320,7 +322,13 @@ def main(argv: list[str] | None = None) -> int:
         "overlap": a.pipeline or DEFAULT_PIPELINE,
         "no overlap": without_pass(a.pipeline or DEFAULT_PIPELINE, "overlap"),
     }
-    opts = {"mesh": mesh, "pipelines": pipelines, "profile_steps": a.profile_steps, "backend": a.backend}
+    opts = {
+        "mesh": mesh,
+        "plan": a.plan,
+        "pipelines": pipelines,
+        "profile_steps": a.profile_steps,
+        "backend": a.backend,
+    }
     result = spawn_ranks(_rank_main, mesh[0] * mesh[1], cfg, opts)
     ref = _single_device(cfg)
     if a.json:
