@@ -276,9 +276,9 @@ def _bucket(g: fx.Graph, op: Op, xs: list[fx.Node], n: int, group: str, local: l
     dims = [int(d) for d in op.kwarg("dims")]
     fronts = [to_front(g, x, d) for x, d in zip(xs, dims, strict=True)]
     shapes = [[s[d], *s[:d], *s[d + 1 :]] for s, d in zip(local, dims, strict=True)]  # dim d in front
+    total = sum(math.prod(s) for s in shapes)  # NOTE: elements of this rank's operands
     if op.target == ALL_GATHER_BUCKET:
         flat = g.call_function(aten.cat.default, ([g.call_function(aten.reshape.default, (f, [-1])) for f in fronts],))
-        total = sum(math.prod(s) for s in shapes)
 
         def gathered(g: fx.Graph, full: fx.Node) -> list[fx.Node]:
             rows = g.call_function(aten.reshape.default, (full, [n, -1]))
@@ -310,7 +310,7 @@ def _bucket(g: fx.Graph, op: Op, xs: list[fx.Node], n: int, group: str, local: l
         return outs
 
     if gloo:
-        return _scatter_by_all_to_all(g, flat, [n, sum(math.prod(s) for s in shapes) // n], group, scattered)
+        return _scatter_by_all_to_all(g, flat, [n, total // n], group, scattered)
     return Issued(g.call_function(c10d.reduce_scatter_tensor.default, (flat, "sum", n, group)), scattered)
 
 
