@@ -33,6 +33,7 @@ def stuck_rank(wait: float = 2.0, sleep: float = 4.0) -> dict[str, Any]:
     mesh = device_mesh((2, 2), ("dp", "tp"))
     model, (x, y) = build("mlp")
     pm = parallelize(model, mesh, (x, y), plan="fsdp+tp", timeout=wait)
+    dist.barrier()  # NOTE: see the second part's note
     pm(x, y).backward()  # NOTE: a normal step first
     me = dist.get_rank()
 
