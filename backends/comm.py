@@ -35,6 +35,7 @@ from meshfold.ir.ops import (
     ALL_GATHER,
     ALL_GATHER_BUCKET,
     ALL_REDUCE,
+    ALL_REDUCE_BUCKET,
     ALL_TO_ALL,
     PARTIAL,
     PPERMUTE,
@@ -92,6 +93,8 @@ def issue(
     assert isinstance(target, OpDef)
     if target in (ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET):
         return _bucket(g, op, xs, size, group, local, gloo)
+    if target == ALL_REDUCE_BUCKET:
+        return _reduce_bucket(g, op, xs, size, group, local)
     (x,) = xs
     if target == ALL_GATHER:
         dim = int(op.kwarg("dim"))
@@ -312,6 +315,27 @@ def _bucket(g: fx.Graph, op: Op, xs: list[fx.Node], n: int, group: str, local: l
     if gloo:
         return _scatter_by_all_to_all(g, flat, [n, total // n], group, scattered)
     return Issued(g.call_function(c10d.reduce_scatter_tensor.default, (flat, "sum", n, group)), scattered)
+
+
+def _reduce_bucket(g: fx.Graph, op: Op, xs: list[fx.Node], n: int, group: str, local: list[list[int]]) -> Issued:
+    """A bucketed all-reduce: every operand flattened into one buffer, one all-reduce on it (gloo's
+    own: it costs less than an all-to-all of the blocks and another of the sums), and each result a
+    view of its piece of what arrives (no copy: the results live as long as each other, gradients)."""
+    reduce = str(op.kwarg("reduce"))
+    flat = g.call_function(aten.cat.default, ([g.call_function(aten.reshape.default, (x, [-1])) for x in xs],))
+    call = g.call_function(c10d.all_reduce.default, (flat, "sum" if reduce == "avg" else reduce, group))
+
+    def reduced(g: fx.Graph, out: fx.Node) -> list[fx.Node]:
+        whole = _averaged(g, out, n, reduce)
+        outs, off = [], 0
+        for shape in local:
+            size = math.prod(shape)
+            piece = g.call_function(aten.slice.Tensor, (whole, 0, off, off + size))
+            outs.append(g.call_function(aten.view.default, (piece, shape)))
+            off += size
+        return outs
+
+    return Issued(call, reduced)
 
 
 def local_shapes(op: Op, mesh: Mesh) -> list[list[int]]:

@@ -25,6 +25,7 @@ from meshfold.ir.ops import (
     ALL_GATHER,
     ALL_GATHER_BUCKET,
     ALL_REDUCE,
+    ALL_REDUCE_BUCKET,
     ALL_TO_ALL,
     PPERMUTE,
     REDUCE_SCATTER,
@@ -34,7 +35,8 @@ from meshfold.ir.ops import (
 )
 
 ASYNC_COLLECTIVES = frozenset(
-    {ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ALL_TO_ALL, ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET, PPERMUTE}
+    {ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ALL_TO_ALL, ALL_GATHER_BUCKET, ALL_REDUCE_BUCKET, REDUCE_SCATTER_BUCKET}
+    | {PPERMUTE}
 )
 """The collectives that move data between ranks (``comm.shard``/``comm.partial`` are local)."""
 ASYNC_OPS = ASYNC_COLLECTIVES | {RELOAD}

@@ -234,6 +234,10 @@ REDUCE_SCATTER_BUCKET = _declare(
     _reduce_scatter,
     _scatter_volume,
 )
+ALL_REDUCE_BUCKET = _declare(
+    "comm", "all_reduce_bucket", ("axis", "reduce"),
+    "all_reduce of every operand over axis as ONE collective on a flat buffer", True, _all_reduce, _all_reduce_volume,
+)  # fmt: skip
 PPERMUTE = _declare(
     "comm",
     "ppermute",

@@ -47,6 +47,7 @@ from meshfold.ir.ops import (
     ALL_GATHER,
     ALL_GATHER_BUCKET,
     ALL_REDUCE,
+    ALL_REDUCE_BUCKET,
     ALL_TO_ALL,
     OFFLOAD,
     PPERMUTE,
@@ -248,6 +249,8 @@ def _stages(op: Op, size: dict[Value, int], mesh: Mesh, gloo: bool) -> tuple[tup
         return ((out, True), (2 * out, False)) if avg else ((out, True),)
     if op.target == ALL_REDUCE:
         return ((out, True), (2 * out, False)) if avg else ((out, True),)
+    if op.target == ALL_REDUCE_BUCKET:  # NOTE: the flat buffer, the all-reduce's copy, (avg) the quotient
+        return ((src, True), (2 * src, False), *(((2 * out, False),) if avg else ()))
     if op.target == ALL_TO_ALL:
         concat, split = int(op.kwarg("concat_dim")), int(op.kwarg("split_dim"))  # type: ignore[arg-type]
         if concat != split:

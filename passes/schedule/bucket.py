@@ -1,4 +1,4 @@
-"""``bucket``: merge many small all-gathers and reduce-scatters into few flat ones.
+"""``bucket``: merge many small all-gathers, reduce-scatters and all-reduces into few flat ones.
 
 Every collective costs a fixed latency however small (about a millisecond between gloo ranks on
 one CPU, tens of microseconds with NCCL), and a per-parameter all-gather or gradient
@@ -10,7 +10,10 @@ parameters:
   become one ``comm.all_gather_bucket`` placed where the block's first one was;
 * a ``reduce_scatter`` whose result only feeds graph outputs (a gradient on its way out) can run
   as late as we like, so one block's become one ``comm.reduce_scatter_bucket`` placed where the
-  block's last one was.
+  block's last one was;
+* so can an ``all_reduce`` whose result only feeds graph outputs (a replicated parameter's
+  gradient, as data parallelism without sharding makes it): one block's become one
+  ``comm.all_reduce_bucket`` placed where the block's last one was.
 
 Buckets hold one dtype, one axis, one phase and at most ``mb`` MiB of the collective's operands.
 Values, types and layouts are unchanged: only where and how the collectives run.
@@ -24,7 +27,14 @@ from typing import ClassVar
 
 from meshfold.ir import Graph, GraphBuilder, Op, TensorType, Value
 from meshfold.ir.graph import Provenance
-from meshfold.ir.ops import ALL_GATHER, ALL_GATHER_BUCKET, REDUCE_SCATTER, REDUCE_SCATTER_BUCKET
+from meshfold.ir.ops import (
+    ALL_GATHER,
+    ALL_GATHER_BUCKET,
+    ALL_REDUCE,
+    ALL_REDUCE_BUCKET,
+    REDUCE_SCATTER,
+    REDUCE_SCATTER_BUCKET,
+)
 from meshfold.passes.base import Pass, PassContext, PassError
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.sharding.boxing import BOXED
@@ -35,7 +45,7 @@ BUCKETED = "bucketed"
 
 @dataclass(frozen=True)
 class Bucket(Pass):
-    """Group per-block parameter all-gathers and gradient reduce-scatters (``bucket{mb=64}``)."""
+    """Group per-block parameter all-gathers, gradient reduce-scatters and all-reduces (``bucket{mb=64}``)."""
 
     name: ClassVar[str] = "bucket"
     requires: ClassVar[frozenset[str]] = frozenset({BOXED})
@@ -48,21 +58,19 @@ class Bucket(Pass):
             raise PassError(f"bucket{{mb={self.mb}}}: the bucket size must be positive (MiB)")
         if graph.mesh is None:
             return graph
-        groups = _groups(graph, self.mb * 2**20, ctx.pipelined)
-        anchor: dict[int, list[int]] = {}  # op index where a bucket is emitted -> member indices
-        skip: set[int] = set()
-        where: dict[int, str] = {}
-        for kind, block, members in groups:
-            if len(members) < 2:
-                continue
-            at = members[0] if kind == "gather" else members[-1]
-            anchor[at] = members
-            where[at] = block
-            skip.update(members)
+        readers = _readers(graph)
+        groups = _groups(graph, readers, self.mb * 2**20, ctx.pipelined)
+        # NOTE: op index where a bucket is emitted -> (block, member indices)
+        anchor = {m[0] if kind == "gather" else m[-1]: (block, m) for kind, block, m in groups if len(m) > 1}
+        while late := [at for at, (_, m) in anchor.items() if _read_before(graph, readers, anchor, at, m)]:
+            for at in late:
+                del anchor[at]
+        where = {at: block for at, (block, _) in anchor.items()}
+        skip = {k for _, m in anchor.values() for k in m}
         b = GraphBuilder.like(graph)
         for k, op in enumerate(graph.ops):
             if k in anchor:
-                b.append(_merged([graph.ops[m] for m in anchor[k]], where[k]))
+                b.append(_merged([graph.ops[m] for m in anchor[k][1]], where[k]))
             elif k not in skip:
                 b.append(op)
         for o in graph.outputs:
@@ -70,21 +78,39 @@ class Bucket(Pass):
         return b.build()
 
 
-def _groups(graph: Graph, cap: float, pipelined: bool = False) -> list[tuple[str, str, list[int]]]:
+def _readers(graph: Graph) -> dict[Value, list[int]]:
+    """The indices of the ops reading each value."""
+    out: dict[Value, list[int]] = defaultdict(list)
+    for k, op in enumerate(graph.ops):
+        for v in op.operands:
+            out[v].append(k)
+    return out
+
+
+def _read_before(
+    graph: Graph, readers: dict[Value, list[int]], anchor: dict[int, tuple[str, list[int]]], at: int, members: list[int]
+) -> bool:
+    """Whether an op reading a result of the bucket emitted at ``at`` would be emitted before it (a
+    gradient's all-reduce over one axis read by its all-reduce over another, in another bucket)."""
+    placed = {k: a for a, (_, m) in anchor.items() for k in m}
+    return any(placed.get(r, r) <= at for k in members for r in readers[graph.ops[k].result])
+
+
+def _groups(
+    graph: Graph, readers: dict[Value, list[int]], cap: float, pipelined: bool = False
+) -> list[tuple[str, str, list[int]]]:
     """(kind, block, op indices in program order) of every bucket. A gradient's reduce-scatter on
     its way out belongs to the block that computed the gradient (``op_blocks``). ``pipelined``: ops of
     no block group by their module (the embedding apart from the final norm and the output layer:
-    different pipeline stages run them)."""
+    different pipeline stages run them). An all-reduce read only by other all-reduces (a gradient
+    reduced over one axis, then another) may join a bucket too: ``Bucket.apply`` keeps that bucket
+    only where its readers come after it."""
     inputs = {i.value for i in graph.inputs}
-    users: dict[Value, int] = defaultdict(int)
-    for op in graph.ops:
-        for v in op.operands:
-            users[v] += 1
     keyed: dict[tuple[object, ...], list[int]] = defaultdict(list)
     blocks = op_blocks(graph)
     made = {r: op for op in graph.ops for r in op.results}
     for k, op in enumerate(graph.ops):
-        (x,) = op.operands if op.target in (ALL_GATHER, REDUCE_SCATTER) else (None,)
+        (x,) = op.operands if op.target in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) else (None,)
         if x is None or not isinstance(x.type, TensorType):
             continue
         axis, block = op.kwarg("axis"), blocks[k]
@@ -93,8 +119,9 @@ def _groups(graph: Graph, cap: float, pipelined: bool = False) -> list[tuple[str
             block = op.prov.module or source
         if op.target == ALL_GATHER and x in inputs:
             keyed[("gather", axis, op.prov.phase, x.type.dtype, block)].append(k)
-        elif op.target == REDUCE_SCATTER and users[op.result] == 0 and op.kwarg("reduce") in ("sum", "avg"):
-            keyed[("scatter", axis, op.prov.phase, x.type.dtype, block, op.kwarg("reduce"))].append(k)
+        elif op.target != ALL_GATHER and op.kwarg("reduce") in ("sum", "avg") and _on_its_way_out(graph, readers, op):
+            kind = "scatter" if op.target == REDUCE_SCATTER else "reduce"
+            keyed[(kind, axis, op.prov.phase, x.type.dtype, block, op.kwarg("reduce"))].append(k)
     out: list[tuple[str, str, list[int]]] = []
     for key, members in keyed.items():
         cur: list[int] = []
@@ -111,12 +138,27 @@ def _groups(graph: Graph, cap: float, pipelined: bool = False) -> list[tuple[str
     return out
 
 
+def _on_its_way_out(graph: Graph, readers: dict[Value, list[int]], op: Op) -> bool:
+    """Whether ``op``'s result feeds graph outputs only (an all-reduce's: maybe through other
+    all-reduces, as a gradient reduced over two axes in turn)."""
+    read = [graph.ops[r] for r in readers[op.result]]
+    return (
+        all(r.target == ALL_REDUCE and _on_its_way_out(graph, readers, r) for r in read)
+        if op.target == ALL_REDUCE
+        else not read
+    )
+
+
+_BUCKETS = {ALL_GATHER: ALL_GATHER_BUCKET, REDUCE_SCATTER: REDUCE_SCATTER_BUCKET, ALL_REDUCE: ALL_REDUCE_BUCKET}
+
+
 def _merged(members: list[Op], block: str) -> Op:
     first = members[0]
-    target = ALL_GATHER_BUCKET if first.target == ALL_GATHER else REDUCE_SCATTER_BUCKET
+    target = _BUCKETS[first.target]  # type: ignore[index]
     kwargs: list[tuple[str, object]] = [("axis", first.kwarg("axis"))]
-    kwargs.append(("dims", tuple(int(m.kwarg("dim")) for m in members)))  # type: ignore[arg-type]
-    if target == REDUCE_SCATTER_BUCKET:
+    if target != ALL_REDUCE_BUCKET:
+        kwargs.append(("dims", tuple(int(m.kwarg("dim")) for m in members)))  # type: ignore[arg-type]
+    if target != ALL_GATHER_BUCKET:
         kwargs.append(("reduce", first.kwarg("reduce")))
     prov = Provenance(block, first.prov.phase, first.prov.source)
     operands = tuple(m.operands[0] for m in members)

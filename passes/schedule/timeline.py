@@ -29,7 +29,17 @@ from typing import Any
 from meshfold.ir import Graph, Layout, Mesh, Op, OpDef, TensorType, Value
 from meshfold.ir.asynchrony import ASYNC_COLLECTIVES, starts
 from meshfold.ir.graph import local_nbytes
-from meshfold.ir.ops import ALL_GATHER, ALL_GATHER_BUCKET, ALL_REDUCE, ALL_TO_ALL, OFFLOAD, PPERMUTE, RELOAD, WAIT
+from meshfold.ir.ops import (
+    ALL_GATHER,
+    ALL_GATHER_BUCKET,
+    ALL_REDUCE,
+    ALL_REDUCE_BUCKET,
+    ALL_TO_ALL,
+    OFFLOAD,
+    PPERMUTE,
+    RELOAD,
+    WAIT,
+)
 from meshfold.ir.symbolic import Dim, size_hint
 from meshfold.passes.cost.axis import AxisModel, axis_models
 from meshfold.passes.cost.hardware import LOCAL, Cluster
@@ -39,6 +49,7 @@ _KIND = {
     ALL_GATHER: "all_gather",
     ALL_GATHER_BUCKET: "all_gather",
     ALL_REDUCE: "all_reduce",
+    ALL_REDUCE_BUCKET: "all_reduce",
     ALL_TO_ALL: "all_to_all",
     PPERMUTE: "p2p",
 }

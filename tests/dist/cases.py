@@ -122,6 +122,10 @@ def equivalence(
         "loss": float(loss),
         "layouts": layouts,
         "report": pm.plan_report(),
+        # NOTE: (collective, axis, operands) of every bucketed collective the program runs
+        "buckets": [
+            (op.name, op.kwarg("axis"), len(op.operands)) for op in pm.graph().ops if op.name.endswith("_bucket")
+        ],
     }
     if backend == "inductor":  # NOTE: what Inductor compiled, how long it took, and how often each ran
         low = pm._mf_programs.first.lowered

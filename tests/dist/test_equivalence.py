@@ -58,6 +58,18 @@ def test_equivalence(rank_pools: RankPools, case: tuple[str, tuple[int, ...], tu
     assert all(r["worst_grad_abs_diff"] <= 1e-5 for r in results)
 
 
+def test_gradient_all_reduces_over_two_axes_run_bucketed(rank_pools: RankPools) -> None:
+    # NOTE: data parallel over dp and the sequence split over cp: every gradient is all-reduced over
+    # cp, then over dp; each block's run as one all-reduce per axis, the dp one reading the cp one's
+    results = rank_pools.get(4).run(
+        "tests.dist.cases:equivalence", model="llama-tiny", shape=(2, 2), names=("dp", "cp"), plan="ddp+cp"
+    )
+    for r in results:
+        assert r["worst_grad_abs_diff"] <= 1e-5
+        merged = {axis: n for name, axis, n in r["buckets"] if name == "comm.all_reduce_bucket"}
+        assert set(merged) == {"dp", "cp"} and min(merged.values()) > 1, r["buckets"]
+
+
 # NOTE: plan="auto": the solve picks every layout. With no memory bound the zoo's small models are
 # cheapest replicated (no collectives beat their tiny matmuls); a memory bound under their
 # replicated footprint (parameter, gradient and two Adam moments) forces parameter sharding.
