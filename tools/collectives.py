@@ -29,6 +29,11 @@ _FUNCTIONAL_KINDS = {
     "reduce_scatter_tensor_coalesced": "reduce_scatter",
     "all_reduce": "all_reduce",
     "all_reduce_coalesced": "all_reduce",
+    # NOTE: the in-place and out= forms Inductor's generated code calls
+    "all_reduce_": "all_reduce",
+    "all_reduce_coalesced_": "all_reduce",
+    "all_gather_into_tensor_out": "all_gather",
+    "reduce_scatter_tensor_out": "reduce_scatter",
     "all_to_all_single": "all_to_all",
     "broadcast": "broadcast",
 }

@@ -151,6 +151,11 @@ _COLLECTIVES = {
     torch.ops._c10d_functional.all_gather_into_tensor_coalesced: ("all_gather", 0),
     torch.ops._c10d_functional.reduce_scatter_tensor_coalesced: ("reduce_scatter", 0),
     torch.ops._c10d_functional.all_reduce_coalesced: ("all_reduce", 0),
+    # NOTE: the in-place and out= forms Inductor's generated code calls
+    torch.ops._c10d_functional.all_reduce_: ("all_reduce", 0),
+    torch.ops._c10d_functional.all_reduce_coalesced_: ("all_reduce", 0),
+    torch.ops._c10d_functional.all_gather_into_tensor_out: ("all_gather", 0),
+    torch.ops._c10d_functional.reduce_scatter_tensor_out: ("reduce_scatter", 0),
     torch.ops.c10d._allgather_base_: ("all_gather", 1),
     torch.ops.c10d.allgather_into_tensor_coalesced_: ("all_gather", 1),
     torch.ops.c10d.allgather_: ("all_gather", 1),
