@@ -40,6 +40,10 @@ def test_a_chain_over_two_axes_becomes_two_buckets_in_order() -> None:
     # NOTE: the dp bucket reads what the tp bucket made, operand for operand
     assert dp.operands == tp.results
     assert [o.value for o in g.outputs] == list(dp.results)
+    # NOTE: the new op prints and parses back to the same text (pass-debug's dumps, golden files)
+    text = ir.print_graph(g)
+    assert ir.print_graph(ir.parse(text)) == text
+    assert 'comm.all_reduce_bucket(%a0, %a1, axis="dp", reduce="avg")' in text, text
 
 
 def test_a_reader_before_the_bucket_keeps_its_all_reduces_apart() -> None:
