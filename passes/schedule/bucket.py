@@ -25,7 +25,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import ClassVar
 
-from meshfold.ir import Graph, GraphBuilder, Op, TensorType, Value
+from meshfold.ir import Graph, GraphBuilder, Op, TensorType, Value, is_view
 from meshfold.ir.graph import Provenance
 from meshfold.ir.ops import (
     ALL_GATHER,
@@ -59,18 +59,21 @@ class Bucket(Pass):
         if graph.mesh is None:
             return graph
         readers = _readers(graph)
-        groups = _groups(graph, readers, self.mb * 2**20, ctx.pipelined)
+        carried: dict[int, list[int]] = {}  # NOTE: member -> the views that move with it (``_way_out``)
+        groups = _groups(graph, readers, carried, self.mb * 2**20, ctx.pipelined)
         # NOTE: op index where a bucket is emitted -> (block, member indices)
         anchor = {m[0] if kind == "gather" else m[-1]: (block, m) for kind, block, m in groups if len(m) > 1}
-        while late := [at for at, (_, m) in anchor.items() if _read_before(graph, readers, anchor, at, m)]:
+        while late := [at for at, (_, m) in anchor.items() if _read_before(graph, readers, carried, anchor, at, m)]:
             for at in late:
                 del anchor[at]
-        where = {at: block for at, (block, _) in anchor.items()}
-        skip = {k for _, m in anchor.values() for k in m}
+        after = {at: sorted(v for k in m for v in carried.get(k, ())) for at, (_, m) in anchor.items()}
+        skip = {k for _, m in anchor.values() for k in m} | {v for vs in after.values() for v in vs}
         b = GraphBuilder.like(graph)
         for k, op in enumerate(graph.ops):
             if k in anchor:
-                b.append(_merged([graph.ops[m] for m in anchor[k][1]], where[k]))
+                b.append(_merged([graph.ops[m] for m in anchor[k][1]], anchor[k][0]))
+                for v in after[k]:
+                    b.append(graph.ops[v])
             elif k not in skip:
                 b.append(op)
         for o in graph.outputs:
@@ -88,23 +91,32 @@ def _readers(graph: Graph) -> dict[Value, list[int]]:
 
 
 def _read_before(
-    graph: Graph, readers: dict[Value, list[int]], anchor: dict[int, tuple[str, list[int]]], at: int, members: list[int]
+    graph: Graph,
+    readers: dict[Value, list[int]],
+    carried: dict[int, list[int]],
+    anchor: dict[int, tuple[str, list[int]]],
+    at: int,
+    members: list[int],
 ) -> bool:
     """Whether an op reading a result of the bucket emitted at ``at`` would be emitted before it (a
-    gradient's all-reduce over one axis read by its all-reduce over another, in another bucket)."""
+    gradient's all-reduce over one axis read by its all-reduce over another, in another bucket); the
+    views carried along with a member come right after its bucket."""
     placed = {k: a for a, (_, m) in anchor.items() for k in m}
-    return any(placed.get(r, r) <= at for k in members for r in readers[graph.ops[k].result])
+    return any(
+        placed.get(r, r) <= at for k in members for r in readers[graph.ops[k].result] if r not in carried.get(k, ())
+    )
 
 
 def _groups(
-    graph: Graph, readers: dict[Value, list[int]], cap: float, pipelined: bool = False
+    graph: Graph, readers: dict[Value, list[int]], carried: dict[int, list[int]], cap: float, pipelined: bool = False
 ) -> list[tuple[str, str, list[int]]]:
     """(kind, block, op indices in program order) of every bucket. A gradient's reduce-scatter on
     its way out belongs to the block that computed the gradient (``op_blocks``). ``pipelined``: ops of
     no block group by their module (the embedding apart from the final norm and the output layer:
     different pipeline stages run them). An all-reduce read only by other all-reduces (a gradient
     reduced over one axis, then another) may join a bucket too: ``Bucket.apply`` keeps that bucket
-    only where its readers come after it."""
+    only where its readers come after it. ``carried`` gets, for each reduction joining a bucket, the
+    views that take its result to the outputs (``_way_out``)."""
     inputs = {i.value for i in graph.inputs}
     keyed: dict[tuple[object, ...], list[int]] = defaultdict(list)
     blocks = op_blocks(graph)
@@ -119,7 +131,11 @@ def _groups(
             block = op.prov.module or source
         if op.target == ALL_GATHER and x in inputs:
             keyed[("gather", axis, op.prov.phase, x.type.dtype, block)].append(k)
-        elif op.target != ALL_GATHER and op.kwarg("reduce") in ("sum", "avg") and _on_its_way_out(graph, readers, op):
+        elif op.target != ALL_GATHER and op.kwarg("reduce") in ("sum", "avg"):
+            views = _way_out(graph, readers, op)
+            if views is None:
+                continue
+            carried[k] = views
             kind = "scatter" if op.target == REDUCE_SCATTER else "reduce"
             keyed[(kind, axis, op.prov.phase, x.type.dtype, block, op.kwarg("reduce"))].append(k)
     out: list[tuple[str, str, list[int]]] = []
@@ -138,15 +154,21 @@ def _groups(
     return out
 
 
-def _on_its_way_out(graph: Graph, readers: dict[Value, list[int]], op: Op) -> bool:
-    """Whether ``op``'s result feeds graph outputs only (an all-reduce's: maybe through other
-    all-reduces, as a gradient reduced over two axes in turn)."""
-    read = [graph.ops[r] for r in readers[op.result]]
-    return (
-        all(r.target == ALL_REDUCE and _on_its_way_out(graph, readers, r) for r in read)
-        if op.target == ALL_REDUCE
-        else not read
-    )
+def _way_out(graph: Graph, readers: dict[Value, list[int]], op: Op) -> list[int] | None:
+    """None unless ``op``'s result feeds graph outputs only: directly, through a view read by nothing
+    else (a norm weight's gradient summed as ``[1, 1, d]`` and viewed as ``[d]``), or (an
+    all-reduce's) through other all-reduces on their way out, as a gradient reduced over two axes in
+    turn. Else the indices of those views: they can move to wherever the reduction goes."""
+    views: list[int] = []
+    for r in readers[op.result]:
+        reader = graph.ops[r]
+        if is_view(reader.target) and len(reader.results) == 1 and not readers[reader.results[0]]:
+            views.append(r)
+        else:
+            chained = op.target == reader.target == ALL_REDUCE and reader.kwarg("reduce") in ("sum", "avg")
+            if not chained or _way_out(graph, readers, reader) is None:
+                return None
+    return views
 
 
 _BUCKETS = {ALL_GATHER: ALL_GATHER_BUCKET, REDUCE_SCATTER: REDUCE_SCATTER_BUCKET, ALL_REDUCE: ALL_REDUCE_BUCKET}

@@ -71,7 +71,33 @@ def test_data_parallel_gradients_are_bucketed_per_block() -> None:
     buckets = [op for op in g.ops if op.name == "comm.all_reduce_bucket"]
     assert {op.prov.module for op in buckets} >= {"layers.0", "layers.1"}, [op.prov.module for op in buckets]
     assert all(len(op.operands) > 1 and op.kwarg("axis") == "dp" for op in buckets)
-    bucketed = sum(len(op.operands) for op in buckets)
-    left = [op for op in g.ops if op.name == "comm.all_reduce" and op.prov.phase == "bwd"]
-    # NOTE: every weight matrix's gradient is in a bucket
-    assert bucketed > len(left), (bucketed, [op.describe() for op in left])
+    left = [op.describe() for op in g.ops if op.name == "comm.all_reduce" and op.prov.phase == "bwd"]
+    # NOTE: every gradient is in a bucket, the norm weights' too (summed as [1, 1, d], viewed as [d])
+    assert not left, left
+
+
+# NOTE: a norm weight's gradient summed as [1, 1, 8], reduce-scattered on its last dim and viewed as
+# [8], beside a weight matrix's
+VIEWED = """graph @g mesh<dp=2> {
+  input %g0 : f32[1, 1, 8] {dp: P(sum)}
+  input %g1 : f32[8, 8] {dp: P(sum)}
+  %s0 = comm.reduce_scatter(%g0, axis="dp", dim=2, reduce="sum") : f32[1, 1, 8] {dp: S(2)}  # layers.0.norm bwd
+  %v0 = aten.view(%s0, [8]) : f32[8] {dp: S(0)}  # layers.0.norm bwd
+  %h = aten.relu(%g1) : f32[8, 8] {dp: P(sum)}  # layers.0.fc bwd
+  %s1 = comm.reduce_scatter(%h, axis="dp", dim=0, reduce="sum") : f32[8, 8] {dp: S(0)}  # layers.0.fc bwd
+  output out(0) = %v0
+  output out(1) = %s1
+}
+"""
+
+
+def test_a_view_on_the_way_out_moves_after_its_bucket() -> None:
+    g = _bucketed(VIEWED)
+    assert [op.name for op in g.ops] == ["aten.relu", "comm.reduce_scatter_bucket", "aten.view"]
+    bucket, view = g.ops[1:]
+    assert view.operands[0] is bucket.results[0]
+    # NOTE: the view read by a computation stays, and so does its reduce-scatter
+    used = VIEWED.replace(
+        "  output out(0) = %v0\n", "  %w = aten.neg(%v0) : f32[8] {dp: S(0)}  # m bwd\n  output out(0) = %w\n"
+    )
+    assert "comm.reduce_scatter_bucket" not in [op.name for op in _bucketed(used).ops]
