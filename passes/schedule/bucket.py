@@ -58,12 +58,17 @@ class Bucket(Pass):
             raise PassError(f"bucket{{mb={self.mb}}}: the bucket size must be positive (MiB)")
         if graph.mesh is None:
             return graph
-        readers = _readers(graph)
+        index = {op: k for k, op in enumerate(graph.ops)}
+        readers = {v: [index[u] for u in us] for v, us in graph.users().items()}  # NOTE: by op index
         carried: dict[int, list[int]] = {}  # NOTE: member -> the views that move with it (``_way_out``)
         groups = _groups(graph, readers, carried, self.mb * 2**20, ctx.pipelined)
         # NOTE: op index where a bucket is emitted -> (block, member indices)
         anchor = {m[0] if kind == "gather" else m[-1]: (block, m) for kind, block, m in groups if len(m) > 1}
-        while late := [at for at, (_, m) in anchor.items() if _read_before(graph, readers, carried, anchor, at, m)]:
+        while True:
+            placed = {k: at for at, (_, m) in anchor.items() for k in m}
+            late = [at for at, (_, m) in anchor.items() if _read_before(graph, readers, carried, placed, at, m)]
+            if not late:
+                break
             for at in late:
                 del anchor[at]
         after = {at: sorted(v for k in m for v in carried.get(k, ())) for at, (_, m) in anchor.items()}
@@ -81,29 +86,23 @@ class Bucket(Pass):
         return b.build()
 
 
-def _readers(graph: Graph) -> dict[Value, list[int]]:
-    """The indices of the ops reading each value."""
-    out: dict[Value, list[int]] = defaultdict(list)
-    for k, op in enumerate(graph.ops):
-        for v in op.operands:
-            out[v].append(k)
-    return out
-
-
 def _read_before(
     graph: Graph,
     readers: dict[Value, list[int]],
     carried: dict[int, list[int]],
-    anchor: dict[int, tuple[str, list[int]]],
+    placed: dict[int, int],
     at: int,
     members: list[int],
 ) -> bool:
     """Whether an op reading a result of the bucket emitted at ``at`` would be emitted before it (a
-    gradient's all-reduce over one axis read by its all-reduce over another, in another bucket); the
-    views carried along with a member come right after its bucket."""
-    placed = {k: a for a, (_, m) in anchor.items() for k in m}
+    gradient's all-reduce over one axis read by its all-reduce over another, in another bucket);
+    ``placed``: each bucketed op's index -> where its bucket is emitted. The views carried along
+    with a member come right after its bucket."""
     return any(
-        placed.get(r, r) <= at for k in members for r in readers[graph.ops[k].result] if r not in carried.get(k, ())
+        placed.get(r, r) <= at
+        for k in members
+        for r in readers.get(graph.ops[k].result, ())
+        if r not in carried.get(k, ())
     )
 
 
@@ -160,9 +159,9 @@ def _way_out(graph: Graph, readers: dict[Value, list[int]], op: Op) -> list[int]
     all-reduce's) through other all-reduces on their way out, as a gradient reduced over two axes in
     turn. Else the indices of those views: they can move to wherever the reduction goes."""
     views: list[int] = []
-    for r in readers[op.result]:
+    for r in readers.get(op.result, ()):
         reader = graph.ops[r]
-        if is_view(reader.target) and len(reader.results) == 1 and not readers[reader.results[0]]:
+        if is_view(reader.target) and len(reader.results) == 1 and not readers.get(reader.results[0]):
             views.append(r)
         else:
             chained = op.target == reader.target == ALL_REDUCE and reader.kwarg("reduce") in ("sum", "avg")
