@@ -27,6 +27,10 @@ the copy stream, beside the collectives' one); a list scheduler over the time mo
   no collective still on the wire, first one that a collective waits for (so the collective starts
   early and the independent work, such as a weight gradient's GEMM beside a tensor-parallel
   all-reduce, runs under it), else the earliest; when all would wait, the earliest;
+* a collective whose results leave the phase unread and that reads what another collective brought
+  (a gradient's dp all-reduce after its tp one) starts once the compute stream has run the segment
+  after the one it was in when that other started: the first travels under that segment's compute,
+  and its wait does not stall the compute right after it;
 * a collective whose results leave the phase unread (a gradient's reduce-scatter) is waited at the
   phase's end.
 
@@ -45,7 +49,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from meshfold.ir import Graph, GraphBuilder, Op, Value
+from meshfold.ir import Graph, GraphBuilder, Op, Value, is_view
 from meshfold.ir.asynchrony import inflight
 from meshfold.ir.ops import PPERMUTE, RELOAD, WAIT
 from meshfold.passes.base import Pass, PassContext, PassError
@@ -159,6 +163,16 @@ class _Scheduler:
             if not self.deps[c] and ops[c].target != RELOAD:
                 first = min(self.users[c], default=c)
                 self.opens[c] = first_op[max(segment[first] - opts.prefetch + 1, 0)]
+        # NOTE: a collective the phase does not read, of what another brought (a gradient's dp all-reduce
+        # after its tp one), opens once the compute stream has run the segment after the one it was in
+        # when that other started: that one travels under a segment's compute, and its wait does not
+        # stall the compute right after it
+        self.segment, self.first_op = segment, first_op
+        # (a view read by nothing else, that takes its result to the outputs, is not a reader)
+        unread = {c for c in self.comm if all(is_view(ops[u].target) and not self.users[u] for u in self.users[c])}
+        self.chained = {
+            c for c in unread if ops[c].target not in (PPERMUTE, RELOAD) and any(d in self.comm for d in self.deps[c])
+        }
         self._passed_on()
         self._just_in_time(costs)
         # NOTE: a started collective holds its operands as well as its results until its wait (a
@@ -328,6 +342,12 @@ class _Scheduler:
         begin = max(self.now, self.free[stream])
         self.free[stream] = self.ends[c] = begin + self.costs.comm(op)
         self.held += self.size[c]
+        after = self.segment[max(self.reached, 0)] + 3  # NOTE: first_op[s + 1] is segment s's first op
+        for u in self.users[c]:
+            if u in self.chained:
+                self.opens[u] = max(
+                    self.opens.get(u, -1), self.first_op[after] if after < len(self.first_op) else len(self.ops)
+                )
 
     def _wait(self, c: int) -> None:
         op = self.ops[c]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 from meshfold import ir
 from meshfold.ir import VerifyError
@@ -171,6 +172,38 @@ def test_gradient_reduce_scatters_are_bucketed_per_block() -> None:
     assert {op.prov.module for op in buckets} >= {"layers.0", "layers.1"}, [op.prov.module for op in buckets]
 
 
+def test_a_gradient_reduced_over_one_axis_then_another_travels_under_the_next_block() -> None:
+    """A block's gradients reduced over cp and then dp (``ddp+cp``): the cp bucket is waited, and the dp
+    bucket started, after the next block's backward has computed, not on the line after the cp
+    bucket starts (where its wait would stall the compute)."""
+    graph, stats = _llama(BASE + ",overlap,verify", mesh="dp=2,cp=2", plan="ddp+cp")
+    at = {op: k for k, op in enumerate(graph.ops)}
+    producers = graph.producers()
+    chains = []
+    for op in graph.ops:
+        if op.name != "comm.all_reduce_bucket" or op.kwarg("axis") != "dp":
+            continue
+        waits = {producers[v] for v in op.operands if v in producers and producers[v].target == WAIT}
+        for wait in waits:
+            first = producers[wait.operands[0]]
+            if first.name == "comm.all_reduce_bucket":
+                chains.append((first, wait, op))
+    assert len(chains) >= 2, [op.describe() for op in graph.ops if op.name == "comm.all_reduce_bucket"]
+    # NOTE: the last block's chain has no block after it: its dp bucket goes at the phase's end
+    for first, wait, second in sorted(chains, key=lambda c: at[c[0]])[:-1]:
+        assert first.kwarg("axis") == "cp" and at[first] < at[wait] < at[second]
+        between = graph.ops[at[first] + 1 : at[wait]]
+        computed = {
+            o.prov.module.split(".")[:2] == first.prov.module.split(".")[:2]
+            for o in between
+            if not o.name.startswith("comm.")
+        }
+        # NOTE: compute of another block runs while the cp bucket is on the wire
+        assert False in computed, (first.describe(), [o.describe() for o in between])
+    s = stats["overlap"]
+    assert isinstance(s, dict) and s["exposed_s"] < s["exposed_before_s"], s
+
+
 def test_chrome_trace_of_the_predicted_timeline() -> None:
     graph, _ = _llama(BASE + ",overlap,verify")
     tl = replay(graph, Costs(graph, axis_models(graph.mesh, None)))  # type: ignore[arg-type]
@@ -275,3 +308,35 @@ def test_a_cuda_mesh_is_planned_for_the_part_its_driver_names(
 ) -> None:
     c = device_cluster(name, per_node, ranks)
     assert (c.device.name, c.devices_per_node, c.nodes) == expected if c else expected is None
+
+
+# NOTE: a sequence-parallel projection: the partial GEMM result reduce-scattered on its rows
+SCATTER = """graph @g mesh<tp=2> {
+  param %w : f32[8, 12] {tp: S(0)}
+  input %x : f32[16, 8] {tp: S(1)}
+  %y = aten.mm(%x, %w) : f32[16, 12] {tp: P(sum)}  # mlp.down fwd
+  %r = comm.reduce_scatter(%y, axis="tp", dim=DIM, reduce="sum") : f32[16, 12] {tp: S(DIM)}  # mlp.down fwd
+  output out(0) = %r
+}
+"""
+
+
+def test_tp_chunks_split_a_gemm_whose_rows_are_reduce_scattered() -> None:
+    from meshfold.backends.interpret import run_values
+    from meshfold.passes.schedule.chunks import chunk_matmuls
+
+    g = ir.parse(SCATTER.replace("DIM", "0"))
+    out = chunk_matmuls(g, 3)
+    ir.verify(out)
+    scatters = [op for op in out.ops if op.name == "comm.reduce_scatter"]
+    assert len(scatters) == 3 and all(op.kwarg("dim") == 0 for op in scatters)
+    assert [tuple(op.result.type.shape) for op in scatters] == [(16, 4)] * 3
+    # NOTE: every chunk keeps the rows split as the whole was; the cat puts the columns back
+    assert all(op.result.layout == g.ops[1].result.layout for op in scatters)
+    assert out.ops[-1].name == "aten.cat" and out.ops[-1].result == g.ops[1].result
+    feeds = {"w": torch.randn(8, 12), "x": torch.randn(16, 8)}
+    want, got = run_values(g, feeds, global_view=True), run_values(out, feeds, global_view=True)
+    torch.testing.assert_close(got[out.outputs[0].value], want[g.outputs[0].value])
+    # NOTE: scattered on the columns themselves: left whole
+    cols = ir.parse(SCATTER.replace("DIM", "1"))
+    assert [op.name for op in chunk_matmuls(cols, 3).ops] == [op.name for op in cols.ops]
