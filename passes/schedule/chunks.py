@@ -1,16 +1,19 @@
-"""Collective matmul: a GEMM and the all-reduce of its partial result, split into chunks so that one
-chunk's all-reduce runs under the next chunk's GEMM.
+"""Collective matmul: a GEMM and the reduction of its partial result, split into chunks so that one
+chunk's collective runs under the next chunk's GEMM.
 
 ``y = mm(x, w)`` whose result is a Partial sum on a mesh axis and whose only reader is an
-``all_reduce`` over that axis, directly or through a reshape that keeps its last dim
-(``[b*s, n] -> [b, s, n]``; a row-parallel projection in the forward, a column-parallel one's
-input gradient in the backward), becomes, for ``k`` chunks of ``w``'s output columns:
+``all_reduce`` over that axis, or a ``reduce_scatter`` over it on a dim other than the last,
+directly or through a reshape that keeps its last dim (``[b*s, n] -> [b, s, n]``; a row-parallel
+projection in the forward, a column-parallel one's input gradient in the backward; a
+sequence-parallel one reduce-scattering its tokens), becomes, for ``k`` chunks of ``w``'s output
+columns:
 
-    w_i = slice(w, 1, i*n/k, (i+1)*n/k);  y_i = mm(x, w_i);  r_i = all_reduce(y_i);  y = cat(r, 1)
+    w_i = slice(w, 1, i*n/k, (i+1)*n/k);  y_i = mm(x, w_i);  r_i = reduce(y_i);  y = cat(r, -1)
 
-The columns are split only where no mesh axis shards them (``w``'s dim 1 and ``y``'s dim 1), so
-every rank slices the same global columns and the result is the same value in the same layout.
-The overlap pass then starts ``r_i`` as soon as ``y_i`` exists and runs ``y_{i+1}`` under it.
+The columns are split only where no mesh axis shards them (``w``'s dim 1 and ``y``'s last dim), so
+every rank slices the same global columns, and a reduce-scatter's pieces are scattered on the same
+rows: the result is the same value in the same layout. The overlap pass then starts ``r_i`` as soon
+as ``y_i`` exists and runs ``y_{i+1}`` under it.
 """
 
 from __future__ import annotations
@@ -19,14 +22,15 @@ import torch
 
 from meshfold.ir import Graph, GraphBuilder, Op, Shard, TensorType, Value
 from meshfold.ir.graph import fresh_name
-from meshfold.ir.ops import ALL_REDUCE
+from meshfold.ir.ops import ALL_REDUCE, REDUCE_SCATTER
 from meshfold.ir.symbolic import divides
 
 aten = torch.ops.aten
 
 
 def chunk_matmuls(graph: Graph, k: int) -> Graph:
-    """``graph`` with every GEMM + all-reduce pair that splits evenly into ``k`` column chunks split."""
+    """``graph`` with every GEMM + all-reduce (or reduce-scatter) pair that splits evenly into ``k``
+    column chunks split."""
     if k <= 1 or graph.mesh is None:
         return graph
     users = graph.users()
@@ -35,9 +39,11 @@ def chunk_matmuls(graph: Graph, k: int) -> Graph:
     pairs: dict[Op, tuple[Op | None, Op]] = {}
     producers = graph.producers()
     for op in graph.ops:
-        if op.target != ALL_REDUCE or op.kwarg("reduce") != "sum":
+        if op.target not in (ALL_REDUCE, REDUCE_SCATTER) or op.kwarg("reduce") != "sum":
             continue
         (y,) = op.operands
+        if op.target == REDUCE_SCATTER and (not isinstance(y.type, TensorType) or op.kwarg("dim") == y.type.rank - 1):
+            continue  # NOTE: scattered on the columns the chunks split
         view = producers.get(y)
         if view is not None and view.target in _RESHAPES and _keeps_last(view):
             mm = producers.get(view.operands[0])
@@ -50,7 +56,7 @@ def chunk_matmuls(graph: Graph, k: int) -> Graph:
             pairs[mm] = (view, op)
     if not pairs:
         return graph
-    skip = {o for view, ar in pairs.values() for o in (view, ar) if o is not None}
+    skip = {o for view, red in pairs.values() for o in (view, red) if o is not None}
     b = GraphBuilder.like(graph)
     for op in graph.ops:
         if op in skip:
@@ -88,9 +94,9 @@ def _splits(mm: Op, y: Value, k: int) -> bool:
     return unsharded and last not in y.layout.placements and divides(w.type.shape[1], k)
 
 
-def _emit_chunks(b: GraphBuilder, mm: Op, view: Op | None, ar: Op, k: int, names: set[str]) -> None:
+def _emit_chunks(b: GraphBuilder, mm: Op, view: Op | None, red: Op, k: int, names: set[str]) -> None:
     x, w = mm.operands
-    m, out = mm.result, ar.result
+    m, out = mm.result, red.result
     y = view.result if view is not None else m
     assert isinstance(w.type, TensorType) and isinstance(m.type, TensorType) and isinstance(y.type, TensorType)
     step = w.type.shape[1] // k
@@ -105,6 +111,6 @@ def _emit_chunks(b: GraphBuilder, mm: Op, view: Op | None, ar: Op, k: int, names
             y_i = Value(fresh_name(f"{y.name}_c{i}", names), yt, y.layout)
             b.append(Op(view.target, (m_i, (*y.type.shape[:-1], step)), view.kwargs, (y_i,), view.prov))
         r_i = Value(fresh_name(f"{out.name}_c{i}", names), yt, out.layout)
-        b.append(Op(ar.target, (y_i,), ar.kwargs, (r_i,), ar.prov))
+        b.append(Op(red.target, (y_i,), red.kwargs, (r_i,), red.prov))
         pieces.append(r_i)
-    b.append(Op(aten.cat.default, (tuple(pieces), y.type.rank - 1), (), (out,), ar.prov))
+    b.append(Op(aten.cat.default, (tuple(pieces), y.type.rank - 1), (), (out,), red.prov))

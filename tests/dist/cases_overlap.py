@@ -3,6 +3,7 @@ each collective was issued and waited for and when the rank computed in between.
 
 from __future__ import annotations
 
+import re
 import warnings
 from typing import Any
 
@@ -62,3 +63,41 @@ def profiled_step(pipeline: str, hidden: int, batch: int, seq: int) -> dict[str,
             if e.thread != thread and e.name.startswith("gloo:")
         ),
     }
+
+
+def chunked_sequence_parallel(pipeline: str, steps: int = 2) -> dict[str, Any]:
+    """Two AdamW steps of a 2-layer Llama of the overlap bench's width (hidden 512, batch 8 x seq 256),
+    ``plan="auto"`` on (dp=2, tp=2) under ``pipeline``, beside single device: the loss, every
+    gradient and the parameters agree (raises if not). Returns how many reduce-scatters the program
+    runs on column chunks of a GEMM (``overlap{tp-chunks=k}``), and the losses."""
+    import dataclasses
+
+    from meshfold.tools.bench.eager_vs_dtensor import Config, build
+    from tests.dist.cases import EPS, LR, PARAM_ATOL, assert_step_matches
+
+    warnings.filterwarnings("ignore")
+    cfg = dataclasses.replace(Config(), layers=2, hidden=512, intermediate=1376, seq=256, batch=8)
+    (net, inputs), (ref, _) = build(cfg), build(cfg)
+    pm = parallelize(net, device_mesh((2, 2), ("dp", "tp")), inputs, plan="auto", pipeline=pipeline)
+    chunked = [
+        op
+        for op in pm.graph().ops
+        if op.name == "comm.reduce_scatter" and any(re.search(r"_c\d+(_|$)", r.name) for r in op.results)
+    ]
+    opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS) for m in (pm, ref))
+    losses = []
+    for step in range(steps):
+        opt.zero_grad()
+        ref_opt.zero_grad()
+        loss = pm(*inputs)
+        loss.backward()
+        ref_loss = ref(*inputs)
+        ref_loss.backward()
+        assert_step_matches(pm, loss, ref, ref_loss, step=step)
+        opt.step()
+        ref_opt.step()
+        losses.append(float(loss))
+    want = dict(ref.named_parameters())
+    for name, p in pm.named_parameters():
+        torch.testing.assert_close(p.detach().full_tensor(), want[name].detach(), rtol=0, atol=PARAM_ATOL, msg=name)
+    return {"chunked_scatters": len(chunked), "losses": losses}

@@ -53,3 +53,14 @@ def test_chunked_tensor_parallel_matmuls_equal_single_device(rank_pools: RankPoo
             plan="fsdp+tp",
             pipeline=chunked,
         )
+
+
+def test_chunked_sequence_parallel_matmuls_equal_single_device(rank_pools: RankPools) -> None:
+    """Under ``auto`` a wide Llama's MLP runs sequence-parallel: its down projection's partial result is
+    reduce-scattered on its rows. ``overlap{tp-chunks=2}`` splits that GEMM into two column chunks,
+    each reduce-scattered on its own; loss, gradients and parameters still equal single device."""
+    chunked = DEFAULT_PIPELINE.replace("overlap", "overlap{tp-chunks=2}")
+    out = rank_pools.get(4).run("tests.dist.cases_overlap:chunked_sequence_parallel", pipeline=chunked)
+    # NOTE: two layers, a forward down projection each, two chunks each
+    assert all(r["chunked_scatters"] == 4 for r in out), [r["chunked_scatters"] for r in out]
+    assert len({tuple(r["losses"]) for r in out}) == 1
