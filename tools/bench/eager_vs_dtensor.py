@@ -80,6 +80,17 @@ class Config:
     lr: float = 1e-3
     warmup: int = 3
     steps: int = 10
+    optimizer: str = "fused"
+    """AdamW's implementation on every side (``OPTIMIZERS``); torchtitan's recipe defaults to the fused one."""
+
+
+OPTIMIZERS = {"for-loop": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
+"""AdamW's implementations, as torchtitan's ``implementation`` option names them."""
+
+
+def adamw(params: Iterator[nn.Parameter], cfg: Config) -> torch.optim.Optimizer:
+    """AdamW over ``params`` with ``cfg``'s learning rate and implementation (the same on every side)."""
+    return torch.optim.AdamW(params, lr=cfg.lr, **OPTIMIZERS[cfg.optimizer])
 
 
 class HeadInferringAttention(LlamaAttention):
@@ -288,14 +299,24 @@ def _dtensor_model(model: nn.Module, mesh: Any, lm_head: str) -> nn.Module:
     return model
 
 
+def optimizer_option(ap: argparse.ArgumentParser, d: Config) -> None:
+    """``--optimizer``: AdamW's implementation on every side."""
+    ap.add_argument(
+        "--optimizer",
+        choices=tuple(OPTIMIZERS),
+        default=d.optimizer,
+        help="AdamW's implementation on every side (default: fused, torchtitan's default)",
+    )
+
+
 def trainer(
-    model: nn.Module, inputs: tuple[torch.Tensor, ...], lr: float, ctx: Callable[[], Any] = contextlib.nullcontext
+    model: nn.Module, inputs: tuple[torch.Tensor, ...], cfg: Config, ctx: Callable[[], Any] = contextlib.nullcontext
 ) -> tuple[Callable[[], torch.Tensor], torch.optim.Optimizer]:
     """One AdamW training step of ``model`` on ``inputs`` (the loss under ``ctx``; a DTensor loss as
     this rank's local value), and its optimizer."""
     from torch.distributed.tensor import DTensor
 
-    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    opt = adamw(model.parameters(), cfg)
 
     def step() -> torch.Tensor:
         opt.zero_grad()
@@ -352,7 +373,7 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
         t0 = time.perf_counter()
         pm = parallelize(model, mesh, inputs, plan="fsdp+tp")
         out["mf_compile_s"] = time.perf_counter() - t0
-        mf_step, _ = trainer(pm, inputs, cfg.lr)
+        mf_step, _ = trainer(pm, inputs, cfg)
 
         summary = comm_summary(pm.graph())
         # NOTE: comm.shard / comm.partial are local (a chunk, a zeroing): no message, so not counted here.
@@ -365,7 +386,7 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
         out["dt_setup_s"] = time.perf_counter() - t0
         dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
         local = tuple(x.chunk(dp, dim=0)[dp_rank].contiguous() for x in inputs)
-        dt_step, _ = trainer(dt_model, local, cfg.lr, loss_ctx)
+        dt_step, _ = trainer(dt_model, local, cfg, loss_ctx)
 
         mf, dt = Side(mf_step), Side(dt_step)
         _train([mf, dt], total)
@@ -392,7 +413,7 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
 
 def _single_device(cfg: Config) -> list[float]:
     model, inputs = build(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    opt = adamw(model.parameters(), cfg)
     losses = []
     for _ in range(cfg.warmup + cfg.steps):
         opt.zero_grad()
@@ -415,7 +436,7 @@ def _report(cfg: Config, mesh: tuple[int, int], r: dict[str, Any], ref: list[flo
     )
     print(
         f"mesh: dp={mesh[0]} x tp={mesh[1]} ({mesh[0] * mesh[1]} gloo CPU ranks, 1 thread each); "
-        f"{cfg.warmup} warm-up + {cfg.steps} timed steps, AdamW lr {cfg.lr}"
+        f"{cfg.warmup} warm-up + {cfg.steps} timed steps, AdamW ({cfg.optimizer}) lr {cfg.lr}"
     )
     print(
         f"setup: meshfold parallelize {r['mf_compile_s']:.1f} s; DTensor parallelize_module+fully_shard "
@@ -483,13 +504,15 @@ def main(argv: list[str] | None = None) -> int:
         help="DTensor side: LM head whole on every tp rank, or vocab-sharded with loss_parallel (torchtitan)",
     )
     ap.add_argument("--profile", action="store_true", help="also print torch.profiler tables of rank 0")
+    optimizer_option(ap, d)
     a = ap.parse_args(argv)
     mesh = tuple(int(s) for s in a.mesh.split(","))
     if len(mesh) != 2 or mesh[0] * mesh[1] != a.world:
         ap.error(f"--mesh {a.mesh} must be two sizes dp,tp whose product is --world {a.world}")
     if a.warmup < 1:
         ap.error("--warmup must be at least 1 (the first warm-up step counts collectives)")
-    cfg = dataclasses.replace(d, warmup=a.warmup, steps=a.steps, **{size: getattr(a, size) for size in SIZES})
+    sizes = {size: getattr(a, size) for size in SIZES}
+    cfg = dataclasses.replace(d, warmup=a.warmup, steps=a.steps, optimizer=a.optimizer, **sizes)
     opts = {"mesh": mesh, "profile": a.profile, "lm_head": a.dtensor_lm_head}
     result = spawn_ranks(_rank_main, a.world, cfg, opts)
     ref = _single_device(cfg)

@@ -74,6 +74,7 @@ from meshfold.tools.bench.eager_vs_dtensor import (
     _single_device,
     build,
     gloo_rank,
+    optimizer_option,
     spawn_ranks,
     trainer,
 )
@@ -174,9 +175,9 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
             out["compile_s"][label] = time.perf_counter() - t0
             tl = predicted(pm.graph())  # NOTE: the time model's step and exposed communication, same program
             out.setdefault("predicted", {})[label] = (1e3 * tl.step, 1e3 * tl.exposed_total)
-            trainers[label] = (pm, *trainer(pm, inputs, cfg.lr))
-        trainers["dtensor"] = (None, *trainer(_dtensor_model(build(cfg)[0], mesh, "replicate"), local, cfg.lr))
-        trainers["titan"] = (None, *trainer(titan_model(build(cfg)[0], mesh), local, cfg.lr, loss_parallel))
+            trainers[label] = (pm, *trainer(pm, inputs, cfg))
+        trainers["dtensor"] = (None, *trainer(_dtensor_model(build(cfg)[0], mesh, "replicate"), local, cfg))
+        trainers["titan"] = (None, *trainer(titan_model(build(cfg)[0], mesh), local, cfg, loss_parallel))
 
         sides = {label: Side(trainers[label][1]) for label in SIDES}
         loads: dict[str, list[float]] = {label: [] for label in SIDES}
@@ -223,7 +224,7 @@ def _report(cfg: Config, opts: dict[str, Any], r: dict[str, Any], ref: list[floa
         f"model: Llama-style, {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads ({cfg.kv_heads} kv), "
         f"intermediate {cfg.intermediate}, vocab {cfg.vocab}, {n_params / 1e6:.2f} M params; batch {cfg.batch} x seq "
         f"{cfg.seq}\nmesh: dp={dp} x tp={tp} ({dp * tp} gloo CPU ranks, 1 thread each); {cfg.warmup} warm-up + "
-        f"{cfg.steps} timed steps per side, interleaved, AdamW lr {cfg.lr}"
+        f"{cfg.steps} timed steps per side, interleaved, AdamW ({cfg.optimizer}) lr {cfg.lr}"
     )
     for k in mf:
         print(
@@ -309,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         "--backend", default="eager", choices=("eager", "inductor"), help="how both meshfold sides' programs run"
     )
     ap.add_argument("--json", metavar="PATH", help="also write the figures measured to PATH")
+    optimizer_option(ap, d)
     a = ap.parse_args(argv)
     mesh = tuple(int(s) for s in a.mesh.split(","))
     if len(mesh) != 2:
@@ -317,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--warmup, --steps and --profile-steps must be at least 1")
     sizes = {size: getattr(a, size) for size in SIZES}
     sizes["intermediate"] = sizes["intermediate"] or llama_intermediate(a.hidden)
-    cfg = dataclasses.replace(d, warmup=a.warmup, steps=a.steps, **sizes)
+    cfg = dataclasses.replace(d, warmup=a.warmup, steps=a.steps, optimizer=a.optimizer, **sizes)
     pipelines = {
         "overlap": a.pipeline or DEFAULT_PIPELINE,
         "no overlap": without_pass(a.pipeline or DEFAULT_PIPELINE, "overlap"),
