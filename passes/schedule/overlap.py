@@ -164,15 +164,18 @@ class _Scheduler:
                 first = min(self.users[c], default=c)
                 self.opens[c] = first_op[max(segment[first] - opts.prefetch + 1, 0)]
         # NOTE: a collective the phase does not read, of what another brought (a gradient's dp all-reduce
-        # after its tp one), opens once the compute stream has run the segment after the one it was in
-        # when that other started: that one travels under a segment's compute, and its wait does not
-        # stall the compute right after it
-        self.segment, self.first_op = segment, first_op
-        # (a view read by nothing else, that takes its result to the outputs, is not a reader)
+        # after its tp one), opens once the compute stream has run the whole segment after the one
+        # that made the other's operands: that one travels under a segment's compute, and its wait
+        # does not stall the compute right after it (a view read by nothing else, that takes a result
+        # to the outputs, is not a reader)
         unread = {c for c in self.comm if all(is_view(ops[u].target) and not self.users[u] for u in self.users[c])}
-        self.chained = {
-            c for c in unread if ops[c].target not in (PPERMUTE, RELOAD) and any(d in self.comm for d in self.deps[c])
-        }
+        for c in unread:
+            brought = [d for d in self.deps[c] if d in self.comm]
+            if not brought or ops[c].target in (PPERMUTE, RELOAD):
+                continue
+            source = max(max((segment[k] for k in self.deps[d]), default=segment[d]) for d in brought)
+            after = source + 3  # NOTE: first_op[s + 1] is segment s's first op
+            self.opens[c] = first_op[after] if after < len(first_op) else len(ops)
         self._passed_on()
         self._just_in_time(costs)
         # NOTE: a started collective holds its operands as well as its results until its wait (a
@@ -342,12 +345,6 @@ class _Scheduler:
         begin = max(self.now, self.free[stream])
         self.free[stream] = self.ends[c] = begin + self.costs.comm(op)
         self.held += self.size[c]
-        after = self.segment[max(self.reached, 0)] + 3  # NOTE: first_op[s + 1] is segment s's first op
-        for u in self.users[c]:
-            if u in self.chained:
-                self.opens[u] = max(
-                    self.opens.get(u, -1), self.first_op[after] if after < len(self.first_op) else len(self.ops)
-                )
 
     def _wait(self, c: int) -> None:
         op = self.ops[c]
