@@ -28,9 +28,9 @@ the copy stream, beside the collectives' one); a list scheduler over the time mo
   early and the independent work, such as a weight gradient's GEMM beside a tensor-parallel
   all-reduce, runs under it), else the earliest; when all would wait, the earliest;
 * a collective whose results leave the phase unread and that reads what another collective brought
-  (a gradient's dp all-reduce after its tp one) starts once the compute stream has run the segment
-  after the one it was in when that other started: the first travels under that segment's compute,
-  and its wait does not stall the compute right after it;
+  (a gradient's dp all-reduce after its tp one) starts once the compute stream has run the whole
+  segment after the one that made that other's operands: the first travels under that segment's
+  compute, and its wait does not stall the compute right after it;
 * a collective whose results leave the phase unread (a gradient's reduce-scatter) is waited at the
   phase's end.
 
