@@ -26,13 +26,18 @@ the copy stream, beside the collectives' one); a list scheduler over the time mo
   scheduler runs, among the ready ops within ``lookahead`` places of the earliest one that wait on
   no collective still on the wire, first one that a collective waits for (so the collective starts
   early and the independent work, such as a weight gradient's GEMM beside a tensor-parallel
-  all-reduce, runs under it), else the earliest; when all would wait, the earliest;
+  all-reduce, runs under it), else the earliest; when all would wait, the one whose collectives
+  come off the wire first;
 * a collective whose results leave the phase unread and that reads what another collective brought
   (a gradient's dp all-reduce after its tp one) starts once the compute stream has run the whole
   segment after the one that made that other's operands: the first travels under that segment's
   compute, and its wait does not stall the compute right after it;
 * a collective whose results leave the phase unread (a gradient's reduce-scatter) is waited at the
   phase's end.
+
+Before scheduling, ``tp-chunks`` splits GEMMs into column chunks (``chunks``) and ``nano-batches``
+splits sequence-parallel regions into nano-batches of tokens (``nano``), so that the rules above
+run one piece's collective under another piece's compute.
 
 Ranks schedule the same graph with the same model, so every rank issues its collectives in the
 same order. ``PassContext.stats["overlap"]`` holds the predicted communication, exposed time and
@@ -57,6 +62,7 @@ from meshfold.passes.blocks import op_blocks
 from meshfold.passes.cost.axis import axis_models
 from meshfold.passes.cost.memory import rank_memory, size_text
 from meshfold.passes.schedule.chunks import chunk_matmuls
+from meshfold.passes.schedule.nano import nano_batch
 from meshfold.passes.schedule.timeline import Costs, replay
 from meshfold.passes.sharding.boxing import BOXED
 
@@ -66,7 +72,8 @@ INFLIGHT_STAT = "overlap.max_inflight"
 
 @dataclass(frozen=True)
 class Overlap(Pass):
-    """Start collectives early and wait late (``overlap{prefetch=1,max-inflight=256MiB,lookahead=32,tp-chunks=1}``)."""
+    """Start collectives early and wait late
+    (``overlap{prefetch=1,max-inflight=256MiB,lookahead=32,tp-chunks=1,nano-batches=1}``)."""
 
     name: ClassVar[str] = "overlap"
     requires: ClassVar[frozenset[str]] = frozenset({BOXED})
@@ -78,17 +85,23 @@ class Overlap(Pass):
     tp_chunks: int = 1
     """Split each GEMM whose partial result is all-reduced into this many column chunks, each chunk's
     all-reduce under the next chunk's GEMM (``chunks.chunk_matmuls``); 1: off."""
+    nano_batches: int = 1
+    """Split each sequence-parallel region (an all-gathered token tensor through GEMMs and pointwise
+    ops to its reduce-scatter) into this many nano-batches of tokens, one's collectives under
+    another's GEMMs (``nano.nano_batch``); 1: off."""
 
     def apply(self, ctx: PassContext, graph: Graph) -> Graph:
-        if self.max_inflight <= 0 or self.prefetch < 0 or self.lookahead < 0 or self.tp_chunks < 1:
+        small = min(self.prefetch, self.lookahead) < 0 or min(self.tp_chunks, self.nano_batches) < 1
+        if self.max_inflight <= 0 or small:
             raise PassError(
-                f"{self}: max-inflight must be positive, prefetch and lookahead at least 0, tp-chunks at least 1"
+                f"{self}: max-inflight must be positive, prefetch and lookahead at least 0, tp-chunks and "
+                "nano-batches at least 1"
             )
         if graph.mesh is None or any(op.target == WAIT for op in graph.ops):
             return graph
         costs = Costs(graph, axis_models(graph.mesh, ctx.cluster))  # NOTE: chunking keeps the mesh
         before = replay(graph, costs, events=False)
-        graph = chunk_matmuls(graph, self.tp_chunks)
+        graph = chunk_matmuls(nano_batch(graph, self.nano_batches), self.tp_chunks)
         if ctx.memory is None:
             out, cap = self._scheduled(graph, costs, self.max_inflight), self.max_inflight
         else:
@@ -296,11 +309,16 @@ class _Scheduler:
 
     def _pick(self, ready: list[int]) -> int:
         """The earliest ready op that waits on nothing still on the wire, within ``lookahead`` places of
-        the earliest ready one, one that feeds a collective first; else the earliest."""
+        the earliest ready one, one that feeds a collective first; else the one among those whose
+        collectives come off the wire first (a nano-batch's gather, started before the reduce-scatter
+        of the nano-batch before it), the earliest of equals."""
         first = min(ready)
-        free = [k for k in sorted(ready) if k - first <= self.opts.lookahead and not self._blocked(k)]
+        near = [k for k in sorted(ready) if k - first <= self.opts.lookahead]
+        free = [k for k in near if not self._blocked(k)]
         urgent = [k for k in free if k in self.feeds]
-        return urgent[0] if urgent else free[0] if free else first
+        if urgent or free:
+            return urgent[0] if urgent else free[0]
+        return min(near, key=lambda k: (max(self.ends.get(d, 0.0) for d in self.deps[k]), k))
 
     def _blocked(self, k: int) -> bool:
         """Whether op ``k`` would wait on a collective still on the wire."""

@@ -69,7 +69,8 @@ def chunked_sequence_parallel(pipeline: str, steps: int = 2) -> dict[str, Any]:
     """Two AdamW steps of a 2-layer Llama of the overlap bench's width (hidden 512, batch 8 x seq 256),
     ``plan="auto"`` on (dp=2, tp=2) under ``pipeline``, beside single device: the loss, every
     gradient and the parameters agree (raises if not). Returns how many reduce-scatters the program
-    runs on column chunks of a GEMM (``overlap{tp-chunks=k}``), and the losses."""
+    runs on column chunks of a GEMM (``overlap{tp-chunks=k}``), how many all-gathers and
+    reduce-scatters on nano-batches of tokens (``overlap{nano-batches=k}``), and the losses."""
     import dataclasses
 
     from meshfold.tools.bench.eager_vs_dtensor import Config, build
@@ -79,11 +80,16 @@ def chunked_sequence_parallel(pipeline: str, steps: int = 2) -> dict[str, Any]:
     cfg = dataclasses.replace(Config(), layers=2, hidden=512, intermediate=1376, seq=256, batch=8)
     (net, inputs), (ref, _) = build(cfg), build(cfg)
     pm = parallelize(net, device_mesh((2, 2), ("dp", "tp")), inputs, plan="auto", pipeline=pipeline)
-    chunked = [
-        op
-        for op in pm.graph().ops
-        if op.name == "comm.reduce_scatter" and any(re.search(r"_c\d+(_|$)", r.name) for r in op.results)
-    ]
+
+    def pieces(name: str, mark: str) -> int:
+        hit = re.compile(rf"_{mark}\d+(_|$)")
+        return sum(1 for op in pm.graph().ops if op.name == name and any(hit.search(r.name) for r in op.results))
+
+    counts = {
+        "chunked_scatters": pieces("comm.reduce_scatter", "c"),
+        "nano_gathers": pieces("comm.all_gather", "n"),
+        "nano_scatters": pieces("comm.reduce_scatter", "n"),
+    }
     opt, ref_opt = (torch.optim.AdamW(m.parameters(), lr=LR, eps=EPS) for m in (pm, ref))
     losses = []
     for step in range(steps):
@@ -100,4 +106,4 @@ def chunked_sequence_parallel(pipeline: str, steps: int = 2) -> dict[str, Any]:
     want = dict(ref.named_parameters())
     for name, p in pm.named_parameters():
         torch.testing.assert_close(p.detach().full_tensor(), want[name].detach(), rtol=0, atol=PARAM_ATOL, msg=name)
-    return {"chunked_scatters": len(chunked), "losses": losses}
+    return {**counts, "losses": losses}

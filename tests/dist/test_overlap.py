@@ -71,3 +71,14 @@ def test_chunked_sequence_parallel_matmuls_equal_single_device(rank_pools: RankP
     # NOTE: two layers, a forward down projection each, two chunks each
     assert all(r["chunked_scatters"] == 4 for r in out), [r["chunked_scatters"] for r in out]
     assert len({tuple(r["losses"]) for r in out}) == 1
+
+
+def test_nano_batched_sequence_parallel_mlps_equal_single_device(rank_pools: RankPools) -> None:
+    """``overlap{nano-batches=2}`` splits each sequence-parallel MLP of a wide Llama under ``auto`` into
+    two nano-batches of tokens, each all-gathered and reduce-scattered on its own: loss, every
+    gradient and the parameters after AdamW steps still equal single device."""
+    nano = DEFAULT_PIPELINE.replace("overlap", "overlap{nano-batches=2}")
+    out = rank_pools.get(4).run("tests.dist.cases_overlap:chunked_sequence_parallel", pipeline=nano)
+    # NOTE: two layers, a forward MLP each, two nano-batches each
+    assert all((r["nano_gathers"], r["nano_scatters"]) == (4, 4) for r in out), out
+    assert len({tuple(r["losses"]) for r in out}) == 1

@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mesh", default="2,2", help="dp,tp sizes (one gloo rank each)")
     ap.add_argument("--steps", type=int, default=d.steps, help="timed steps per side")
     ap.add_argument("--warmup", type=int, default=d.warmup, help="untimed steps first (the last counts bytes)")
-    ap.add_argument("--profile-steps", type=int, default=3, help="profiled steps per meshfold side")
+    ap.add_argument("--profile-steps", type=int, default=5, help="profiled steps per meshfold side")
     for size in SIZES:
         ap.add_argument(f"--{size.replace('_', '-')}", type=int, default=getattr(d, size))
     ap.add_argument("--pipeline", help="the overlap side's pipeline (default: DEFAULT_PIPELINE)")
