@@ -105,3 +105,15 @@ def test_a_region_that_cannot_split_is_left_whole_or_stops(edit: tuple[str, str]
             torch.testing.assert_close(got, want)
     else:
         assert [op.name for op in out.ops] == [op.name for op in g.ops], why
+
+
+def test_nano_batches_and_column_chunks_compose() -> None:
+    """``tp-chunks`` runs after nano-batching: each nano-batch's down GEMM is split again into column
+    chunks, each reduce-scattered on its own; the program still computes the same values."""
+    g = ir.parse(MLP)
+    out = Overlap(nano_batches=2, tp_chunks=2).apply(PassContext(mesh=g.mesh), g)
+    ir.verify(out)
+    scatters = [op for op in out.ops if op.name == "comm.reduce_scatter"]
+    assert len(scatters) == 4 and {tuple(op.result.type.shape) for op in scatters} == {(24, 4)}
+    for want, got in zip(_run(g), _run(out), strict=True):
+        torch.testing.assert_close(got, want)
