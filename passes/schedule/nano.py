@@ -6,7 +6,7 @@ on one token dim (``g``) and takes in every op after it that works on each token
 
 * a reshape between ``[T0, T1, *f]`` and the flattened ``[T0 * T1, *f]``;
 * ``mm(v, w)`` on the flattened tokens, with ``w`` from outside the region (a weight);
-* a pointwise op whose other tensor operands are region values of its shape, or from outside the
+* a pointwise op (not a random one) whose other tensor operands are region values of its shape, or from outside the
   region and broadcast over the features only (rank 0 or 1);
 * a ``reduce_scatter`` over the gather's axis back onto the gathered token dim.
 
@@ -138,8 +138,8 @@ def _form(op: Op, region: _Region) -> bool | None:
         onto = dim == 0 and g.kwarg("dim") == 0 if region.flat[v] else dim == g.kwarg("dim")
         return region.flat[v] if same_axis and onto else None
     tags = getattr(op.target, "tags", ())
-    if torch.Tag.pointwise not in tags:
-        return None
+    if torch.Tag.pointwise not in tags or torch.Tag.nondeterministic_seeded in tags:
+        return None  # NOTE: a random op drawn piece by piece would draw other numbers
     for o in op.operands:
         if o in region.flat:
             if region.flat[o] != region.flat[v] or o.type != out:
