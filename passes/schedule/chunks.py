@@ -45,7 +45,7 @@ def chunk_matmuls(graph: Graph, k: int) -> Graph:
         if op.target == REDUCE_SCATTER and (not isinstance(y.type, TensorType) or op.kwarg("dim") == y.type.rank - 1):
             continue  # NOTE: scattered on the columns the chunks split
         view = producers.get(y)
-        if view is not None and view.target in _RESHAPES and _keeps_last(view):
+        if view is not None and view.target in RESHAPES and _keeps_last(view):
             mm = producers.get(view.operands[0])
             lone = mm is not None and users.get(view.operands[0]) == [view]
             if mm is None or not lone or view.operands[0] in outputs:
@@ -70,7 +70,8 @@ def chunk_matmuls(graph: Graph, k: int) -> Graph:
     return b.build()
 
 
-_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
+"""The reshapes the schedule's splitting rewrites see through (their shape argument is respelled)."""
 
 
 def _keeps_last(view: Op) -> bool:

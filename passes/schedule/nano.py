@@ -6,8 +6,8 @@ on one token dim (``g``) and takes in every op after it that works on each token
 
 * a reshape between ``[T0, T1, *f]`` and the flattened ``[T0 * T1, *f]``;
 * ``mm(v, w)`` on the flattened tokens, with ``w`` from outside the region (a weight);
-* a pointwise op (not a random one) whose other tensor operands are region values of its shape, or from outside the
-  region and broadcast over the features only (rank 0 or 1);
+* a pointwise op (not a random one) whose other tensor operands are region values of its shape,
+  or from outside the region and broadcast over the features only (rank 0 or 1);
 * a ``reduce_scatter`` over the gather's axis back onto the gathered token dim.
 
 Each nano-batch takes ``1/k`` of the other token dim (``c``, which no mesh axis may shard): the
@@ -34,9 +34,9 @@ from meshfold.ir import Graph, GraphBuilder, Layout, Op, Shard, TensorType, Valu
 from meshfold.ir.graph import Provenance, fresh_name, map_values
 from meshfold.ir.ops import ALL_GATHER, REDUCE_SCATTER
 from meshfold.ir.symbolic import Dim, divides
+from meshfold.passes.schedule.chunks import RESHAPES
 
 aten = torch.ops.aten
-_RESHAPES = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 
 
 def nano_batch(graph: Graph, k: int) -> Graph:
@@ -120,7 +120,7 @@ def _form(op: Op, region: _Region) -> bool | None:
         return None
     v, out = inside[0], op.result.type
     t0, t1 = region.tokens
-    if op.target in _RESHAPES:
+    if op.target in RESHAPES:
         src = v.type
         assert isinstance(src, TensorType)
         if not region.flat[v] and tuple(out.shape) == (t0 * t1, *src.shape[2:]):
@@ -175,8 +175,8 @@ def _emit(b: GraphBuilder, region: _Region, k: int, names: set[str]) -> None:
     t0, t1 = region.tokens
     assert isinstance(x.type, TensorType)
     pieces: dict[Value, list[Value]] = {}
+    step = (t0, t1)[c] // k
     for i in range(k):
-        step = (t0, t1)[c] // k
         mapping: dict[Value, Value] = {}
         xs = _piece(x, i, names, c, k)
         b.append(Op(aten.slice.Tensor, (x, c, i * step, (i + 1) * step), (), (xs,), region.gather.prov))
@@ -184,7 +184,7 @@ def _emit(b: GraphBuilder, region: _Region, k: int, names: set[str]) -> None:
         for op in region.ops:
             results = tuple(_piece(r, i, names, 0 if region.flat[r] else c, k) for r in op.results)
             args = tuple(map_values(a, mapping) for a in op.args)
-            if op.target in _RESHAPES:
+            if op.target in RESHAPES:
                 args = (args[0], _shape(results[0]), *args[2:])
             b.append(Op(op.target, args, op.kwargs, results, op.prov))
             for r, p in zip(op.results, results, strict=True):
