@@ -18,12 +18,15 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
+from functools import lru_cache
 
 from meshfold.ir import Graph, Value
 
 
+@lru_cache(maxsize=1 << 16)
 def block_of(path: str) -> str:
-    """``layers.3.mlp.up_proj`` → ``layers.3``; a path without an index → ``""`` (the root)."""
+    """``layers.3.mlp.up_proj`` → ``layers.3``; a path without an index → ``""`` (the root). Kept:
+    every op of a module asks, in each pass that groups ops by block."""
     parts = path.split(".")
     for i, p in enumerate(parts):
         if p.isdigit():
@@ -68,32 +71,44 @@ def block_ops(graph: Graph) -> dict[str, list[int]]:
     return blocks
 
 
-def _hoisted(graph: Graph, rep: list[int], block: list[int], prefix: str) -> set[int]:
-    """Ops of ``rep`` that ``block`` shares rather than repeats: computed from nothing of ``rep``'s
-    own (no parameter under ``prefix``, no value of another ``rep`` op that is not itself shared),
-    and read by ``block`` (or by such ops that are). Common-subexpression elimination keeps a
-    layer's view of the rotary tables or of the attention mask in the first layer only: the later
-    layers read the first layer's."""
-    own_inputs = {i.value for i in graph.inputs if i.name.startswith(prefix + ".")}
-    made_by = {r: i for i in rep for r in graph.ops[i].results}
-    invariant: set[int] = set()
-    for i in rep:
-        if all(v not in own_inputs and (v not in made_by or made_by[v] in invariant) for v in graph.ops[i].operands):
-            invariant.add(i)
+class _Rep:
+    """What ``_hoisted`` needs of a first block ``rep`` (the same for every block matched to it):
+    its ops, which op makes each of their results, and which of them are computed from nothing of
+    ``rep``'s own (no parameter under ``rep``, no value of another ``rep`` op that is not itself so)."""
+
+    def __init__(self, graph: Graph, rep: list[int], prefix: str) -> None:
+        own_inputs = {i.value for i in graph.inputs if i.name.startswith(prefix + ".")}
+        self.ops = rep
+        self.made_by = {r: i for i in rep for r in graph.ops[i].results}
+        self.invariant: set[int] = set()
+        for i in rep:
+            if all(
+                v not in own_inputs and (v not in self.made_by or self.made_by[v] in self.invariant)
+                for v in graph.ops[i].operands
+            ):
+                self.invariant.add(i)
+
+
+def _hoisted(graph: Graph, rep: _Rep, block: list[int]) -> set[int]:
+    """Ops of ``rep`` that ``block`` shares rather than repeats: invariant (``_Rep``) and read by
+    ``block`` (or by such ops that are). Common-subexpression elimination keeps a layer's view of
+    the rotary tables or of the attention mask in the first layer only: the later layers read the
+    first layer's."""
+    made_by = rep.made_by
     read = {made_by[v] for j in block for v in graph.ops[j].operands if v in made_by}
     shared: set[int] = set()
-    for i in reversed(rep):
-        if i in invariant and (i in read or any(made_by.get(v) == i for j in shared for v in graph.ops[j].operands)):
+    for i in reversed(rep.ops):
+        if i in rep.invariant and (
+            i in read or any(made_by.get(v) == i for j in shared for v in graph.ops[j].operands)
+        ):
             shared.add(i)
     return shared
 
 
-def _mirror(
-    graph: Graph, keys: Sequence[int], rep: str, block: list[int], blocks: dict[str, list[int]]
-) -> dict[int, int] | None:
+def _mirror(graph: Graph, keys: Sequence[int], rep: _Rep, block: list[int]) -> dict[int, int] | None:
     """``block``'s ops → the ``rep`` ops they repeat, one for one and in order; None if they do not."""
-    shared = _hoisted(graph, blocks[rep], block, rep)
-    repeated = [i for i in blocks[rep] if i not in shared]
+    shared = _hoisted(graph, rep, block)
+    repeated = [i for i in rep.ops if i not in shared]
     if len(repeated) != len(block) or any(keys[i] != keys[j] for i, j in zip(block, repeated, strict=True)):
         return None
     return dict(zip(block, repeated, strict=True))
@@ -105,12 +120,15 @@ def mirrors(graph: Graph, keys: Sequence[int] | None = None) -> tuple[dict[str, 
     keys = op_kinds(graph) if keys is None else keys
     blocks = block_ops(graph)
     kinds: dict[str, list[str]] = defaultdict(list)
+    reps: dict[str, _Rep] = {}
     out: dict[str, str] = {}
     ops: dict[int, int] = {}
     for b, members in blocks.items():
         family = kinds[_family(b)]
         for r in family:
-            pairs = _mirror(graph, keys, r, members, blocks)
+            if r not in reps:
+                reps[r] = _Rep(graph, blocks[r], r)
+            pairs = _mirror(graph, keys, reps[r], members)
             if pairs is not None:
                 out[b] = r
                 ops.update(pairs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from collections.abc import Hashable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from meshfold.ir import Graph, Op, Placement, Shard, TensorType, Value
 from meshfold.passes.cost.axis import AxisModel
@@ -24,14 +24,14 @@ Demands = list[tuple[str, dict[Placement, Terms]]]
 that are 1 when it does."""
 
 
-@dataclass(frozen=True, slots=True)
-class Use:
-    """``value`` is operand ``index`` of op ``op``; ``op`` -1: a graph output, ``want`` its layout
-    or, for the gradient of a free parameter, that parameter (the gradient lands where it is)."""
+class Use(NamedTuple):
+    """``value`` is operand ``operand`` of op ``op``; ``op`` -1: graph output ``operand``, ``want``
+    its layout or, for the gradient of a free parameter, that parameter (the gradient lands where
+    it is). A tuple: a program makes one per value read per op (80k at 80 layers)."""
 
     value: Value
     op: int
-    index: int
+    operand: int
     phase: str
     want: Placement | Value | None = None
 
@@ -53,17 +53,22 @@ class MoveColumns:
     ties: Ties
     _read_terms: dict[tuple[int, int], tuple[Hashable, dict[Placement, Terms]]]
     _have_terms: dict[tuple[int, int], Hashable]
+    _result_terms: dict[tuple[int, int], dict[Placement, Terms]]
 
     def _placement_terms(self, v: Value, x: list[list[int]]) -> dict[Placement, dict[int, float]]:
-        """``Y[v, p]`` as linear terms over ``x`` (an empty dict: the constant 1)."""
+        """``Y[v, p]`` as linear terms over ``x`` (an empty dict: the constant 1); not to be changed
+        (an op result's are kept by its producer's columns)."""
         if v in self.fixed:
             return {self.fixed[v]: {}}
         if v in self.choice:
             return {p: {var: 1.0} for p, var in self.choice[v].items()}
         op_i, j = self.source[v]
-        out: dict[Placement, dict[int, float]] = defaultdict(dict)
-        for s, var in zip(self.per_op[op_i], x[op_i], strict=True):
-            out[s.outputs[j]][var] = 1.0
+        key = (id(x[op_i]), j)  # NOTE: the same for every op sharing the columns (a mirrored layer's)
+        out = self._result_terms.get(key)
+        if out is None:
+            out = self._result_terms[key] = defaultdict(dict)
+            for s, var in zip(self.per_op[op_i], x[op_i], strict=True):
+                out[s.outputs[j]][var] = 1.0
         return out
 
     def _mirror(self, v: Value, us: list[Use], uses: dict[Value, list[Use]], tied: dict[int, int]) -> Value | None:
@@ -77,7 +82,7 @@ class MoveColumns:
         building it again would only fold. A different size or batch rule keeps it apart."""
         w = self._counterpart(v, tied)
         theirs = None if w is None else uses.get(w)
-        if w is None or theirs is None or len(theirs) != len(us) or self.shrink[v] != self.shrink[w]:
+        if w is None or theirs is None or len(theirs) != len(us) or self.shrink.get(v, 1) != self.shrink.get(w, 1):
             return None
         if (v in self.batch) != (w in self.batch):
             return None
@@ -87,7 +92,7 @@ class MoveColumns:
             if a.op < 0:
                 if not self._same_want(a.want, b.want):
                     return None
-            elif a.index != b.index or tied.get(a.op, a.op) != tied.get(b.op, b.op):
+            elif a.operand != b.operand or tied.get(a.op, a.op) != tied.get(b.op, b.op):
                 return None
         return w
 
@@ -128,7 +133,7 @@ class MoveColumns:
                     continue
                 unique.setdefault((u.phase, _frozen(d)), (u.phase, d))
                 continue
-            frozen, d = self._reads(u.op, u.index, x)
+            frozen, d = self._reads(u.op, u.operand, x)
             unique.setdefault((u.phase, frozen), (u.phase, d))
         key = (size, self._frozen_have(v, have, x), tuple(unique))
         demands = list(unique.values())
@@ -229,11 +234,11 @@ class MoveColumns:
             # hand every rank the whole sequence); integers may be read whole by an op that cannot
             # read them in their Shard
             op = self.graph.ops[u.op]
-            attends = self.sequence and op.target in RESULT_ROLES and _qkv(op, u.index)
+            attends = self.sequence and op.target in RESULT_ROLES and _qkv(op, u.operand)
             ints = self.sequence and isinstance(v.type, TensorType) and not v.type.dtype.is_floating_point
-            own = {s.inputs[u.index] for s in self.per_op[u.op]} if ints else set()
+            own = {s.inputs[u.operand] for s in self.per_op[u.op]} if ints else set()
             for s, var in zip(self.per_op[u.op], x[u.op], strict=True):
-                q = s.inputs[u.index]
+                q = s.inputs[u.operand]
                 if attends and not isinstance(q, Shard):
                     self.m.row_once({var: 1.0}, -math.inf, 0.0)
                 for p, t in have.items():

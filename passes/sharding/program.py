@@ -14,12 +14,11 @@ from typing import Any
 
 from meshfold.ir import Layout, Mesh, Placement, Replicate, Shard, TensorType, Value
 from meshfold.ir.memo import Kept, by_identity
-from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
 from meshfold.ir.symbolic import divides
 from meshfold.passes.base import PassError
 from meshfold.passes.blocks import op_kinds
-from meshfold.passes.sharding.batch import batch_values
 from meshfold.passes.sharding.cost import nbytes, own_traffic
+from meshfold.passes.sharding.facts import graph_facts
 from meshfold.passes.sharding.milp import Columns
 from meshfold.passes.sharding.moves import MoveColumns, Terms, Use
 from meshfold.passes.sharding.opwork import op_bytes, op_flops
@@ -52,17 +51,12 @@ class AxisProgram(MoveColumns):
         self.k = mesh.names.index(axis)
         self.n = mesh.size(axis)
         self.model = problem.models[self.k]
-        self.batch = batch_values(graph) if axis in problem.batch_axes else frozenset()
+        facts = self.facts = graph_facts(graph)
+        self.batch = facts.batch if axis in problem.batch_axes else frozenset()
         """Values that may not leave a Shard for an op to read (``Problem.batch_axes``)."""
         self.sequence = axis in problem.sequence_axes
         """Whether the axis splits the sequence (``Problem.sequence_axes``)."""
-        # NOTE: also exempt: the experts op, whose all-gather dispatcher gathers the tokens over the
-        # expert-parallel ranks by design (its result goes back to the batch split as P(sum))
-        self.scalar_only = [
-            op.target in (EXPERTS, EXPERTS_BACKWARD)
-            or all(isinstance(r.type, TensorType) and r.type.rank == 0 for r in op.results)
-            for op in graph.ops
-        ]
+        self.scalar_only = facts.scalar_only
         self.budget = budget
         self.ties = ties
         self.work = work
@@ -73,16 +67,25 @@ class AxisProgram(MoveColumns):
         self.m = Columns()
         self._read_terms: dict[tuple[int, int], tuple[Hashable, dict[Placement, Terms]]] = {}
         self._have_terms: dict[tuple[int, int], Hashable] = {}
+        self._result_terms: dict[tuple[int, int], dict[Placement, Terms]] = {}
         # where each value comes from: (op index, result index), a fixed placement, or a choice
-        self.source: dict[Value, tuple[int, int]] = {}
+        self.source = facts.source
         self.fixed: dict[Value, Placement] = {}
         self.choice: dict[Value, dict[Placement, int]] = {}
         self.shrink: dict[Value, int] = {}
+        """How many ways the earlier axes divide each value (absent: 1)."""
+        ways: dict[tuple[int, ...], int] = {}  # NOTE: by the earlier strategies' identities and result
         for op_i, op in enumerate(graph.ops):
             before = earlier[op_i]
+            if not before:
+                continue
             for j, r in enumerate(op.results):
-                self.source[r] = (op_i, j)
-                self.shrink[r] = _ways(mesh, [e.outputs[j] for e in before]) if before else 1
+                key = (*map(id, before), j)
+                w = ways.get(key)
+                if w is None:
+                    w = ways[key] = _ways(mesh, [e.outputs[j] for e in before])
+                if w != 1:
+                    self.shrink[r] = w
         for gi in graph.inputs:
             v = gi.value
             if v in problem.free:
@@ -105,7 +108,8 @@ class AxisProgram(MoveColumns):
         """Build and solve; ``start``: a known plan of this axis to begin from (see ``AxisStart``)."""
         tied = {i: t for i, t in self.ties.ops.items() if _same(self.per_op[t], self.per_op[i])}
         x: list[list[int]] = [[] for _ in self.graph.ops]
-        works = [self._op_work(i) for i in range(len(x))]
+        kept: dict[tuple[int, ...], tuple[float, float, int]] = {}
+        works = [self._op_work(i, kept) for i in range(len(x))]
         priced: dict[int, list[float]] = {}  # NOTE: by list: ops sharing one (``solve``) cost the same
         copies: dict[tuple[int, int], int] = defaultdict(int)
         for op_i in sorted(range(len(x)), key=lambda i: i in tied):  # NOTE: columns first, then their users
@@ -124,13 +128,13 @@ class AxisProgram(MoveColumns):
         # NOTE: consumers tied to one op read through its columns in one way: the first stands for them
         # all (a value every layer reads, such as a view of the rotary tables, has two uses per layer)
         reads: dict[Value, dict[tuple[int, int, str], Use]] = defaultdict(dict)
-        for op_i, op in enumerate(self.graph.ops):
+        for op_i, (op, tensors) in enumerate(zip(self.graph.ops, self.facts.reads, strict=True)):
             rep = tied.get(op_i, op_i)
-            for k, v in enumerate(op.operands):
-                if isinstance(v.type, TensorType):
-                    seen = reads[v]
-                    if (rep, k, op.prov.phase) not in seen:
-                        seen[rep, k, op.prov.phase] = Use(v, op_i, k, op.prov.phase)
+            phase = op.prov.phase
+            for k, v in tensors:
+                seen = reads[v]
+                if (rep, k, phase) not in seen:
+                    seen[rep, k, phase] = Use(v, op_i, k, phase)
         for out_i, o in enumerate(self.graph.outputs):
             want = self.problem.wants.get(out_i)
             if want is not None and isinstance(o.value.type, TensorType):
@@ -155,7 +159,13 @@ class AxisProgram(MoveColumns):
                 chosen[id(xs)] = max(range(len(xs)), key=lambda i: (res[xs[i]], -i))
         picks = [ss[chosen[id(xs)]] for ss, xs in zip(self.per_op, x, strict=True)]
         inputs = {v: max(opts, key=lambda p: (res[opts[p]], -list(opts).index(p))) for v, opts in self.choice.items()}
-        compute = sum(self._work(works[i], self._splits(s)) for i, s in enumerate(picks))
+        times: dict[tuple[int, int], float] = {}  # NOTE: by the identities of the work and the strategy
+        compute = 0.0
+        for work, s in zip(works, picks, strict=True):
+            t = times.get((id(work), id(s)))
+            if t is None:
+                t = times[id(work), id(s)] = self._work(work, self._splits(s))
+            compute += t
         a = self.answer
         self.stats = AxisStats(
             self.axis,
@@ -199,10 +209,8 @@ class AxisProgram(MoveColumns):
         row: dict[int, float] = defaultdict(float)
         acts: dict[int, float] = defaultdict(float)
         const = 0.0
-        fwd = {r for op in self.graph.ops if op.prov.phase == "fwd" for r in op.results}
-        saved = [v for op in self.graph.ops if op.prov.phase == "bwd" for v in op.operands if v in fwd]
-        params = {i.value: None for i in self.graph.inputs if i.kind in ("param", "buffer")}
-        for v in dict.fromkeys([*saved, *params]):  # NOTE: program order, so the row is the same every run
+        params = self.facts.params
+        for v in self.facts.saved:  # NOTE: program order, so the row is the same every run
             if not isinstance(v.type, TensorType):
                 continue
             size = nbytes(v.type) / self.shrink.get(v, 1) * (STATE_COPIES if v in params else 1.0)
@@ -240,8 +248,14 @@ class AxisProgram(MoveColumns):
         compute = self._work(work, _splits(s))
         return compute + own_traffic(self.model, s, work[2], compute)
 
-    def _op_work(self, op_i: int) -> tuple[float, float, int]:
-        """The op's FLOPs and bytes, and how many ways the earlier axes' strategies divide them."""
+    def _op_work(self, op_i: int, kept: dict[tuple[int, ...], tuple[float, float, int]]) -> tuple[float, float, int]:
+        """The op's FLOPs and bytes, and how many ways the earlier axes' strategies divide them;
+        ``kept``: the answers by op kind and the earlier strategies' identities (one tuple for the
+        ops of every layer alike)."""
+        ident = (self.keys[op_i], *map(id, self.earlier[op_i]))
+        hit = kept.get(ident)
+        if hit is not None:
+            return hit
         shrink = 1
         for a, s in enumerate(self.earlier[op_i]):
             if self._splits(s):
@@ -250,7 +264,8 @@ class AxisProgram(MoveColumns):
         if key not in self.work:
             op = self.graph.ops[op_i]
             self.work[key] = (op_flops(op), op_bytes(op))
-        return *self.work[key], shrink
+        hit = kept[ident] = (*self.work[key], shrink)
+        return hit
 
     def _splits(self, s: Strategy) -> bool:
         """``_splits(s)``, kept (ops of one kind share their strategy objects)."""

@@ -54,7 +54,8 @@ def solve(problem: Problem, start: Solution | None = None) -> Solution:
         per_op = []
         fits: dict[Hashable, list[Strategy]] = {}
         for i, op in enumerate(graph.ops):
-            kind = (problem.keys[i], *chosen[i]) if problem.keys else i
+            # NOTE: the earlier axes' strategies by identity: ops of one kind picked theirs from one list
+            kind = (problem.keys[i], *map(id, chosen[i])) if problem.keys else i
             ok = fits.get(kind)
             if ok is None:  # NOTE: ops of one kind share the list (``AxisProgram`` prices it once)
                 ok = fits[kind] = [
