@@ -11,9 +11,9 @@ hence torch), like ``passes.cost.memory``.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from meshfold.ir import Mesh, Placement, Replicate, Shard
+from meshfold.ir import Mesh, Partial, Placement, Replicate, Shard
 from meshfold.passes.cost import comm, opcost
 from meshfold.passes.cost.comm import Group
 from meshfold.passes.cost.hardware import Cluster, local_cluster
@@ -30,6 +30,10 @@ class AxisModel:
     cluster: Cluster
     group: Group
     dtype: str
+    _moves: dict[tuple[Placement, Placement, float], float] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    """``redistribute``'s answers: the solve asks the same few moves of every layer's values."""
 
     @property
     def size(self) -> int:
@@ -51,6 +55,21 @@ class AxisModel:
         ``dst``: Shard → Replicate (or → Partial, gathered first) an all-gather, Shard(i) →
         Shard(j) an all-to-all of each rank's shard, Partial → Shard a reduce-scatter, Partial →
         Replicate an all-reduce; from Replicate a local slice (``SLICE_S``)."""
+        key = (src, dst, nbytes)
+        hit = self._moves.get(key)
+        if hit is None:
+            hit = self._moves[key] = self._redistribute(src, dst, nbytes)
+        return hit
+
+    def greedy_move(self, src: Placement, dst: Placement, nbytes: float) -> float:
+        """``redistribute`` as a choice that sees only its operands prices it (the greedy layout
+        choice): Replicate → Partial, which moves nothing now, is priced as the reduction some later
+        consumer must pay (the solve prices that reduction where it happens)."""
+        if not isinstance(src, (Shard, Partial)) and isinstance(dst, Partial):
+            return self.redistribute(dst, src, nbytes)
+        return self.redistribute(src, dst, nbytes)
+
+    def _redistribute(self, src: Placement, dst: Placement, nbytes: float) -> float:
         if self.size <= 1 or src == dst:
             return 0.0
         if isinstance(src, Replicate):

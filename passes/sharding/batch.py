@@ -22,7 +22,7 @@ def batch_values(graph: Graph) -> frozenset[Value]:
     """The user's inputs (graph inputs of kind ``input``) and every op result computed from one."""
     out = {i.value for i in graph.inputs if i.kind == "input"}
     for op in graph.ops:
-        if any(v in out for v in op.operands):
+        if not out.isdisjoint(op.operands):
             out.update(op.results)
     return frozenset(out)
 
@@ -69,26 +69,31 @@ def batch_splits(graph: Graph, mesh: Mesh, solution: Solution, start: Mapping[Va
     source: dict[Value, tuple[int, int]] = {
         r: (o, j) for o, op in enumerate(graph.ops) for j, r in enumerate(op.results)
     }
+    # NOTE: the batch tensors each op reads (op, operand index, value, where it is made), found once
+    # for every axis
+    reads = [
+        (o, idx, v, source.get(v))
+        for o, op in enumerate(graph.ops)
+        for idx, v in enumerate(op.operands)
+        if v in batch and isinstance(v.type, TensorType)
+    ]
     out = []
     for k, axis in enumerate(mesh.names):
         if mesh.sizes[k] == 1:
             continue
 
-        def placed(v: Value, k: int = k, axis: str = axis) -> Placement:
-            if v in source:
-                o, j = source[v]
-                return solution.strategies[o][k].outputs[j]
+        def placed(v: Value, at: tuple[int, int] | None, k: int = k, axis: str = axis) -> Placement:
+            if at is not None:
+                return solution.strategies[at[0]][k].outputs[at[1]]
             lay = solution.inputs.get(v) or start.get(v) or Layout.replicated(mesh)
             return lay.placement(axis)
 
-        split = tuple(i.name for i in users if isinstance(placed(i.value), Shard))
-        whole = tuple(i.name for i in users if not isinstance(placed(i.value), Shard))
+        split = tuple(i.name for i in users if isinstance(placed(i.value, None), Shard))
+        whole = tuple(i.name for i in users if not isinstance(placed(i.value, None), Shard))
         gathered: dict[str, None] = {}
-        for o, op in enumerate(graph.ops):
-            for idx, v in enumerate(op.operands):
-                have = placed(v) if v in batch and isinstance(v.type, TensorType) else None
-                if isinstance(have, Shard) and not isinstance(solution.strategies[o][k].inputs[idx], Shard):
-                    gathered[v.name] = None
+        for o, idx, v, at in reads:
+            if isinstance(placed(v, at), Shard) and not isinstance(solution.strategies[o][k].inputs[idx], Shard):
+                gathered[v.name] = None
         out.append(BatchSplit(axis, split, whole, tuple(gathered)))
     return tuple(out)
 

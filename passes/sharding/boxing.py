@@ -9,6 +9,7 @@ the mesh's nesting order (outer axis first).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import ClassVar
 
 from meshfold.ir import Graph, Layout, Op, OpDef, Partial, Placement, R, Replicate, Shard, Value, apply_patterns
@@ -25,9 +26,16 @@ BOXING = PatternTable("boxing")
 def _lower(rw: Rewriter, op: Op) -> tuple[Value, ...]:
     (src,) = op.operands
     cur = src
-    for target, emit in plan_steps(src.layout, op.result.layout):
+    for target, emit in _planned(src.layout, op.result.layout):
         cur = emit(rw, op, cur, target)
     return (cur,)
+
+
+@lru_cache(maxsize=1024)
+def _planned(src: Layout, dst: Layout) -> tuple[tuple[Layout, Emitter], ...]:
+    """``plan_steps``, kept per pair of layouts: the values of every layer move between the same few
+    (the steps and their layouts are immutable, so one plan serves every move alike)."""
+    return tuple(plan_steps(src, dst))
 
 
 Step = tuple[Layout, "Emitter"]
@@ -38,6 +46,7 @@ class Emitter:
 
     def __init__(self, target: OpDef, axis: str, **attrs: object) -> None:
         self.target, self.axis, self.attrs = target, axis, attrs
+        self.kwargs = (("axis", axis), *sorted(attrs.items()))
 
     @staticmethod
     def between(axis: str, src: Placement, dst: Placement) -> Emitter:
@@ -50,9 +59,8 @@ class Emitter:
         return self.target.transfer(layout, {"axis": self.axis, **self.attrs})
 
     def __call__(self, rw: Rewriter, like: Op, v: Value, layout: Layout) -> Value:
-        kwargs = (("axis", self.axis), *sorted(self.attrs.items()))
         out = Value(like.result.name, v.type, layout)
-        rw.emit_op(self.target, (v,), [out], like.prov, kwargs)  # type: ignore[arg-type]
+        rw.emit_op(self.target, (v,), [out], like.prov, self.kwargs)  # type: ignore[arg-type]
         return out
 
 

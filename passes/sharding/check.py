@@ -5,11 +5,14 @@ exactly the layout the producer wrote (collectives are explicit ops)."""
 from __future__ import annotations
 
 from collections.abc import Hashable
+from operator import attrgetter
 
 from meshfold.ir import Graph, Op, OpDef, VerifyError
 from meshfold.ir.ops import REDISTRIBUTE
 from meshfold.passes.sharding.rules import rule_table, strategies_for
 from meshfold.passes.sharding.strategy import Strategy
+
+_LAYOUT = attrgetter("layout")
 
 
 def check_layouts(graph: Graph, *, allow_redistribute: bool = True) -> None:
@@ -18,35 +21,48 @@ def check_layouts(graph: Graph, *, allow_redistribute: bool = True) -> None:
         return
     table = rule_table()
     # NOTE: a rule reads the op's types and arguments only, so ops of one ``Op.key`` (the same op in
-    # every layer of a stack) share their strategies, and with the same layouts their verdict
+    # every layer of a stack) share their strategies, and with the same layouts their verdict; a
+    # collective's verdict reads its target, attributes and layouts alone. Verdicts are kept by the
+    # layouts' identities first (the graph holds the layouts, so no id is reused while this runs):
+    # hashing a ``Layout`` is Python calls, and the ops of every layer mostly share layout objects
     passed: set[Hashable] = set()
+    passed_ids: set[Hashable] = set()
     known: dict[Hashable, list[Strategy]] = {}
     for op in graph.ops:
-        if isinstance(op.target, OpDef):
-            if op.target == REDISTRIBUTE and not allow_redistribute:
-                raise VerifyError(f"{op.describe()}: comm.redistribute left after boxing")
-            _check_collective(graph, op)
+        collective = isinstance(op.target, OpDef)
+        if op.target == REDISTRIBUTE and not allow_redistribute:
+            raise VerifyError(f"{op.describe()}: comm.redistribute left after boxing")
+        what = (op.target, op.kwargs) if collective else op.key()
+        ins, outs = tuple(map(_LAYOUT, op.operands)), tuple(map(_LAYOUT, op.results))
+        by_ids = (what, tuple(map(id, ins)), tuple(map(id, outs)))
+        if by_ids in passed_ids:
             continue
-        key = op.key()
-        seen = (key, tuple(v.layout for v in op.operands), tuple(r.layout for r in op.results))
-        if seen in passed:
-            continue
-        if key not in known:
-            known[key] = strategies_for(op, table)[0]
-        strategies = known[key]
-        for i, axis in enumerate(graph.mesh.names):
-            have = (
-                tuple(v.layout.placements[i] for v in op.operands),
-                tuple(r.layout.placements[i] for r in op.results),
+        if (what, ins, outs) not in passed:
+            if collective:
+                _check_collective(graph, op)
+            else:
+                if what not in known:
+                    known[what] = strategies_for(op, table)[0]
+                _check_rule(graph, op, known[what])
+            passed.add((what, ins, outs))
+        passed_ids.add(by_ids)
+
+
+def _check_rule(graph: Graph, op: Op, strategies: list[Strategy]) -> None:
+    """On every mesh axis, the op's placements are one of ``strategies`` (its rule's)."""
+    assert graph.mesh is not None
+    for i, axis in enumerate(graph.mesh.names):
+        have = (
+            tuple(v.layout.placements[i] for v in op.operands),
+            tuple(r.layout.placements[i] for r in op.results),
+        )
+        if not any((s.inputs, s.outputs) == have for s in strategies):
+            ins = ", ".join(f"%{v.name} {v.layout}" for v in op.operands)
+            outs = ", ".join(f"%{r.name} {r.layout}" for r in op.results)
+            raise VerifyError(
+                f"{op.describe()}: on mesh axis {axis!r} the placements ({ins}) -> ({outs}) are not a "
+                f"strategy of its sharding rule; a pass wrote inconsistent layouts (run boxing after sharding)"
             )
-            if not any((s.inputs, s.outputs) == have for s in strategies):
-                ins = ", ".join(f"%{v.name} {v.layout}" for v in op.operands)
-                outs = ", ".join(f"%{r.name} {r.layout}" for r in op.results)
-                raise VerifyError(
-                    f"{op.describe()}: on mesh axis {axis!r} the placements ({ins}) -> ({outs}) are not a "
-                    f"strategy of its sharding rule; a pass wrote inconsistent layouts (run boxing after sharding)"
-                )
-        passed.add(seen)
 
 
 def _check_collective(graph: Graph, op: Op) -> None:

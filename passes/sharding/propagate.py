@@ -22,16 +22,15 @@ from meshfold.ir import (
     Layout,
     Mesh,
     Op,
-    Partial,
     Placement,
     Provenance,
-    Shard,
     TensorType,
     Value,
     is_view,
 )
 from meshfold.ir.graph import Arg
-from meshfold.ir.ops import REDISTRIBUTE
+from meshfold.ir.memo import Kept, by_identity
+from meshfold.ir.ops import REDISTRIBUTE, Target
 from meshfold.passes import cp
 from meshfold.passes.base import JOINT, Pass, PassContext, PassError
 from meshfold.passes.blocks import mirrors, op_kinds
@@ -227,6 +226,11 @@ def _solved(
     return out
 
 
+_Laid = tuple[Layout, ...]
+_VIEWS: Kept[Target, bool] = {}
+"""``is_view`` of each op target asked."""
+
+
 @dataclass
 class _Propagator:
     graph: Graph
@@ -238,8 +242,10 @@ class _Propagator:
     vmap: dict[Value, Value] = field(default_factory=dict)
     moved: dict[tuple[Value, Layout, str], Value] = field(default_factory=dict)
     compute: dict[Value, Layout] = field(default_factory=dict)
-    layouts: dict[tuple[tuple[int, ...], int], tuple[tuple[Strategy, ...], Layout]] = field(default_factory=dict)
-    """``_layout``'s answers; each holds its strategies, so their ids are never others'."""
+    layouts: dict[tuple[int, ...], tuple[tuple[Strategy, ...], _Laid, _Laid]] = field(default_factory=dict)
+    """``_layouts``' answers; each holds its strategies, so their ids are never others'."""
+    interned: dict[Layout, Layout] = field(default_factory=dict)
+    """Every layout ``_layouts`` gave, as one object each."""
     param_like: set[Value] = field(default_factory=set)
     warned: set[str] = field(default_factory=set)
     decided: list[list[Strategy]] | None = None
@@ -263,12 +269,11 @@ class _Propagator:
         self.param_like = {self.vmap[i.value] for i in self.graph.inputs if i.kind == "param"}
         for k, op in enumerate(self.graph.ops):
             self._op(op, None if self.decided is None else self.decided[k])
-            derived = any(self.vmap.get(u, u) in self.param_like for u in op.operands)
             if (
                 op.prov.phase == "fwd"
                 and len(op.results) == 1
-                and (is_view(op.target) or op.target == torch.ops.aten._to_copy.default)
-                and derived
+                and (by_identity(_VIEWS, op.target, is_view) or op.target == torch.ops.aten._to_copy.default)
+                and any(self.vmap.get(u, u) in self.param_like for u in op.operands)
             ):
                 self.param_like.add(self.vmap[op.result])
         grads = {o.name: self.seeds.storage.get(o.name) for o in self.graph.outputs if o.kind in ("grad", "update")}
@@ -302,24 +307,31 @@ class _Propagator:
             chosen = []
             for axis in self.mesh.names:
                 chosen.append(self._choose(op, operands, strategies, axis, chosen))
-        held, ids = tuple(chosen), tuple(map(id, chosen))
+        ins, outs = self._layouts(tuple(chosen))
         for k, v in enumerate(operands):
-            if isinstance(v.type, TensorType):
-                operands[k] = self._move(v, self._layout(held, ids, k), op.prov)
+            if isinstance(v.type, TensorType) and v.layout is not ins[k]:
+                operands[k] = self._move(v, ins[k], op.prov)
         args, kwargs = _rebind(op, operands)
-        results = tuple(Value(r.name, r.type, self._layout(held, ids, -1 - j)) for j, r in enumerate(op.results))
+        results = tuple(Value(r.name, r.type, lay) for r, lay in zip(op.results, outs, strict=True))
         self.b.append(Op(op.target, args, kwargs, results, op.prov))
         self.vmap.update(zip(op.results, results, strict=True))
 
-    def _layout(self, chosen: tuple[Strategy, ...], ids: tuple[int, ...], k: int) -> Layout:
-        """The layout ``chosen`` (a strategy per axis, ``ids`` their identities) gives operand ``k``
-        (result ``-1 - k`` for ``k < 0``), kept by the strategies' identities: the ops of every layer
-        choose the same strategy objects, and ``Strategy`` hashes by its fields (a Python call)."""
-        hit = self.layouts.get((ids, k))
+    def _layouts(self, chosen: tuple[Strategy, ...]) -> tuple[tuple[Layout, ...], tuple[Layout, ...]]:
+        """The layouts ``chosen`` (a strategy per axis) gives the op's operands and results, kept by
+        the strategies' identities: the ops of every layer choose the same strategy objects, and
+        ``Strategy`` hashes by its fields (a Python call)."""
+        ids = tuple(map(id, chosen))
+        hit = self.layouts.get(ids)
         if hit is None or hit[0] != chosen:  # NOTE: the same objects compare equal at once
-            ps = tuple(s.inputs[k] if k >= 0 else s.outputs[-1 - k] for s in chosen)
-            hit = self.layouts[ids, k] = (chosen, Layout(self.mesh.names, ps))
-        return hit[1]
+            ins = tuple(map(self._layout, zip(*(s.inputs for s in chosen), strict=True)))
+            outs = tuple(map(self._layout, zip(*(s.outputs for s in chosen), strict=True)))
+            hit = self.layouts[ids] = (chosen, ins, outs)
+        return hit[1], hit[2]
+
+    def _layout(self, placements: tuple[Placement, ...]) -> Layout:
+        """The layout of these placements, one object per layout (``_op`` then mostly skips ``_move``)."""
+        lay = Layout(self.mesh.names, placements)
+        return self.interned.setdefault(lay, lay)
 
     def _choose(
         self, op: Op, operands: list[Value], strategies: list[Strategy], axis: str, earlier: list[Strategy]
@@ -338,7 +350,7 @@ class _Propagator:
             cost = own_traffic(model, s)
             for v, want in zip(operands, s.inputs, strict=True):
                 if isinstance(v.type, TensorType):
-                    c = _greedy_move(model, self._current(v).placement(axis), want, nbytes(v.type))
+                    c = model.greedy_move(self._current(v).placement(axis), want, nbytes(v.type))
                     cost += c * (PARAM_WEIGHT if v in self.param_like else 1.0)
             if best is None or (cost, idx) < best:
                 best, best_s = (cost, idx), s
@@ -357,29 +369,29 @@ class _Propagator:
         return self.moved[key]
 
 
-def _greedy_move(model: AxisModel, src: Placement, dst: Placement, size: float) -> float:
-    """The time of a move as the greedy choice sees it: the axis model's, except that Replicate →
-    Partial, which moves nothing now, is priced as the reduction some later consumer must pay
-    (the greedy choice sees only its operands; the solve prices that reduction where it happens)."""
-    if not isinstance(src, (Shard, Partial)) and isinstance(dst, Partial):
-        return model.redistribute(dst, src, size)
-    return model.redistribute(src, dst, size)
-
-
 def _rebind(op: Op, operands: list[Value]) -> tuple[tuple[Arg, ...], tuple[tuple[str, Arg], ...]]:
     """Replace the op's operands, in ``op.operands`` order, by ``operands``."""
-    it = iter(operands)
+    args, used = _replaced(op.args, operands, 0)
+    if used == len(operands):  # NOTE: mostly so: the op's keyword arguments hold no value
+        return args, op.kwargs
+    values, _ = _replaced(tuple(v for _, v in op.kwargs), operands, used)
+    return args, tuple((k, v) for (k, _), v in zip(op.kwargs, values, strict=True))
 
-    def sub(a: Arg) -> Arg:
+
+def _replaced(args: tuple[Arg, ...], operands: list[Value], used: int) -> tuple[tuple[Arg, ...], int]:
+    """``args`` with its values (nested tuples walked) replaced by ``operands[used:]`` in order, and
+    how many operands are used after it. Once every operand is placed the rest is kept as it is:
+    the shapes and sizes an op takes are mostly tuples of numbers, after its values."""
+    out = list(args)
+    for i, a in enumerate(args):
+        if used == len(operands):
+            break
         if isinstance(a, Value):
-            return next(it)
-        if isinstance(a, tuple):
-            return tuple(sub(x) for x in a)
-        return a
-
-    args = tuple(sub(a) for a in op.args)
-    kwargs = tuple((k, sub(v)) for k, v in op.kwargs)
-    return args, kwargs
+            out[i] = operands[used]
+            used += 1
+        elif isinstance(a, tuple):
+            out[i], used = _replaced(a, operands, used)
+    return tuple(out), used
 
 
 __all__ = ["SHARDED", "Sharding"]
