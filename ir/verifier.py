@@ -78,20 +78,20 @@ class _Failure(Exception):
 
 def _verify(graph: Graph, check_types: bool) -> None:
     defined: set[Value] = set()
-    axes = Layout.replicated(graph.mesh).axes
+    sizes = _Sizes(Layout.replicated(graph.mesh).axes)
     names: set[str] = set()
     for i in graph.inputs:
         if i.name in names:
             raise _Failure(f"graph @{graph.name}: input %{i.name} appears twice", i.value)
         names.add(i.name)
-        _define(graph, i.value, defined, f"input %{i.name}", i.value, axes)
+        _define(i.value, defined, f"input %{i.name}", i.value, sizes)
     fake = _FakeRunner() if check_types else None
     for op in graph.ops:
         for v in op.operands:
             if v not in defined:
                 raise _Failure(f"{op.describe()}: operand %{v.name} is not defined before this op", op)
         for r in op.results:
-            _define(graph, r, defined, None, op, axes)
+            _define(r, defined, None, op, sizes)
         if fake is not None and not isinstance(op.target, OpDef):
             fake.check(op)
     for o in graph.outputs:
@@ -99,17 +99,32 @@ def _verify(graph: Graph, check_types: bool) -> None:
             raise _Failure(f"graph @{graph.name}: output {o.kind}({o.name}) uses undefined %{o.value.name}", o)
 
 
-def _define(
-    graph: Graph, v: Value, defined: set[Value], where: str | None, item: Value | Op, axes: tuple[str, ...]
-) -> None:
+class _Sizes:
+    """Checks a value's shape and layout (``_check_shape``, ``_check_layout``) against the graph's
+    mesh axes once per type and layout: the checks read nothing else but the name in an error, and
+    the values of every layer share a few type and layout objects."""
+
+    def __init__(self, axes: tuple[str, ...]) -> None:
+        self.axes = axes
+        self.passed: set[tuple[int, int]] = set()
+        """``id``s of (type, layout) pairs that passed (the graph being checked holds the objects)."""
+
+    def check(self, v: Value) -> None:
+        pair = (id(v.type), id(v.layout))
+        if pair not in self.passed:
+            _check_shape(v)
+            _check_layout(v, self.axes)
+            self.passed.add(pair)
+
+
+def _define(v: Value, defined: set[Value], where: str | None, item: Value | Op, sizes: _Sizes) -> None:
     """``where``: the definition as errors name it (None: ``item``, an op, describes itself; made
     only for an error, as every op of the graph passes here)."""
     if v in defined:
         raise _Failure(f"{where or _described(item)}: value %{v.name} is defined twice", item)
     defined.add(v)
     try:
-        _check_shape(v)
-        _check_layout(v, axes)
+        sizes.check(v)
     except _Failure as f:
         raise _Failure(f"{where or _described(item)}: {f.message}", item) from None
 

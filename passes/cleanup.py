@@ -84,13 +84,24 @@ class Cleanup(Pass):
     dce: bool = True
 
     def apply(self, ctx: PassContext, graph: Graph) -> Graph:
+        settled: set[Op] = set()
+        # NOTE: what is known to be a no-op is skipped: CSE's output has no two pure ops computing the
+        # same, and DCE keeps that (it only drops ops) and is a no-op on its own output; only a
+        # rewrite by a view pattern makes them worth running again.
+        merged = swept = False
         for _ in range(8):
             before = len(graph.ops)
             if self.views:
-                graph = apply_patterns(graph, TRIVIAL_VIEWS)
-            if self.cse:
+                rewritten = apply_patterns(graph, TRIVIAL_VIEWS, settled=settled)
+                if rewritten.ops is not graph.ops:
+                    merged = swept = False
+                graph = rewritten
+            if self.cse and not merged:
+                merged, was = True, graph
                 graph = eliminate_common_subexpressions(graph)
-            if self.dce:
+                swept = swept and graph is was
+            if self.dce and not swept:
+                swept = True
                 graph = eliminate_dead_code(graph)
             if len(graph.ops) == before:
                 break
@@ -102,9 +113,10 @@ def eliminate_dead_code(graph: Graph) -> Graph:
     live: set[Value] = {o.value for o in graph.outputs}
     keep: list[Op] = []
     for op in reversed(graph.ops):
-        if not is_pure(op.target) or any(r in live for r in op.results):
-            keep.append(op)
-            live.update(op.operands)
+        if live.isdisjoint(op.results) and is_pure(op.target):
+            continue
+        keep.append(op)
+        live.update(op.operands)
     if len(keep) == len(graph.ops):
         return graph
     b = GraphBuilder.like(graph)
@@ -139,23 +151,39 @@ def computation_key(
 
 def eliminate_common_subexpressions(graph: Graph) -> Graph:
     """Reuse the first of several pure ops with the same target, arguments and result types."""
-    seen: dict[object, Op] = {}
+    # NOTE: two ops compute the same only if they call one target on the very same values, in the
+    # same order: keyed by that first (a hash of identities, no Python call), the full
+    # ``computation_key`` is made only for ops that share it with an earlier op.
+    seen: dict[tuple[int, tuple[Value, ...]], Op] = {}
+    same: dict[object, Op] = {}
     vmap: dict[Value, Value] = {}
     b = GraphBuilder.like(graph)
     changed = False
     for op in graph.ops:
         new = remap_op(op, vmap)
         if is_pure(op.target):
-            key = computation_key(op.target, new.args, new.kwargs, op.results)
-            first = seen.get(key)
-            if first is not None:
-                vmap.update(zip(op.results, first.results, strict=True))
-                changed = True
-                continue
-            seen[key] = new
+            first = seen.setdefault((id(op.target), new.operands), new)
+            if first is not new:
+                first = _first_same(same, first, new)
+                if first is not new:
+                    vmap.update(zip(op.results, first.results, strict=True))
+                    changed = True
+                    continue
         b.append(new)
     if not changed:
         return graph
     for o in graph.outputs:
         b.add_output(o.kind, o.name, vmap.get(o.value, o.value))
     return b.build()
+
+
+def _first_same(same: dict[object, Op], first: Op, op: Op) -> Op:
+    """The earliest op kept that computes what ``op`` does (``op`` itself if none): ``first`` is the
+    earliest op kept calling its target on its values; ``same`` holds, by ``computation_key``, every
+    other kept op that shares that with an earlier one, and every such earliest one already asked."""
+    same.setdefault(_computation_key_of(first), first)
+    return same.setdefault(_computation_key_of(op), op)
+
+
+def _computation_key_of(op: Op) -> object:
+    return computation_key(op.target, op.args, op.kwargs, op.results)
