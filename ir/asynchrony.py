@@ -18,9 +18,11 @@ ops' results (a started reload's device copy included); :func:`check_inflight` c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from meshfold.ir.graph import Graph, Op, local_nbytes
+from meshfold.ir.graph import Graph, Op, Value, local_nbytes
+from meshfold.ir.mesh import Mesh
 from meshfold.ir.ops import (
     ALL_GATHER,
     ALL_GATHER_BUCKET,
@@ -33,6 +35,8 @@ from meshfold.ir.ops import (
     RELOAD,
     WAIT,
 )
+from meshfold.ir.placement import Layout
+from meshfold.ir.types import Type
 
 ASYNC_COLLECTIVES = frozenset(
     {ALL_GATHER, ALL_REDUCE, REDUCE_SCATTER, ALL_TO_ALL, ALL_GATHER_BUCKET, ALL_REDUCE_BUCKET, REDUCE_SCATTER_BUCKET}
@@ -49,8 +53,11 @@ class ScheduleError(ValueError):
 
 def starts(graph: Graph) -> dict[Op, Op]:
     """Each ``comm.wait`` → the collective it waits for (checked: :func:`check_waits`)."""
+    waits = [op for op in graph.ops if op.target == WAIT and op.operands]
+    if not waits:  # NOTE: a program not yet scheduled: no map of every value's producer
+        return {}
     producers = graph.producers()
-    return {op: producers[op.operands[0]] for op in graph.ops if op.target == WAIT and op.operands}
+    return {op: producers[op.operands[0]] for op in waits}
 
 
 def check_waits(graph: Graph) -> None:
@@ -109,15 +116,17 @@ class Inflight:
     over_bytes: float = 0.0
 
 
-def inflight(graph: Graph, bound: float = float("inf")) -> Inflight:
-    """Walk the order: a start adds its results' bytes on one rank, its wait takes them away."""
+def inflight(graph: Graph, bound: float = float("inf"), *, nbytes: Callable[[Value], int] | None = None) -> Inflight:
+    """Walk the order: a start adds its results' bytes on one rank (``nbytes``, by default
+    ``local_nbytes`` on the graph's mesh), its wait takes them away."""
     waits = starts(graph)
     started = set(waits.values())
+    size = nbytes if nbytes is not None else _shard_bytes(graph.mesh)
     now, peak, at, over, over_bytes = 0.0, 0.0, None, None, 0.0
     held: dict[Op, float] = {}
     for op in graph.ops:
         if op in started:
-            held[op] = sum(local_nbytes(r, graph.mesh) for r in op.results)
+            held[op] = sum(size(r) for r in op.results)
             now += held[op]
             if now > peak:
                 peak, at = now, op
@@ -126,6 +135,21 @@ def inflight(graph: Graph, bound: float = float("inf")) -> Inflight:
         elif op in waits:
             now -= held.pop(waits[op], 0.0)
     return Inflight(peak, at, over, over_bytes)
+
+
+def _shard_bytes(mesh: Mesh | None) -> Callable[[Value], int]:
+    """``local_nbytes`` on ``mesh``, kept by type and layout (the collectives of every layer hold the
+    same few shards)."""
+    known: dict[tuple[Type, Layout], int] = {}
+
+    def size(v: Value) -> int:
+        shard = (v.type, v.layout)
+        n = known.get(shard)
+        if n is None:
+            n = known[shard] = local_nbytes(v, mesh)
+        return n
+
+    return size
 
 
 def check_inflight(graph: Graph, bound: float) -> None:

@@ -58,8 +58,7 @@ class Bucket(Pass):
             raise PassError(f"bucket{{mb={self.mb}}}: the bucket size must be positive (MiB)")
         if graph.mesh is None:
             return graph
-        index = {op: k for k, op in enumerate(graph.ops)}
-        readers = {v: [index[u] for u in us] for v, us in graph.users().items()}  # NOTE: by op index
+        readers = _readers(graph)
         carried: dict[int, list[int]] = {}  # NOTE: member -> the views that move with it (``_way_out``)
         groups = _groups(graph, readers, carried, self.mb * 2**20, ctx.pipelined)
         # NOTE: op index where a bucket is emitted -> (block, member indices)
@@ -84,6 +83,15 @@ class Bucket(Pass):
         for o in graph.outputs:
             b.add_output(o.kind, o.name, o.value)
         return b.build()
+
+
+def _readers(graph: Graph) -> dict[Value, list[int]]:
+    """Each value -> the indices of the ops that read it, in program order (``Graph.users`` by index)."""
+    out: dict[Value, list[int]] = {}
+    for k, op in enumerate(graph.ops):
+        for v in dict.fromkeys(op.operands):
+            out.setdefault(v, []).append(k)
+    return out
 
 
 def _read_before(
@@ -119,7 +127,7 @@ def _groups(
     inputs = {i.value for i in graph.inputs}
     keyed: dict[tuple[object, ...], list[int]] = defaultdict(list)
     blocks = op_blocks(graph)
-    made = {r: op for op in graph.ops for r in op.results}
+    made = graph.producers() if pipelined else {}
     for k, op in enumerate(graph.ops):
         (x,) = op.operands if op.target in (ALL_GATHER, REDUCE_SCATTER, ALL_REDUCE) else (None,)
         if x is None or not isinstance(x.type, TensorType):

@@ -114,7 +114,7 @@ class Overlap(Pass):
             "exposed_before_s": before.exposed_total,
             "step_s": after.step,
             "step_before_s": before.step,
-            "inflight_peak_bytes": inflight(out).peak,
+            "inflight_peak_bytes": inflight(out, nbytes=costs.nbytes).peak,
         }
         return out
 
@@ -212,8 +212,8 @@ class _Scheduler:
         self.reached = -1  # NOTE: the furthest place of the phase the compute stream has run
         self.ends: dict[int, float] = {}  # started collective -> when it finishes on the wire
         self.handles: dict[int, tuple[Value, ...]] = {}
-        self.issuable: set[int] = set()  # NOTE: collectives whose operands exist and whose window is open
-        self.by_size: list[tuple[float, int]] = []  # NOTE: a heap of them by bytes held (entries go stale)
+        # NOTE: open issuable collectives by the bytes each holds (a few sizes), each sorted: hundreds wait at 80 layers
+        self.issuable: dict[int, list[int]] = {}
 
     def _passed_on(self) -> None:
         """Tie each ``comm.ppermute`` of a ring to the compute stream: one of what a collective brought
@@ -223,14 +223,15 @@ class _Scheduler:
         one of the phase's inputs only (the backward's move of saved values to the zigzag split)
         waits for the last computing op before its own first reader, where a kernel would move them,
         instead of a prefetch window that holds the copies through the layer's other work."""
+        passed = [c for c in self.comm if self.ops[c].target == PPERMUTE]
+        if not passed:
+            return
         before, last = [], -1
         for k in range(len(self.ops)):
             before.append(last)
             if k not in self.comm:
                 last = k
-        for c in self.comm:
-            if self.ops[c].target != PPERMUTE:
-                continue
+        for c in passed:
             brought = [d for d in self.deps[c] if d in self.comm]
             held = brought if brought else ([] if self.deps[c] else [c])
             readers = [u for d in held for u in self.users[d] if u not in self.comm]
@@ -247,8 +248,10 @@ class _Scheduler:
         it: one reader's reloads ahead at most, so where the copies outlast the compute (the copy
         engine is the bottleneck, and nothing hides them all) the device copies are not all held
         from the phase's start."""
-        clock = list(itertools.accumulate((costs.compute(op) for op in self.ops), initial=0.0))
         reloads = [c for c in self.comm if self.ops[c].target == RELOAD]
+        if not reloads:
+            return
+        clock = list(itertools.accumulate((costs.compute(op) for op in self.ops), initial=0.0))
         first = {c: min(self.users[c], default=c) for c in reloads}
         readers = sorted(set(first.values()))
         before = dict(zip(readers[1:], readers, strict=False))  # NOTE: each reader -> the reader before it
@@ -288,13 +291,14 @@ class _Scheduler:
                 started = self._issue()
             if ready:
                 k = self._pick(ready)
-                ready.remove(k)
+                del ready[bisect.bisect_left(ready, k)]
                 self._emit(k)
                 available(k)
             elif issuable or closed:  # NOTE: nothing runs until a held-back collective starts: make room, start it
-                c = min([*issuable, *(c for _, c in closed)])
-                if c in issuable:
-                    issuable.discard(c)
+                c = min([*(queue[0] for queue in issuable.values()), *(c for _, c in closed)])
+                queue = issuable.get(self.size[c])
+                if queue and queue[0] == c:  # NOTE: the earliest of them all heads its size's queue
+                    self._take(c)
                 else:
                     closed.remove((self.opens[c], c))
                     heapq.heapify(closed)
@@ -311,13 +315,18 @@ class _Scheduler:
         """The earliest ready op that waits on nothing still on the wire, within ``lookahead`` places of
         the earliest ready one, one that feeds a collective first; else the one among those whose
         collectives come off the wire first (a nano-batch's gather, started before the reduce-scatter
-        of the nano-batch before it), the earliest of equals."""
-        first = min(ready)
-        near = [k for k in sorted(ready) if k - first <= self.opts.lookahead]
-        free = [k for k in near if not self._blocked(k)]
-        urgent = [k for k in free if k in self.feeds]
-        if urgent or free:
-            return urgent[0] if urgent else free[0]
+        of the nano-batch before it), the earliest of equals. ``ready`` is sorted: it grows with depth
+        (ops that read only the phase's inputs wait far ahead), and a pick looks only at its head."""
+        near = ready[: bisect.bisect_right(ready, ready[0] + self.opts.lookahead)]
+        free = None  # NOTE: the earliest that waits on nothing
+        for k in near:
+            urgent = k in self.feeds
+            if (urgent or free is None) and not self._blocked(k):
+                if urgent:
+                    return k
+                free = k
+        if free is not None:
+            return free
         return min(near, key=lambda k: (max(self.ends.get(d, 0.0) for d in self.deps[k]), k))
 
     def _blocked(self, k: int) -> bool:
@@ -325,29 +334,35 @@ class _Scheduler:
         return any(self.ends.get(d, 0.0) > self.now for d in self.deps[k])
 
     def _issue(self) -> list[int]:
-        """Start every open issuable collective that fits in flight; the started."""
-        by_size = self.by_size
-        while by_size and by_size[0][1] not in self.issuable:  # NOTE: started since it was filed
-            heapq.heappop(by_size)
-        if not by_size or (self.ends and self.held + by_size[0][0] > self.opts.max_inflight):
-            return []  # NOTE: not even the smallest fits (at 80 layers hundreds wait while memory is full)
-        out = []
-        for c in sorted(self.issuable):
-            if self.ends and self.held + self.size[c] > self.opts.max_inflight:
-                continue
-            self.issuable.discard(c)
+        """Start, in the phase's order, every open issuable collective that fits in flight when its turn
+        comes (a start may wait for what it reads, and so free bytes); the started."""
+        out: list[int] = []
+        while (c := self._next(out[-1] if out else -1)) is not None:
+            self._take(c)
             self._start(c)
             out.append(c)
         return out
 
+    def _next(self, after: int) -> int | None:
+        """The earliest issuable collective after place ``after`` that fits in flight (any, when none is
+        in flight); None if none does."""
+        fit = [q for size, q in self.issuable.items() if not self.ends or self.held + size <= self.opts.max_inflight]
+        heads = [q[i] for q in fit if (i := bisect.bisect_right(q, after)) < len(q)]
+        return min(heads, default=None)
+
     def _issuable(self, c: int) -> None:
-        self.issuable.add(c)
-        heapq.heappush(self.by_size, (self.size[c], c))
+        bisect.insort(self.issuable.setdefault(self.size[c], []), c)
+
+    def _take(self, c: int) -> None:
+        queue = self.issuable[self.size[c]]
+        del queue[bisect.bisect_left(queue, c)]
+        if not queue:
+            del self.issuable[self.size[c]]
 
     def _enqueue(self, k: int, ready: list[int], closed: list[tuple[int, int]]) -> None:
         """File op ``k``, whose operands now exist: ready to run, issuable, or issuable once its window opens."""
         if k not in self.comm:
-            ready.append(k)
+            bisect.insort(ready, k)
         elif self.opens.get(k, -1) > self.reached:
             heapq.heappush(closed, (self.opens[k], k))
         else:
@@ -357,7 +372,9 @@ class _Scheduler:
         self._waits_for(c)
         op = self.ops[c]
         handles = tuple(Value(f"{r.name}_start", r.type, r.layout) for r in op.results)
-        self.b.append(Op(op.target, op.args, op.kwargs, handles, op.prov))
+        start = Op(op.target, op.args, op.kwargs, handles, op.prov)
+        self.costs.started(op, start)
+        self.b.append(start)
         self.handles[c] = handles
         stream = self.costs.stream(op)
         begin = max(self.now, self.free[stream])

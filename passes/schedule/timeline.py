@@ -26,7 +26,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from meshfold.ir import Graph, Layout, Mesh, Op, OpDef, TensorType, Value
+from meshfold.ir import Graph, Layout, Mesh, Op, OpDef, TensorType, Type, Value
 from meshfold.ir.asynchrony import ASYNC_COLLECTIVES, starts
 from meshfold.ir.graph import local_nbytes
 from meshfold.ir.ops import (
@@ -65,12 +65,15 @@ class Costs:
     """Each op's priced kernel time (ops hash by identity; a scheduler asks many times)."""
     _wire: dict[Op, float] = field(default_factory=dict, init=False, repr=False, compare=False)
     """Each collective's priced wire time (the scheduler and each replay ask again)."""
-    _work: dict[Hashable, tuple[float, float]] = field(default_factory=dict, init=False, repr=False, compare=False)
-    """FLOPs and bytes by ``Op.key`` (the ops of every layer of a stack are priced once)."""
+    _priced: dict[tuple[Hashable, float], float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """Kernel time by ``Op.key`` and how many ways the layouts divide the work (the ops of every layer
+    of a stack are priced once)."""
     _ways: dict[Value, float] = field(default_factory=dict, init=False, repr=False, compare=False)
     """How many ways each value's layout divides it (most values are read by several ops)."""
     _bytes: dict[Value, int] = field(default_factory=dict, init=False, repr=False, compare=False)
     """``nbytes`` of each value asked."""
+    _shards: dict[tuple[Type, Layout], int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """``nbytes`` by type and layout (every layer's values hold the same few shards)."""
 
     def compute(self, op: Op) -> float:
         """An op's kernel time on one rank: its work divided as much as its layouts divide it (a
@@ -91,19 +94,31 @@ class Costs:
             if w is None:
                 w = self._ways[v] = _ways(v, self.graph.mesh)
             ways = max(ways, w)
-        key = op.key()
-        work = self._work.get(key)
-        if work is None:
-            work = self._work[key] = (op_flops(op), op_bytes(op))
-        return self.models[0].compute(work[0] / ways, work[1] / ways)
+        key = (op.key(), ways)
+        t = self._priced.get(key)
+        if t is None:
+            t = self._priced[key] = self.models[0].compute(op_flops(op) / ways, op_bytes(op) / ways)
+        return t
 
     def nbytes(self, v: Value) -> int:
         """``local_nbytes`` of ``v`` on this graph's mesh, kept (a collective's operands are asked
         again by each replay and by the scheduler)."""
         n = self._bytes.get(v)
         if n is None:
-            n = self._bytes[v] = local_nbytes(v, self.graph.mesh)
+            shard = (v.type, v.layout)
+            n = self._shards.get(shard)
+            if n is None:
+                n = self._shards[shard] = local_nbytes(v, self.graph.mesh)
+            self._bytes[v] = n
         return n
+
+    def started(self, op: Op, start: Op) -> None:
+        """Price ``start``, the start of collective ``op`` (its results made handles of the same types
+        and layouts), as ``op``: a replay of the scheduled program asks again."""
+        self._wire[start] = self.comm(op)
+        self._seconds[start] = self.compute(op)
+        for h, r in zip(start.results, op.results, strict=True):
+            self._bytes[h] = self.nbytes(r)
 
     @property
     def copy_engine(self) -> bool:
