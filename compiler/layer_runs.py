@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_map_only
@@ -82,13 +82,13 @@ class _Recorder(TorchDispatchMode):
         which reads as the tensor it copies in every later record."""
 
         def one(t: torch.Tensor) -> torch.Tensor:
-            with _disable_current_modes():
-                c = make(t)
+            c = make(t)
             self.alias[id(c)] = self.alias.get(id(t), t)
             self.alive.append(c)
             return c
 
-        return tree_map_only(torch.Tensor, one, x)
+        with _disable_current_modes():
+            return tree_map_only(torch.Tensor, one, x)
 
     def enter(self, layer: Layer, prefix: str) -> None:
         called = self.calls.setdefault(layer[0], [])
@@ -102,9 +102,12 @@ class _Recorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        out = self.meta.call(func, args, kwargs)
+        flat = leaves(args)
+        if kwargs:
+            leaves(kwargs, flat)  # NOTE: ``leaves((args, kwargs))``, a level of walking less
+        out = self.meta.call(func, args, kwargs, flat)
         here, prev, prefix = self.stack[-1] if self.stack else (None, None, "")
-        tokens = tuple(self._token(x, here, prev, prefix) for x in leaves((args, kwargs)))
+        tokens = tuple(self._token(x, here, prev, prefix) for x in flat)
         results = leaves(out)
         shapes = tuple((tuple(map(_plain, r.shape)), r.dtype) for r in results if isinstance(r, torch.Tensor))
         if here is None:
@@ -144,8 +147,15 @@ class _Recorder(TorchDispatchMode):
         return ("tensor", id(x))
 
 
+_SCALARS = (int, float, bool, str, type(None))
+"""Python scalars: arguments that are keys as they are."""
+
+
 def _plain(x: Any) -> Hashable:
     """An argument as a key: a symbolic size by its expression (comparing those would add guards)."""
+    if type(x) in _SCALARS:
+        # NOTE: nearly every argument and size; asked first, as checking ``Hashable`` costs more
+        return x
     if isinstance(x, SYMBOLIC):
         return ("sym", str(x.node.expr))
     return x if isinstance(x, Hashable) else repr(x)
@@ -234,7 +244,9 @@ class _Meta:
         return _blank(t, None)
 
     def to_fake(self, t: torch.Tensor) -> torch.Tensor:
-        return _blank(t, self.mode, self.device) if t.device.type == "meta" else t
+        # NOTE: a meta tensor wrapped as a fake directly, as the mode wraps what its kernels return:
+        # making one through the mode's dispatch costs several times more, once per layer
+        return FakeTensor(self.mode, _blank(t, None), self.device) if t.device.type == "meta" else t
 
 
 def _blank(t: torch.Tensor, mode: FakeTensorMode | None, device: torch.device | None = None) -> torch.Tensor:

@@ -9,6 +9,7 @@ blank meta tensors of the shapes, strides and dtypes it returned.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Hashable
 from typing import Any
 
@@ -41,9 +42,10 @@ class MetaResults:
         self.reused = 0
         """Calls answered from ``seen``."""
 
-    def call(self, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        """``func(*args, **kwargs)``, or blank tensors of what the same call returned before."""
-        key = self.key(func, args, kwargs)
+    def call(self, func: Any, args: Any, kwargs: dict[str, Any], flat: list[Any] | None = None) -> Any:
+        """``func(*args, **kwargs)``, or blank tensors of what the same call returned before. ``flat``:
+        ``leaves((args, kwargs))`` where the caller has them already."""
+        key = self.key(func, args, kwargs, flat)
         got = None if key is None else self.seen.get(key)
         if got is None:
             out = func(*args, **kwargs)
@@ -57,18 +59,17 @@ class MetaResults:
         return made[0] if single else tuple(made)
 
     @staticmethod
-    def key(func: Any, args: Any, kwargs: dict[str, Any]) -> Hashable | None:
+    def key(func: Any, args: Any, kwargs: dict[str, Any], flat: list[Any] | None = None) -> Hashable | None:
         """What decides a pure op's results on meta tensors: the op, the names of its keyword
         arguments, each tensor's shape, strides, offset and dtype, each other argument with its type
         (``2`` and ``2.0`` promote differently). None for an op that writes or aliases its operands
         (its results are not fresh tensors), or that reads a tensor off meta or a symbolic size; None
         too for what has no schema (a higher-order operator). The default dtype is part of the key
         (a factory op given no dtype makes one of it)."""
-        schema = getattr(func, "_schema", None)
-        if schema is None or schema.is_mutable or any(r.alias_info is not None for r in schema.returns):
+        if not _fresh_results(func):
             return None
         key: list[Hashable] = [func, tuple(kwargs), torch.get_default_dtype()]
-        for x in leaves((args, kwargs)):
+        for x in leaves((args, kwargs)) if flat is None else flat:
             if isinstance(x, torch.Tensor):
                 if x.device.type != "meta" or x.layout != torch.strided:
                     return None
@@ -81,6 +82,14 @@ class MetaResults:
             else:
                 key.append((type(x), x))
         return tuple(key)
+
+
+@functools.cache
+def _fresh_results(func: Any) -> bool:
+    """Whether ``func`` has a schema, writes none of its operands and returns none of them (asked
+    at every op of a recorded forward, of a few dozen ops)."""
+    schema = getattr(func, "_schema", None)
+    return schema is not None and not schema.is_mutable and all(r.alias_info is None for r in schema.returns)
 
 
 def _specs(out: Any) -> tuple[Spec, ...] | None:

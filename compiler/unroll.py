@@ -25,8 +25,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from meshfold.ir import Graph, GraphInput, GraphOutput, Op, ParamStack, Value
-from meshfold.ir.graph import map_values, remap_op
+from meshfold.ir import Graph, GraphInput, GraphOutput, Op, ParamStack, Provenance, Value
+from meshfold.ir.graph import Arg, map_values, remap_op
 from meshfold.layer_runs import Run
 from meshfold.passes.blocks import block_ops, op_kinds
 
@@ -69,6 +69,16 @@ class _Stamp:
         """What ``t`` reads from the layer before it → the value of ``t`` that ``l`` reads instead."""
         self.bwd_chain: dict[Value, Value] = {}
         """What ``t`` reads from ``l``'s backward → the value of ``t`` it repeats."""
+        # NOTE: what every copy of an op of ``t`` shares is found once, not once per copy
+        self.held = {i: _held(graph.ops[i]) for i in t_ops}
+        """An op of ``t`` → whether each of its arguments holds a value, and whether any keyword does."""
+        self.provs = list(dict.fromkeys(graph.ops[i].prov for i in t_ops))
+        """The provenances of ``t``'s ops, each once (a layer's ops have a few dozen)."""
+        at = {p: n for n, p in enumerate(self.provs)}
+        self.prov_at = {i: at[graph.ops[i].prov] for i in t_ops}
+        """An op of ``t`` → the place of its provenance in ``provs``."""
+        self.copy_provs = {j: self._provs(run.prefix(j)) for j in run.dropped}
+        """Copy ``j`` → its ops' provenances, in the order of ``provs``."""
         self._roles()
 
     def _in_t(self, v: Value) -> Value:
@@ -156,16 +166,23 @@ class _Stamp:
         else:
             nxt = maps.get(j + 1)
             m.update((x, x if nxt is None else nxt[t]) for x, t in self.bwd_chain.items())
-        prefix = self.run.prefix(j)
+        provs = self.copy_provs[j]
         for i in which:
             op = self.g.ops[i]
+            held, kwargs_held = self.held[i]
             results = tuple(Value(f"{r.name}_{j}", r.type, r.layout) for r in op.results)
             m.update(zip(op.results, results, strict=True))
-            module = _rename(op.prov.module, self.t_pre, prefix)
-            prov = op.prov if module is None else dataclasses.replace(op.prov, module=module)
-            args = tuple(map_values(a, m) for a in op.args)
-            kwargs = tuple((k, map_values(a, m)) for k, a in op.kwargs)
-            ops.append(Op(op.target, args, kwargs, results, prov))
+            args = tuple(map_values(a, m) if h else a for a, h in zip(op.args, held, strict=True))
+            kwargs = tuple((k, map_values(a, m)) for k, a in op.kwargs) if kwargs_held else op.kwargs
+            ops.append(Op(op.target, args, kwargs, results, provs[self.prov_at[i]]))
+
+    def _provs(self, prefix: str) -> list[Provenance]:
+        """``provs`` with ``t``'s module path replaced by ``prefix``: those of a copy's ops."""
+        out: list[Provenance] = []
+        for prov in self.provs:
+            module = _rename(prov.module, self.t_pre, prefix)
+            out.append(prov if module is None else dataclasses.replace(prov, module=module))
+        return out
 
     def _outputs(self, copies: list[int], maps: dict[int, dict[Value, Value]]) -> tuple[GraphOutput, ...]:
         """``t``'s outputs (its parameters' gradients), then each copy's, in ``t``'s order."""
@@ -198,6 +215,18 @@ class _Stamp:
             for s in mine
         ]
         return (*self.g.stacks[:at], *stamped, *self.g.stacks[at:])
+
+
+def _held(op: Op) -> tuple[tuple[bool, ...], bool]:
+    """Whether each of ``op``'s arguments holds a value (arguments that hold none are kept as they
+    are in every copy), and whether any of its keyword arguments does."""
+    return tuple(_holds_value(a) for a in op.args), any(_holds_value(a) for _, a in op.kwargs)
+
+
+def _holds_value(arg: Arg) -> bool:
+    if isinstance(arg, Value):
+        return True
+    return isinstance(arg, tuple) and any(_holds_value(a) for a in arg)
 
 
 def _check_order(graph: Graph) -> None:
