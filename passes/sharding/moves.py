@@ -71,28 +71,37 @@ class MoveColumns:
                 out[s.outputs[j]][var] = 1.0
         return out
 
-    def _mirror(self, v: Value, us: list[Use], uses: dict[Value, list[Use]], tied: dict[int, int]) -> Value | None:
+    def _mirror(
+        self,
+        v: Value,
+        mine: dict[tuple[int, int, str], int | Use],
+        reads: dict[Value, dict[tuple[int, int, str], int | Use]],
+        tied: dict[int, int],
+    ) -> Value | None:
         """The value of a repeated block's first copy whose moves are ``v``'s (see ``_moves``), or None.
+
+        ``mine``: ``v``'s reads, each op's under (the op it is tied to, operand index, phase), each
+        graph output's ``Use`` under (-1, output index, phase); ``reads``: every value's.
 
         ``v`` made by an op tied to another (so it has that op's columns), or a parameter sharing its
         twin's layout columns, has the same placement terms as the same result of that op (the
-        twin); if its consumers, each mapped to the op it is tied to, are that value's, in order
-        (operand index and phase alike; a graph output wanting the same placement, or the layout of
-        parameters that share columns), its demands and so its whole key are equal too, and
-        building it again would only fold. A different size or batch rule keeps it apart."""
+        twin); if its reads are that value's, in order (the same keys; a graph output wanting the
+        same placement, or the layout of parameters that share columns), its demands and so its
+        whole key are equal too, and building it again would only fold. A different size or batch
+        rule keeps it apart."""
         w = self._counterpart(v, tied)
-        theirs = None if w is None else uses.get(w)
-        if w is None or theirs is None or len(theirs) != len(us) or self.shrink.get(v, 1) != self.shrink.get(w, 1):
+        theirs = None if w is None else reads.get(w)
+        if w is None or theirs is None or len(theirs) != len(mine):
             return None
-        if (v in self.batch) != (w in self.batch):
+        if self.shrink.get(v, 1) != self.shrink.get(w, 1) or (v in self.batch) != (w in self.batch):
             return None
-        for a, b in zip(us, theirs, strict=True):
-            if a.phase != b.phase or (a.op < 0) != (b.op < 0):
+        for (ka, a), (kb, b) in zip(mine.items(), theirs.items(), strict=True):
+            if ka == kb:
+                continue
+            if ka[0] >= 0 or kb[0] >= 0 or ka[2] != kb[2]:
                 return None
-            if a.op < 0:
-                if not self._same_want(a.want, b.want):
-                    return None
-            elif a.operand != b.operand or tied.get(a.op, a.op) != tied.get(b.op, b.op):
+            assert isinstance(a, Use) and isinstance(b, Use)
+            if not self._same_want(a.want, b.want):
                 return None
         return w
 

@@ -127,28 +127,28 @@ class AxisProgram(MoveColumns):
         shared = len(tied)
         # NOTE: consumers tied to one op read through its columns in one way: the first stands for them
         # all (a value every layer reads, such as a view of the rotary tables, has two uses per layer)
-        reads: dict[Value, dict[tuple[int, int, str], Use]] = defaultdict(dict)
+        # NOTE: an op's read is kept as its index alone (a ``Use`` is made for values whose moves are
+        # built, a few thousand of 60k at 80 layers); a graph output's as its ``Use``
+        reads: dict[Value, dict[tuple[int, int, str], int | Use]] = defaultdict(dict)
         for op_i, (op, tensors) in enumerate(zip(self.graph.ops, self.facts.reads, strict=True)):
             rep = tied.get(op_i, op_i)
             phase = op.prov.phase
             for k, v in tensors:
-                seen = reads[v]
-                if (rep, k, phase) not in seen:
-                    seen[rep, k, phase] = Use(v, op_i, k, phase)
+                reads[v].setdefault((rep, k, phase), op_i)
         for out_i, o in enumerate(self.graph.outputs):
             want = self.problem.wants.get(out_i)
             if want is not None and isinstance(o.value.type, TensorType):
                 phase = "bwd" if o.kind == "grad" else "fwd"
                 placement = want.placement(self.axis) if isinstance(want, Layout) else want
                 reads[o.value][-1, out_i, phase] = Use(o.value, -1, out_i, phase, placement)
-        uses = {v: list(us.values()) for v, us in reads.items()}
         built: dict[Value, int] = {}
-        for v, us in uses.items():
-            w = self._mirror(v, us, uses, tied)
+        for v, mine in reads.items():
+            w = self._mirror(v, mine, reads, tied)
             if w is not None and w in built:
                 self.m.fold(built[w])  # NOTE: the same program as ``w``'s
                 continue
-            built[v] = self._moves(v, us, x)
+            uses = [u if isinstance(u, Use) else Use(v, u, k, phase) for (_, k, phase), u in mine.items()]
+            built[v] = self._moves(v, uses, x)
             if w is not None:  # NOTE: a value read only in the backward meets later layers' copies first
                 built.setdefault(w, built[v])
         spills = self._memory(x) if self.budget is not None else []
