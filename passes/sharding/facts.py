@@ -72,3 +72,50 @@ def _facts(graph: Graph) -> GraphFacts:
     params = [i.value for i in graph.inputs if i.kind in ("param", "buffer")]
     saved.update((v, None) for v in params)
     return GraphFacts(source, scalar_only, reads, list(saved), frozenset(params), batch_values(graph))
+
+
+@dataclass(frozen=True)
+class OpReads:
+    """Every value's reads by ops, each under (the op its reader is tied to, operand index, phase),
+    the first reader's index kept (consumers tied to one op read through its columns in one way);
+    ``mirror``: each op result whose reads have the very keys of the same result of the op its
+    producer is tied to (that value). The same for every axis program tying the same ops."""
+
+    tied: dict[int, int]
+    by_value: dict[Value, dict[tuple[int, int, str], int]]
+    mirror: dict[Value, Value]
+
+
+_READS: Kept[Graph, OpReads] = {}
+
+
+def op_reads(graph: Graph, tied: dict[int, int]) -> OpReads:
+    """``OpReads`` of ``graph`` under ``tied``, kept for the last graph and ties asked."""
+    with _LOCK:
+        hit = _READS.get(id(graph))
+    if hit is not None and hit[0] is graph and hit[1].tied == tied:
+        return hit[1]
+    facts = graph_facts(graph)
+    by_value: dict[Value, dict[tuple[int, int, str], int]] = {}
+    for op_i, (op, tensors) in enumerate(zip(graph.ops, facts.reads, strict=True)):
+        rep = tied.get(op_i, op_i)
+        phase = op.prov.phase
+        for k, v in tensors:
+            seen = by_value.get(v)
+            if seen is None:
+                seen = by_value[v] = {}
+            seen.setdefault((rep, k, phase), op_i)
+    mirror: dict[Value, Value] = {}
+    for v, mine in by_value.items():
+        src = facts.source.get(v)
+        if src is None or src[0] not in tied:
+            continue
+        w = graph.ops[tied[src[0]]].results[src[1]]
+        theirs = by_value.get(w)
+        if theirs is not None and list(theirs) == list(mine):
+            mirror[v] = w
+    reads = OpReads(dict(tied), by_value, mirror)
+    with _LOCK:
+        _READS.clear()
+        _READS[id(graph)] = (graph, reads)
+    return reads

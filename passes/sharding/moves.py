@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Hashable
+from collections.abc import Hashable, Mapping
 from typing import NamedTuple
 
 from meshfold.ir import Graph, Op, Placement, Shard, TensorType, Value
@@ -74,14 +74,17 @@ class MoveColumns:
     def _mirror(
         self,
         v: Value,
-        mine: dict[tuple[int, int, str], int | Use],
-        reads: dict[Value, dict[tuple[int, int, str], int | Use]],
+        mine: Mapping[tuple[int, int, str], int | Use],
+        reads: Mapping[Value, Mapping[tuple[int, int, str], int | Use]],
         tied: dict[int, int],
+        known: Value | None = None,
     ) -> Value | None:
         """The value of a repeated block's first copy whose moves are ``v``'s (see ``_moves``), or None.
 
         ``mine``: ``v``'s reads, each op's under (the op it is tied to, operand index, phase), each
-        graph output's ``Use`` under (-1, output index, phase); ``reads``: every value's.
+        graph output's ``Use`` under (-1, output index, phase); ``reads``: every value's; ``known``:
+        that value where the caller found it has reads of the same keys, no graph output among
+        them (``facts.OpReads.mirror``), so only the sizes and batch rules are left to compare.
 
         ``v`` made by an op tied to another (so it has that op's columns), or a parameter sharing its
         twin's layout columns, has the same placement terms as the same result of that op (the
@@ -89,11 +92,13 @@ class MoveColumns:
         same placement, or the layout of parameters that share columns), its demands and so its
         whole key are equal too, and building it again would only fold. A different size or batch
         rule keeps it apart."""
+        if known is not None:
+            return known if self._alike(v, known) else None
         w = self._counterpart(v, tied)
         theirs = None if w is None else reads.get(w)
         if w is None or theirs is None or len(theirs) != len(mine):
             return None
-        if self.shrink.get(v, 1) != self.shrink.get(w, 1) or (v in self.batch) != (w in self.batch):
+        if not self._alike(v, w):
             return None
         for (ka, a), (kb, b) in zip(mine.items(), theirs.items(), strict=True):
             if ka == kb:
@@ -104,6 +109,10 @@ class MoveColumns:
             if not self._same_want(a.want, b.want):
                 return None
         return w
+
+    def _alike(self, v: Value, w: Value) -> bool:
+        """Whether ``v`` and ``w`` are divided alike by the earlier axes and kept alike to the batch split."""
+        return self.shrink.get(v, 1) == self.shrink.get(w, 1) and (v in self.batch) == (w in self.batch)
 
     def _counterpart(self, v: Value, tied: dict[int, int]) -> Value | None:
         """The same result of the op ``v``'s producer is tied to, or the parameter whose layout

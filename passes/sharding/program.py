@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
-from collections.abc import Hashable, Sequence
+from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
 from meshfold.ir import Layout, Mesh, Placement, Replicate, Shard, TensorType, Value
@@ -18,7 +18,7 @@ from meshfold.ir.symbolic import divides
 from meshfold.passes.base import PassError
 from meshfold.passes.blocks import op_kinds
 from meshfold.passes.sharding.cost import nbytes, own_traffic
-from meshfold.passes.sharding.facts import graph_facts
+from meshfold.passes.sharding.facts import graph_facts, op_reads
 from meshfold.passes.sharding.milp import Columns
 from meshfold.passes.sharding.moves import MoveColumns, Terms, Use
 from meshfold.passes.sharding.opwork import op_bytes, op_flops
@@ -125,25 +125,23 @@ class AxisProgram(MoveColumns):
             for var, c in zip(x[op_i], priced[costs], strict=True):
                 self.m.cost[var] += n * c
         shared = len(tied)
-        # NOTE: consumers tied to one op read through its columns in one way: the first stands for them
-        # all (a value every layer reads, such as a view of the rotary tables, has two uses per layer)
-        # NOTE: an op's read is kept as its index alone (a ``Use`` is made for values whose moves are
-        # built, a few thousand of 60k at 80 layers); a graph output's as its ``Use``
-        reads: dict[Value, dict[tuple[int, int, str], int | Use]] = defaultdict(dict)
-        for op_i, (op, tensors) in enumerate(zip(self.graph.ops, self.facts.reads, strict=True)):
-            rep = tied.get(op_i, op_i)
-            phase = op.prov.phase
-            for k, v in tensors:
-                reads[v].setdefault((rep, k, phase), op_i)
+        shared_reads = op_reads(self.graph, tied)
+        outs: dict[Value, dict[tuple[int, int, str], Use]] = defaultdict(dict)
         for out_i, o in enumerate(self.graph.outputs):
             want = self.problem.wants.get(out_i)
             if want is not None and isinstance(o.value.type, TensorType):
                 phase = "bwd" if o.kind == "grad" else "fwd"
                 placement = want.placement(self.axis) if isinstance(want, Layout) else want
-                reads[o.value][-1, out_i, phase] = Use(o.value, -1, out_i, phase, placement)
+                outs[o.value][-1, out_i, phase] = Use(o.value, -1, out_i, phase, placement)
+        # NOTE: an op's read is kept as its index alone (a ``Use`` is made for values whose moves are
+        # built, a few thousand of 60k at 80 layers); a graph output's as its ``Use``, after them
+        reads: dict[Value, Mapping[tuple[int, int, str], int | Use]] = dict(shared_reads.by_value)
+        for v, extra in outs.items():
+            reads[v] = {**reads.get(v, {}), **extra}
         built: dict[Value, int] = {}
         for v, mine in reads.items():
-            w = self._mirror(v, mine, reads, tied)
+            w = shared_reads.mirror.get(v)
+            w = self._mirror(v, mine, reads, tied, w if w is not None and v not in outs and w not in outs else None)
             if w is not None and w in built:
                 self.m.fold(built[w])  # NOTE: the same program as ``w``'s
                 continue
