@@ -12,7 +12,20 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import ClassVar
 
-from meshfold.ir import Graph, Layout, Op, OpDef, Partial, Placement, R, Replicate, Shard, Value, apply_patterns
+from meshfold.ir import (
+    Graph,
+    GraphBuilder,
+    Layout,
+    Op,
+    OpDef,
+    Partial,
+    Placement,
+    R,
+    Replicate,
+    Shard,
+    Value,
+    apply_patterns,
+)
 from meshfold.ir.ops import REDISTRIBUTE, collective_for
 from meshfold.ir.rewrite import PatternTable, Rewriter
 from meshfold.passes.base import Pass, PassContext
@@ -62,6 +75,10 @@ class Emitter:
         out = Value(like.result.name, v.type, layout)
         rw.emit_op(self.target, (v,), [out], like.prov, self.kwargs)  # type: ignore[arg-type]
         return out
+
+    def op(self, like: Op, v: Value, out: Value) -> Op:
+        """This step of the redistribute ``like``, taking ``v`` to ``out``."""
+        return Op(self.target, (v,), self.kwargs, (out,), like.prov)  # type: ignore[arg-type]
 
 
 def plan_steps(src: Layout, dst: Layout) -> list[tuple[Layout, Emitter]]:
@@ -134,4 +151,27 @@ class Boxing(Pass):
     def apply(self, ctx: PassContext, graph: Graph) -> Graph:
         if graph.mesh is None:
             return graph
-        return apply_patterns(graph, BOXING, max_sweeps=1)
+        return _lowered(graph)
+
+
+def _lowered(graph: Graph) -> Graph:
+    """``graph`` with every redistribute lowered as ``BOXING`` does, in one walk: the last step of each
+    defines the redistribute's own result (in the same layout), so every other op is kept as it is
+    and none reading a moved value is rebuilt (the general rewrite rebinds each of them)."""
+    b = GraphBuilder.like(graph)
+    for op in graph.ops:
+        if op.target is not REDISTRIBUTE:
+            b.append(op)
+            continue
+        (cur,) = op.operands
+        steps = _planned(cur.layout, op.result.layout)
+        if not steps:  # NOTE: a move to the layout it has (sharding makes none): its readers need rebinding
+            return apply_patterns(graph, BOXING, max_sweeps=1)
+        for layout, emit in steps[:-1]:
+            new = Value(op.result.name, cur.type, layout)
+            b.append(emit.op(op, cur, new))
+            cur = new
+        b.append(steps[-1][1].op(op, cur, op.result))
+    for o in graph.outputs:
+        b.add_output(o.kind, o.name, o.value)
+    return b.build()

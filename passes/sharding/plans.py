@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from meshfold.ir import Graph, Layout, Mesh, Placement, R, Shard, TensorType, parse_placement
+from meshfold.ir.symbolic import Dim
 from meshfold.passes.base import PassError
 from meshfold.passes.sharding.tp import megatron_roles
 
@@ -144,6 +145,8 @@ def resolve(plan: Plan, graph: Graph, mesh: Mesh) -> Seeds:
     tp_roles = megatron_roles(graph) if "tp" in roles.values() else {}
     seeds = Seeds(roles=roles)
     data_axes = [a for a in mesh.names if a in data_parallel_axes(roles)]
+    # NOTE: a parameter's layouts read only its shape and Megatron role: every layer's are alike
+    kept: dict[tuple[tuple[Dim, ...], str | None], tuple[Layout, Layout]] = {}
     for i in graph.inputs:
         t = i.value.type
         if not isinstance(t, TensorType):
@@ -154,7 +157,10 @@ def resolve(plan: Plan, graph: Graph, mesh: Mesh) -> Seeds:
                 layout = _sequence_split(i.name, t, mesh, axis, layout)
             seeds.storage[i.name] = seeds.compute[i.name] = layout
         elif i.kind in ("param", "buffer"):
-            store, comp = _param_layouts(i.name, t, mesh, roles, tp_roles.get(i.name))
+            key = (t.shape, tp_roles.get(i.name))
+            if key not in kept:
+                kept[key] = _param_layouts(i.name, t, mesh, roles, key[1])
+            store, comp = kept[key]
             seeds.storage[i.name], seeds.compute[i.name] = store, comp
             if i.kind == "param":
                 seeds.unsplit.extend(_unsplit(i.name, t, mesh, roles, tp_roles.get(i.name), store))

@@ -28,7 +28,6 @@ from meshfold.ir import (
     Value,
     is_view,
 )
-from meshfold.ir.graph import Arg
 from meshfold.ir.memo import Kept, by_identity
 from meshfold.ir.ops import REDISTRIBUTE, Target
 from meshfold.passes import cp
@@ -49,6 +48,7 @@ from meshfold.passes.sharding.plans import (
     resolve,
     sequence_axes,
 )
+from meshfold.passes.sharding.rebind import rebind
 from meshfold.passes.sharding.rules import RuleTable, rule_table, strategies_for
 from meshfold.passes.sharding.solve import Problem, Solution, preset_plan, report, seeded
 from meshfold.passes.sharding.strategy import Strategy, fits_axis, keeps_pinned
@@ -240,12 +240,13 @@ class _Propagator:
     ctx: PassContext
     b: GraphBuilder = field(init=False)
     vmap: dict[Value, Value] = field(default_factory=dict)
-    moved: dict[tuple[Value, Layout, str], Value] = field(default_factory=dict)
+    moved: dict[tuple[Value, int, str], Value] = field(default_factory=dict)
+    """Each value moved, by the id of its interned target layout and the phase."""
     compute: dict[Value, Layout] = field(default_factory=dict)
     layouts: dict[tuple[int, ...], tuple[tuple[Strategy, ...], _Laid, _Laid]] = field(default_factory=dict)
     """``_layouts``' answers; each holds its strategies, so their ids are never others'."""
     interned: dict[Layout, Layout] = field(default_factory=dict)
-    """Every layout ``_layouts`` gave, as one object each."""
+    """Every layout the built graph's values have, as one object each."""
     param_like: set[Value] = field(default_factory=set)
     warned: set[str] = field(default_factory=set)
     decided: list[list[Strategy]] | None = None
@@ -261,7 +262,7 @@ class _Propagator:
         self.b.stacks = self.graph.stacks
         compute: dict[Value, Layout] = {}
         for i in self.graph.inputs:
-            lay = self.seeds.storage.get(i.name, Layout.replicated(self.mesh))
+            lay = self._interned(self.seeds.storage.get(i.name, Layout.replicated(self.mesh)))
             new = self.b.add_input(i.kind, i.name, i.value.type, lay)
             self.vmap[i.value] = new
             compute[new] = self.seeds.compute.get(i.name, lay)
@@ -282,7 +283,7 @@ class _Propagator:
             want = grads.get(o.name) if o.kind != "out" else None
             target = want if want is not None else Layout.replicated(self.mesh)
             prov = Provenance("", "bwd" if o.kind == "grad" else "fwd")
-            self.b.add_output(o.kind, o.name, self._move(v, target, prov))
+            self.b.add_output(o.kind, o.name, self._move(v, self._interned(target), prov))
         return self.b.build()
 
     def _current(self, v: Value) -> Layout:
@@ -300,21 +301,24 @@ class _Propagator:
 
     def _op(self, op: Op, decided: list[Strategy] | None) -> None:
         operands = [self.vmap.get(v, v) for v in op.operands]
-        if decided is not None:
-            chosen = list(decided)
-        else:
+        if decided is None:
             strategies = self.candidates(op)
-            chosen = []
+            decided = []
             for axis in self.mesh.names:
-                chosen.append(self._choose(op, operands, strategies, axis, chosen))
-        ins, outs = self._layouts(tuple(chosen))
+                decided.append(self._choose(op, operands, strategies, axis, decided))
+        ins, outs = self._layouts(tuple(decided))
         for k, v in enumerate(operands):
             if isinstance(v.type, TensorType) and v.layout is not ins[k]:
                 operands[k] = self._move(v, ins[k], op.prov)
-        args, kwargs = _rebind(op, operands)
-        results = tuple(Value(r.name, r.type, lay) for r, lay in zip(op.results, outs, strict=True))
+        args, kwargs = rebind(op, operands)
+        if len(outs) == 1:  # NOTE: mostly so: one value made and mapped without a loop
+            (r,) = op.results
+            results: tuple[Value, ...] = (Value(r.name, r.type, outs[0]),)
+            self.vmap[r] = results[0]
+        else:
+            results = tuple(Value(r.name, r.type, lay) for r, lay in zip(op.results, outs, strict=True))
+            self.vmap.update(zip(op.results, results, strict=True))
         self.b.append(Op(op.target, args, kwargs, results, op.prov))
-        self.vmap.update(zip(op.results, results, strict=True))
 
     def _layouts(self, chosen: tuple[Strategy, ...]) -> tuple[tuple[Layout, ...], tuple[Layout, ...]]:
         """The layouts ``chosen`` (a strategy per axis) gives the op's operands and results, kept by
@@ -330,7 +334,12 @@ class _Propagator:
 
     def _layout(self, placements: tuple[Placement, ...]) -> Layout:
         """The layout of these placements, one object per layout (``_op`` then mostly skips ``_move``)."""
-        lay = Layout(self.mesh.names, placements)
+        return self._interned(Layout(self.mesh.names, placements))
+
+    def _interned(self, lay: Layout) -> Layout:
+        """The one object of ``lay`` (the first made): each value the graph builds has its layout so,
+        and so do the layouts it moves to, so layouts compare by identity (``Layout`` compares and
+        hashes by its fields, Python calls)."""
         return self.interned.setdefault(lay, lay)
 
     def _choose(
@@ -360,38 +369,14 @@ class _Propagator:
 
     def _move(self, v: Value, target: Layout, prov: Provenance) -> Value:
         """``v`` in ``target`` layout: itself, or a (phase-cached) ``comm.redistribute`` of it."""
-        if v.layout == target:
+        if v.layout is target:  # NOTE: both interned (``_interned``)
             return v
-        key = (v, target, prov.phase)
-        if key not in self.moved:
-            (new,) = self.b.add_op(REDISTRIBUTE, (v,), (), [Value(v.name, v.type, target)], prov)
-            self.moved[key] = new
-        return self.moved[key]
-
-
-def _rebind(op: Op, operands: list[Value]) -> tuple[tuple[Arg, ...], tuple[tuple[str, Arg], ...]]:
-    """Replace the op's operands, in ``op.operands`` order, by ``operands``."""
-    args, used = _replaced(op.args, operands, 0)
-    if used == len(operands):  # NOTE: mostly so: the op's keyword arguments hold no value
-        return args, op.kwargs
-    values, _ = _replaced(tuple(v for _, v in op.kwargs), operands, used)
-    return args, tuple((k, v) for (k, _), v in zip(op.kwargs, values, strict=True))
-
-
-def _replaced(args: tuple[Arg, ...], operands: list[Value], used: int) -> tuple[tuple[Arg, ...], int]:
-    """``args`` with its values (nested tuples walked) replaced by ``operands[used:]`` in order, and
-    how many operands are used after it. Once every operand is placed the rest is kept as it is:
-    the shapes and sizes an op takes are mostly tuples of numbers, after its values."""
-    out = list(args)
-    for i, a in enumerate(args):
-        if used == len(operands):
-            break
-        if isinstance(a, Value):
-            out[i] = operands[used]
-            used += 1
-        elif isinstance(a, tuple):
-            out[i], used = _replaced(a, operands, used)
-    return tuple(out), used
+        key = (v, id(target), prov.phase)
+        new = self.moved.get(key)
+        if new is None:
+            new = self.moved[key] = Value(v.name, v.type, target)
+            self.b.append(Op(REDISTRIBUTE, (v,), (), (new,), prov))
+        return new
 
 
 __all__ = ["SHARDED", "Sharding"]
