@@ -33,7 +33,13 @@ class VerifyError(ValueError):
     """The graph breaks an IR invariant; the message names the op, its provenance and the fix."""
 
 
-def verify(graph: Graph, *, check_types: bool = True, max_inflight: float | None = None) -> None:
+def verify(
+    graph: Graph,
+    *,
+    check_types: bool = True,
+    max_inflight: float | None = None,
+    classes: Sequence[int] | None = None,
+) -> None:
     """Raise :class:`VerifyError` unless ``graph`` is well formed.
 
     Checks: SSA (every value defined once, before use), unique input names, layouts that match the
@@ -43,10 +49,10 @@ def verify(graph: Graph, *, check_types: bool = True, max_inflight: float | None
     provenance), the values and the types, and for a graph read from text (``ir.parse``) start with
     the text line, ``line L: ``; nothing else escapes. Started collectives (``ir.asynchrony``): every
     wait reads one start's handles, nothing else does, and with ``max_inflight`` a rank never holds
-    more bytes in flight than that.
+    more bytes in flight than that. ``classes``: ``key_classes(graph.ops)``, where the caller has it.
     """
     try:
-        _verify(graph, check_types)
+        _verify(graph, check_types, classes)
         check_waits(graph)
         if max_inflight is not None:
             check_inflight(graph, max_inflight)
@@ -61,9 +67,9 @@ def verify_op_types(ops: Sequence[Op]) -> None:
     """Raise :class:`VerifyError` unless each op's result types are what it computes on fake tensors
     of its operand types (the type check of :func:`verify`, for some ops of a static graph)."""
     fake = _FakeRunner()
-    for op in ops:
+    for op, number in zip(ops, key_classes(ops), strict=True):
         try:
-            fake.check(op)
+            fake.check(op, number)
         except _Failure as f:
             raise VerifyError(f.message) from None
 
@@ -76,7 +82,16 @@ class _Failure(Exception):
         self.message, self.item = message, item
 
 
-def _verify(graph: Graph, check_types: bool) -> None:
+def key_classes(ops: Sequence[Op]) -> list[int]:
+    """For each op, a number that the ops of one ``Op.key`` share and no other op has (-1 for
+    meshfold's own ops). A check that reads nothing but an op's key (its type check, its sharding
+    rule's strategies) keeps its verdicts by this number: hashing and comparing a key is Python calls
+    (its types), so the keys of a graph are numbered once for every such check of it."""
+    numbers: dict[Hashable, int] = {}
+    return [-1 if isinstance(op.target, OpDef) else numbers.setdefault(op.key(), len(numbers)) for op in ops]
+
+
+def _verify(graph: Graph, check_types: bool, classes: Sequence[int] | None = None) -> None:
     defined: set[Value] = set()
     sizes = _Sizes(Layout.replicated(graph.mesh).axes)
     names: set[str] = set()
@@ -86,14 +101,16 @@ def _verify(graph: Graph, check_types: bool) -> None:
         names.add(i.name)
         _define(i.value, defined, f"input %{i.name}", i.value, sizes)
     fake = _FakeRunner() if check_types else None
-    for op in graph.ops:
-        for v in op.operands:
-            if v not in defined:
-                raise _Failure(f"{op.describe()}: operand %{v.name} is not defined before this op", op)
+    if classes is None:
+        classes = key_classes(graph.ops) if fake is not None else [-1] * len(graph.ops)
+    for op, number in zip(graph.ops, classes, strict=True):
+        if not defined.issuperset(op.operands):
+            v = next(v for v in op.operands if v not in defined)
+            raise _Failure(f"{op.describe()}: operand %{v.name} is not defined before this op", op)
         for r in op.results:
             _define(r, defined, None, op, sizes)
         if fake is not None and not isinstance(op.target, OpDef):
-            fake.check(op)
+            fake.check(op, number)
     for o in graph.outputs:
         if o.value not in defined:
             raise _Failure(f"graph @{graph.name}: output {o.kind}({o.name}) uses undefined %{o.value.name}", o)
@@ -110,11 +127,10 @@ class _Sizes:
         """``id``s of (type, layout) pairs that passed (the graph being checked holds the objects)."""
 
     def check(self, v: Value) -> None:
-        pair = (id(v.type), id(v.layout))
-        if pair not in self.passed:
-            _check_shape(v)
-            _check_layout(v, self.axes)
-            self.passed.add(pair)
+        """Check ``v`` (``_define`` asks only for a pair not in ``passed``)."""
+        _check_shape(v)
+        _check_layout(v, self.axes)
+        self.passed.add((id(v.type), id(v.layout)))
 
 
 def _define(v: Value, defined: set[Value], where: str | None, item: Value | Op, sizes: _Sizes) -> None:
@@ -123,6 +139,8 @@ def _define(v: Value, defined: set[Value], where: str | None, item: Value | Op, 
     if v in defined:
         raise _Failure(f"{where or _described(item)}: value %{v.name} is defined twice", item)
     defined.add(v)
+    if (id(v.type), id(v.layout)) in sizes.passed:
+        return
     try:
         sizes.check(v)
     except _Failure as f:
@@ -160,20 +178,22 @@ def _check_layout(v: Value, expected: tuple[str, ...]) -> None:
 
 
 class _FakeRunner:
-    """Runs ATen ops on fake tensors to recompute result types; an op whose ``Op.key`` passed before
-    (the same op in every layer of a stack) is not run again: the check reads nothing else."""
+    """Checks an ATen op's operand dtypes and runs it on fake tensors to recompute result types; an
+    op whose ``Op.key`` passed before (the same op in every layer of a stack) is not checked again:
+    both checks read nothing else (the key holds the target and every operand's and result's type)."""
 
     def __init__(self) -> None:
         self.mode = FakeTensorMode(allow_non_fake_inputs=True)
-        self.passed: set[Hashable] = set()
+        self.passed: set[int] = set()
+        """``key_classes`` numbers of the keys that passed."""
 
-    def check(self, op: Op) -> None:
-        _check_dtypes(op)
-        key = op.key()
-        if key in self.passed:
+    def check(self, op: Op, number: int) -> None:
+        """``number``: the op's ``key_classes`` number."""
+        if number in self.passed:
             return
+        _check_dtypes(op)
         self._run(op)
-        self.passed.add(key)
+        self.passed.add(number)
 
     def _run(self, op: Op) -> None:
         if any(not isinstance(v.type, TensorType) or not v.type.is_static() for v in op.operands):

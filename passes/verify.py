@@ -7,6 +7,7 @@ from typing import ClassVar
 
 from meshfold.ir import Graph, verify
 from meshfold.ir.ops import REDISTRIBUTE
+from meshfold.ir.verifier import key_classes
 from meshfold.passes.base import VERIFIED, Pass, PassContext, PassError
 from meshfold.passes.cost.memory import rank_memory, size_text
 from meshfold.passes.schedule.overlap import INFLIGHT_STAT
@@ -29,9 +30,16 @@ class Verify(Pass):
 
     def apply(self, ctx: PassContext, graph: Graph) -> Graph:
         bound = ctx.stats.get(INFLIGHT_STAT)
-        verify(graph, check_types=self.types, max_inflight=float(bound) if isinstance(bound, float) else None)
+        # NOTE: both checks keep their verdicts per op key; the keys are numbered once for both
+        classes = key_classes(graph.ops) if self.types or self.layouts else None
+        verify(
+            graph,
+            check_types=self.types,
+            max_inflight=float(bound) if isinstance(bound, float) else None,
+            classes=classes,
+        )
         if self.layouts:
-            check_layouts(graph)
+            check_layouts(graph, classes=classes)
         if ctx.memory is not None and graph.mesh is not None and all(op.target != REDISTRIBUTE for op in graph.ops):
             est = rank_memory(graph, cluster=ctx.cluster)
             if est.peak > ctx.memory:

@@ -4,39 +4,45 @@ exactly the layout the producer wrote (collectives are explicit ops)."""
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from operator import attrgetter
 
 from meshfold.ir import Graph, Op, OpDef, VerifyError
 from meshfold.ir.ops import REDISTRIBUTE
+from meshfold.ir.verifier import key_classes
 from meshfold.passes.sharding.rules import rule_table, strategies_for
 from meshfold.passes.sharding.strategy import Strategy
 
 _LAYOUT = attrgetter("layout")
 
 
-def check_layouts(graph: Graph, *, allow_redistribute: bool = True) -> None:
-    """Raise ``VerifyError`` naming the op, its module path and source, and the layouts involved."""
+def check_layouts(graph: Graph, *, allow_redistribute: bool = True, classes: Sequence[int] | None = None) -> None:
+    """Raise ``VerifyError`` naming the op, its module path and source, and the layouts involved.
+    ``classes``: ``key_classes(graph.ops)``, where the caller has it."""
     if graph.mesh is None:
         return
     table = rule_table()
-    # NOTE: a rule reads the op's types and arguments only, so ops of one ``Op.key`` (the same op in
-    # every layer of a stack) share their strategies, and with the same layouts their verdict; a
-    # collective's verdict reads its target, attributes and layouts alone. Verdicts are kept by the
-    # layouts' identities first (the graph holds the layouts, so no id is reused while this runs):
-    # hashing a ``Layout`` is Python calls, and the ops of every layer mostly share layout objects
+    if classes is None:
+        classes = key_classes(graph.ops)
+    # NOTE: a rule reads the op's types and arguments only, so ops of one ``Op.key`` (one number of
+    # ``key_classes``: the same op in every layer of a stack) share their strategies, and with the
+    # same layouts their verdict; a collective's verdict reads its target, attributes and layouts
+    # alone. Verdicts are kept by the layouts' identities first (the graph holds the layouts, so no id
+    # is reused while this runs): hashing a ``Layout`` is Python calls, and the ops of every layer
+    # mostly share layout objects
     passed: set[Hashable] = set()
     passed_ids: set[Hashable] = set()
     known: dict[Hashable, list[Strategy]] = {}
-    for op in graph.ops:
+    for op, number in zip(graph.ops, classes, strict=True):
         collective = isinstance(op.target, OpDef)
         if op.target == REDISTRIBUTE and not allow_redistribute:
             raise VerifyError(f"{op.describe()}: comm.redistribute left after boxing")
-        what = (op.target, op.kwargs) if collective else op.key()
-        ins, outs = tuple(map(_LAYOUT, op.operands)), tuple(map(_LAYOUT, op.results))
-        by_ids = (what, tuple(map(id, ins)), tuple(map(id, outs)))
+        what = (op.target, op.kwargs) if collective else number
+        # NOTE: one flat tuple (the operand count splits it) is made faster than one per side
+        by_ids = (what, len(op.operands), *[id(v.layout) for v in op.operands + op.results])
         if by_ids in passed_ids:
             continue
+        ins, outs = tuple(map(_LAYOUT, op.operands)), tuple(map(_LAYOUT, op.results))
         if (what, ins, outs) not in passed:
             if collective:
                 _check_collective(graph, op)
