@@ -56,7 +56,10 @@ def starts(graph: Graph) -> dict[Op, Op]:
     waits = [op for op in graph.ops if op.target == WAIT and op.operands]
     if not waits:  # NOTE: a program not yet scheduled: no map of every value's producer
         return {}
-    producers = graph.producers()
+    # NOTE: only the ops that make a waited handle, not every value's producer (a replay and the
+    # in-flight walk ask of a program of tens of thousands of ops)
+    handles = {op.operands[0] for op in waits}
+    producers = {r: op for op in graph.ops for r in op.results if r in handles}
     return {op: producers[op.operands[0]] for op in waits}
 
 

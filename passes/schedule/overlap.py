@@ -48,8 +48,6 @@ from __future__ import annotations
 
 import bisect
 import heapq
-import itertools
-import math
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -64,6 +62,7 @@ from meshfold.passes.cost.memory import rank_memory, size_text
 from meshfold.passes.schedule.chunks import chunk_matmuls
 from meshfold.passes.schedule.nano import nano_batch
 from meshfold.passes.schedule.timeline import Costs, replay
+from meshfold.passes.schedule.windows import just_in_time, passed_on
 from meshfold.passes.sharding.boxing import BOXED
 
 SCHEDULED = "scheduled"
@@ -181,7 +180,7 @@ class _Scheduler:
         # that made the other's operands: that one travels under a segment's compute, and its wait
         # does not stall the compute right after it (a view read by nothing else, that takes a result
         # to the outputs, is not a reader)
-        unread = {c for c in self.comm if all(is_view(ops[u].target) and not self.users[u] for u in self.users[c])}
+        unread = {c for c in self.comm if all(not self.users[u] and is_view(ops[u].target) for u in self.users[c])}
         for c in unread:
             brought = [d for d in self.deps[c] if d in self.comm]
             if not brought or ops[c].target in (PPERMUTE, RELOAD):
@@ -189,8 +188,11 @@ class _Scheduler:
             source = max(max((segment[k] for k in self.deps[d]), default=segment[d]) for d in brought)
             after = source + 3  # NOTE: first_op[s + 1] is segment s's first op
             self.opens[c] = first_op[after] if after < len(first_op) else len(ops)
-        self._passed_on()
-        self._just_in_time(costs)
+        passed_on(ops, self.comm, self.deps, self.users, self.opens)
+        just_in_time(ops, self.comm, self.users, self.opens, costs)
+        # NOTE: the collectives among each op's operands' producers: most ops read none, and only these
+        # can hold an op back or need a wait before it
+        self.wires = [[d for d in ds if d in self.comm] for ds in self.deps]
         # NOTE: a started collective holds its operands as well as its results until its wait (a
         # gradient's reduce-scatter keeps the whole unreduced gradient alive)
         # NOTE: a reload's operand is in the host tier: it holds only the device copy it makes
@@ -214,53 +216,9 @@ class _Scheduler:
         self.handles: dict[int, tuple[Value, ...]] = {}
         # NOTE: open issuable collectives by the bytes each holds (a few sizes), each sorted: hundreds wait at 80 layers
         self.issuable: dict[int, list[int]] = {}
-
-    def _passed_on(self) -> None:
-        """Tie each ``comm.ppermute`` of a ring to the compute stream: one of what a collective brought
-        (a block passed on round a ring) waits for the last computing op before that block's first
-        reader here, so it travels while that reader computes, as a ring kernel passes it, and a
-        rank holds the block it computes on and the one on its way, not every block of the ring;
-        one of the phase's inputs only (the backward's move of saved values to the zigzag split)
-        waits for the last computing op before its own first reader, where a kernel would move them,
-        instead of a prefetch window that holds the copies through the layer's other work."""
-        passed = [c for c in self.comm if self.ops[c].target == PPERMUTE]
-        if not passed:
-            return
-        before, last = [], -1
-        for k in range(len(self.ops)):
-            before.append(last)
-            if k not in self.comm:
-                last = k
-        for c in passed:
-            brought = [d for d in self.deps[c] if d in self.comm]
-            held = brought if brought else ([] if self.deps[c] else [c])
-            readers = [u for d in held for u in self.users[d] if u not in self.comm]
-            k = before[min(readers)] if readers else -1
-            if 0 <= k < c and k not in self.deps[c]:  # NOTE: earlier in the phase's order: no cycle
-                self.deps[c].append(k)
-                self.users[k].append(c)
-                self.opens.pop(c, None)
-
-    def _just_in_time(self, costs: Costs) -> None:
-        """Open each reload's window as late as lets its copy end by its first reader's start, the copy
-        stream taking the reloads one after another in the order of their readers (by the ops'
-        predicted compute time in the phase's order), but not before the wait of the reload before
-        it: one reader's reloads ahead at most, so where the copies outlast the compute (the copy
-        engine is the bottleneck, and nothing hides them all) the device copies are not all held
-        from the phase's start."""
-        reloads = [c for c in self.comm if self.ops[c].target == RELOAD]
-        if not reloads:
-            return
-        clock = list(itertools.accumulate((costs.compute(op) for op in self.ops), initial=0.0))
-        first = {c: min(self.users[c], default=c) for c in reloads}
-        readers = sorted(set(first.values()))
-        before = dict(zip(readers[1:], readers, strict=False))  # NOTE: each reader -> the reader before it
-        latest = math.inf
-        for c in sorted(reloads, key=lambda c: first[c], reverse=True):
-            latest = min(latest, clock[first[c]]) - costs.comm(self.ops[c])
-            floor = before.get(first[c], 0) - 1  # NOTE: from the wait of the reload(s) before it
-            # NOTE: issued before the op that runs at ``latest``: once the one before that has run
-            self.opens[c] = max(min(bisect.bisect_right(clock, latest) - 2, first[c] - 1), floor)
+        # NOTE: whether one may fit in flight since ``_issue`` last found that none does (a start only
+        # adds bytes in flight: only a new issuable collective or a wait can make one fit)
+        self.recheck = False
 
     def run(self) -> None:
         # NOTE: an op is ready once its compute operands are emitted and its collectives started (the
@@ -327,16 +285,20 @@ class _Scheduler:
                 free = k
         if free is not None:
             return free
-        return min(near, key=lambda k: (max(self.ends.get(d, 0.0) for d in self.deps[k]), k))
+        return min(near, key=lambda k: (max(self.ends.get(d, 0.0) for d in self.wires[k]), k))
 
     def _blocked(self, k: int) -> bool:
         """Whether op ``k`` would wait on a collective still on the wire."""
-        return any(self.ends.get(d, 0.0) > self.now for d in self.deps[k])
+        wires = self.wires[k]
+        return bool(wires) and any(self.ends.get(d, 0.0) > self.now for d in wires)
 
     def _issue(self) -> list[int]:
         """Start, in the phase's order, every open issuable collective that fits in flight when its turn
         comes (a start may wait for what it reads, and so free bytes); the started."""
         out: list[int] = []
+        if not self.recheck:
+            return out
+        self.recheck = False
         while (c := self._next(out[-1] if out else -1)) is not None:
             self._take(c)
             self._start(c)
@@ -352,6 +314,7 @@ class _Scheduler:
 
     def _issuable(self, c: int) -> None:
         bisect.insort(self.issuable.setdefault(self.size[c], []), c)
+        self.recheck = True
 
     def _take(self, c: int) -> None:
         queue = self.issuable[self.size[c]]
@@ -386,9 +349,10 @@ class _Scheduler:
         self.b.append(Op(WAIT, self.handles.pop(c), (), op.results, op.prov))
         self.now = max(self.now, self.ends.pop(c))
         self.held -= self.size[c]
+        self.recheck = True
 
     def _waits_for(self, k: int) -> None:
-        for d in self.deps[k]:
+        for d in self.wires[k]:
             if d in self.handles:
                 self._wait(d)
 
@@ -396,5 +360,6 @@ class _Scheduler:
         self._waits_for(k)
         op = self.ops[k]
         self.b.append(op)
-        self.reached = max(self.reached, k)
+        if k > self.reached:
+            self.reached = k
         self.now += self.costs.compute(op)

@@ -70,6 +70,8 @@ class Costs:
     of a stack are priced once)."""
     _ways: dict[Value, float] = field(default_factory=dict, init=False, repr=False, compare=False)
     """How many ways each value's layout divides it (most values are read by several ops)."""
+    _ways_by: dict[tuple[Type, Layout], float] = field(default_factory=dict, init=False, repr=False, compare=False)
+    """The same by type and layout."""
     _bytes: dict[Value, int] = field(default_factory=dict, init=False, repr=False, compare=False)
     """``nbytes`` of each value asked."""
     _shards: dict[tuple[Type, Layout], int] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -89,16 +91,27 @@ class Costs:
         if isinstance(op.target, OpDef):
             return 0.0
         ways = 1.0
-        for v in (*op.operands, *op.results):
-            w = self._ways.get(v)
-            if w is None:
-                w = self._ways[v] = _ways(v, self.graph.mesh)
-            ways = max(ways, w)
+        for values in (op.operands, op.results):
+            for v in values:
+                w = self._ways.get(v)
+                if w is None:
+                    w = self._ways[v] = self._divided(v)
+                if w > ways:
+                    ways = w
         key = (op.key(), ways)
         t = self._priced.get(key)
         if t is None:
             t = self._priced[key] = self.models[0].compute(op_flops(op) / ways, op_bytes(op) / ways)
         return t
+
+    def _divided(self, v: Value) -> float:
+        """How many ways ``v``'s layout divides it, kept by type and layout (every layer's values are
+        of the same few)."""
+        shard = (v.type, v.layout)
+        w = self._ways_by.get(shard)
+        if w is None:
+            w = self._ways_by[shard] = _ways(v, self.graph.mesh)
+        return w
 
     def nbytes(self, v: Value) -> int:
         """``local_nbytes`` of ``v`` on this graph's mesh, kept (a collective's operands are asked
@@ -216,13 +229,14 @@ def replay(graph: Graph, costs: Costs, events: bool = True) -> Timeline:
     tl = Timeline()
     waits = starts(graph)
     started = set(waits.values())
-    for phase in ("fwd", "bwd"):
+    phases: dict[str, list[Op]] = {"fwd": [], "bwd": []}
+    for op in graph.ops:
+        phases[op.prov.phase].append(op)
+    for phase, ops in phases.items():
         now = exposed = busy = 0.0
         free = {"comm": 0.0, "copy": 0.0}
         done: dict[Op, float] = {}
-        for op in graph.ops:
-            if op.prov.phase != phase:
-                continue
+        for op in ops:
             wire = costs.comm(op)
             if op.target == WAIT:
                 start = waits[op]
