@@ -124,7 +124,7 @@ def inflight(graph: Graph, bound: float = float("inf"), *, nbytes: Callable[[Val
     ``local_nbytes`` on the graph's mesh), its wait takes them away."""
     waits = starts(graph)
     started = set(waits.values())
-    size = nbytes if nbytes is not None else _shard_bytes(graph.mesh)
+    size = nbytes if nbytes is not None else shard_bytes(graph.mesh)
     now, peak, at, over, over_bytes = 0.0, 0.0, None, None, 0.0
     held: dict[Op, float] = {}
     for op in graph.ops:
@@ -140,7 +140,7 @@ def inflight(graph: Graph, bound: float = float("inf"), *, nbytes: Callable[[Val
     return Inflight(peak, at, over, over_bytes)
 
 
-def _shard_bytes(mesh: Mesh | None) -> Callable[[Value], int]:
+def shard_bytes(mesh: Mesh | None) -> Callable[[Value], int]:
     """``local_nbytes`` on ``mesh``, kept by type and layout (the collectives of every layer hold the
     same few shards)."""
     known: dict[tuple[Type, Layout], int] = {}

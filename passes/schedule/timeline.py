@@ -20,15 +20,14 @@ import json
 import math
 import os
 import tempfile
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
 from meshfold.ir import Graph, Layout, Mesh, Op, OpDef, TensorType, Type, Value
-from meshfold.ir.asynchrony import ASYNC_COLLECTIVES, starts
-from meshfold.ir.graph import local_nbytes
+from meshfold.ir.asynchrony import ASYNC_COLLECTIVES, shard_bytes, starts
 from meshfold.ir.ops import (
     ALL_GATHER,
     ALL_GATHER_BUCKET,
@@ -74,8 +73,11 @@ class Costs:
     """The same by type and layout."""
     _bytes: dict[Value, int] = field(default_factory=dict, init=False, repr=False, compare=False)
     """``nbytes`` of each value asked."""
-    _shards: dict[tuple[Type, Layout], int] = field(default_factory=dict, init=False, repr=False, compare=False)
-    """``nbytes`` by type and layout (every layer's values hold the same few shards)."""
+    _shard_nbytes: Callable[[Value], int] = field(init=False, repr=False, compare=False)
+    """``local_nbytes`` on the graph's mesh, kept by type and layout (``asynchrony.shard_bytes``)."""
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_shard_nbytes", shard_bytes(self.graph.mesh))
 
     def compute(self, op: Op) -> float:
         """An op's kernel time on one rank: its work divided as much as its layouts divide it (a
@@ -118,11 +120,7 @@ class Costs:
         again by each replay and by the scheduler)."""
         n = self._bytes.get(v)
         if n is None:
-            shard = (v.type, v.layout)
-            n = self._shards.get(shard)
-            if n is None:
-                n = self._shards[shard] = local_nbytes(v, self.graph.mesh)
-            self._bytes[v] = n
+            n = self._bytes[v] = self._shard_nbytes(v)
         return n
 
     def started(self, op: Op, start: Op) -> None:

@@ -24,24 +24,13 @@ from meshfold.ir import (
     Replicate,
     Shard,
     Value,
-    apply_patterns,
 )
+from meshfold.ir.graph import remap_op
 from meshfold.ir.ops import REDISTRIBUTE, collective_for
-from meshfold.ir.rewrite import PatternTable, Rewriter
 from meshfold.passes.base import Pass, PassContext
 from meshfold.passes.sharding.propagate import SHARDED
 
 BOXED = "boxed"
-BOXING = PatternTable("boxing")
-
-
-@BOXING.register(REDISTRIBUTE)
-def _lower(rw: Rewriter, op: Op) -> tuple[Value, ...]:
-    (src,) = op.operands
-    cur = src
-    for target, emit in _planned(src.layout, op.result.layout):
-        cur = emit(rw, op, cur, target)
-    return (cur,)
 
 
 @lru_cache(maxsize=1024)
@@ -70,11 +59,6 @@ class Emitter:
     def transfer(self, layout: Layout) -> Layout:
         """The layout after this step, by the collective's own transfer function."""
         return self.target.transfer(layout, {"axis": self.axis, **self.attrs})
-
-    def __call__(self, rw: Rewriter, like: Op, v: Value, layout: Layout) -> Value:
-        out = Value(like.result.name, v.type, layout)
-        rw.emit_op(self.target, (v,), [out], like.prov, self.kwargs)  # type: ignore[arg-type]
-        return out
 
     def op(self, like: Op, v: Value, out: Value) -> Op:
         """This step of the redistribute ``like``, taking ``v`` to ``out``."""
@@ -155,23 +139,26 @@ class Boxing(Pass):
 
 
 def _lowered(graph: Graph) -> Graph:
-    """``graph`` with every redistribute lowered as ``BOXING`` does, in one walk: the last step of each
-    defines the redistribute's own result (in the same layout), so every other op is kept as it is
-    and none reading a moved value is rebuilt (the general rewrite rebinds each of them)."""
+    """``graph`` with every redistribute lowered into its steps (``plan_steps``) in one walk: the last
+    step defines the redistribute's own result (in the same layout), so every other op is kept as it
+    is and none reading a moved value is rebuilt."""
     b = GraphBuilder.like(graph)
+    vmap: dict[Value, Value] = {}
     for op in graph.ops:
+        op = remap_op(op, vmap)
         if op.target is not REDISTRIBUTE:
             b.append(op)
             continue
         (cur,) = op.operands
         steps = _planned(cur.layout, op.result.layout)
-        if not steps:  # NOTE: a move to the layout it has (sharding makes none): its readers need rebinding
-            return apply_patterns(graph, BOXING, max_sweeps=1)
+        if not steps:  # NOTE: a move to the layout it has (sharding makes none): its readers read the value
+            vmap[op.result] = cur
+            continue
         for layout, emit in steps[:-1]:
             new = Value(op.result.name, cur.type, layout)
             b.append(emit.op(op, cur, new))
             cur = new
         b.append(steps[-1][1].op(op, cur, op.result))
     for o in graph.outputs:
-        b.add_output(o.kind, o.name, o.value)
+        b.add_output(o.kind, o.name, vmap.get(o.value, o.value))
     return b.build()

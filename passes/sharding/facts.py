@@ -8,7 +8,9 @@ make only scalars, which activations the backward keeps). At 80 layers a walk is
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from meshfold.ir import Graph, TensorType, Value
 from meshfold.ir.memo import Kept
@@ -35,19 +37,26 @@ class GraphFacts:
 
 _KEPT: Kept[Graph, GraphFacts] = {}
 _LOCK = threading.Lock()
+T = TypeVar("T")
+
+
+def _last(kept: Kept[Graph, T], graph: Graph, make: Callable[[], T], fits: Callable[[T], bool] = lambda _: True) -> T:
+    """What ``make`` gives for ``graph``, kept in ``kept`` for the last graph asked (one graph at a
+    time: a compile's programs come one after another) while ``fits`` holds of it."""
+    with _LOCK:
+        hit = kept.get(id(graph))
+    if hit is not None and hit[0] is graph and fits(hit[1]):
+        return hit[1]
+    made = make()
+    with _LOCK:
+        kept.clear()
+        kept[id(graph)] = (graph, made)
+    return made
 
 
 def graph_facts(graph: Graph) -> GraphFacts:
     """``graph``'s facts, kept for the last graph asked (the programs of one solve ask in turn)."""
-    with _LOCK:
-        hit = _KEPT.get(id(graph))
-    if hit is not None and hit[0] is graph:
-        return hit[1]
-    facts = _facts(graph)
-    with _LOCK:
-        _KEPT.clear()  # NOTE: one graph at a time: a compile's programs come one after another
-        _KEPT[id(graph)] = (graph, facts)
-    return facts
+    return _last(_KEPT, graph, lambda: _facts(graph))
 
 
 def _facts(graph: Graph) -> GraphFacts:
@@ -91,10 +100,10 @@ _READS: Kept[Graph, OpReads] = {}
 
 def op_reads(graph: Graph, tied: dict[int, int]) -> OpReads:
     """``OpReads`` of ``graph`` under ``tied``, kept for the last graph and ties asked."""
-    with _LOCK:
-        hit = _READS.get(id(graph))
-    if hit is not None and hit[0] is graph and hit[1].tied == tied:
-        return hit[1]
+    return _last(_READS, graph, lambda: _op_reads(graph, tied), lambda r: r.tied == tied)
+
+
+def _op_reads(graph: Graph, tied: dict[int, int]) -> OpReads:
     facts = graph_facts(graph)
     by_value: dict[Value, dict[tuple[int, int, str], int]] = {}
     for op_i, (op, tensors) in enumerate(zip(graph.ops, facts.reads, strict=True)):
@@ -114,8 +123,4 @@ def op_reads(graph: Graph, tied: dict[int, int]) -> OpReads:
         theirs = by_value.get(w)
         if theirs is not None and list(theirs) == list(mine):
             mirror[v] = w
-    reads = OpReads(dict(tied), by_value, mirror)
-    with _LOCK:
-        _READS.clear()
-        _READS[id(graph)] = (graph, reads)
-    return reads
+    return OpReads(dict(tied), by_value, mirror)
