@@ -125,7 +125,7 @@ def lower(graph: Graph, rank: RankContext, *, record: bool = False, rng: torch.G
     fwd_results = [o.value for o in fwd_out] + saved + fwd_rec
     forward = build_module([i.value for i in fwd_inputs], ph.fwd_ops, fwd_results, rank, gen)
     backward = build_module(
-        saved + [i.value for i in tangents], ph.bwd_ops, [o.value for o in grads] + bwd_rec, rank, gen
+        saved + [i.value for i in tangents], ph.bwd_ops, [o.value for o in grads] + bwd_rec, rank, gen, len(grads)
     )
     return Lowered(
         forward,
@@ -152,7 +152,12 @@ def build_module(
     outputs: Sequence[Value],
     rank: RankContext,
     rng: torch.Generator,
+    distinct: int = 0,
 ) -> fx.GraphModule:
+    """An fx module computing ``outputs`` from ``inputs`` by ``ops`` on this rank. The first ``distinct``
+    outputs are distinct tensors: a value returned twice (one gradient of two parameters, as the
+    output biases of a parallel-residual block get once common-subexpression elimination merged
+    their sums) is cloned for each repeat."""
     g = fx.Graph()
     env: dict[Value, fx.Node] = {}
     for k, v in enumerate(inputs):
@@ -178,7 +183,14 @@ def build_module(
             node.meta[OP_META] = op
         for r, node in zip(op.results, outs, strict=True):
             env[r] = node
-    g.output(tuple(env[v] for v in outputs))
+    # NOTE: gradients accumulate in place (autograd's ``+=`` into ``.grad``, a pipeline schedule's
+    # microbatches and its scaling): two parameters whose ``.grad`` shared one tensor would each add
+    # to, and divide, the other's
+    results = [env[v] for v in outputs]
+    for k in range(distinct):
+        if results[k] in results[:k]:
+            results[k] = g.call_function(aten.clone.default, (results[k],))
+    g.output(tuple(results))
     g.lint()
     return fx.GraphModule(torch.nn.Module(), g)
 

@@ -43,8 +43,8 @@ def lower_split(graph: Graph, rank: RankContext, first: str, rng: torch.Generato
         if v in defined and v not in handoff:
             handoff.append(v)
     ins = saved + [i.value for i in tangents]
-    backward = build_module(ins, early, [o.value for o in wanted] + handoff, rank, gen)
-    weights = build_module(ins + handoff, late, [o.value for o in rest], rank, gen)
+    backward = build_module(ins, early, [o.value for o in wanted] + handoff, rank, gen, len(wanted))
+    weights = build_module(ins + handoff, late, [o.value for o in rest], rank, gen, len(rest))
     return Lowered(
         forward,
         backward,

@@ -162,19 +162,25 @@ def _plain(x: Any) -> Hashable:
 
 
 def _lists(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The outermost ``nn.ModuleList``/``nn.Sequential`` that can hold a run (after a first layer),
-    keyed by their positions."""
+    """The outermost layer stacks (``numbered_layers``) that can hold a run (after a first layer)."""
     found: list[tuple[str, nn.Module]] = []
     for path, mod in model.named_modules():
         if any(p == "" or path.startswith(p + ".") for p, _ in found):
             continue
-        if (
-            isinstance(mod, (nn.ModuleList, nn.Sequential))
-            and len(mod) > MIN_RUN
-            and list(mod._modules) == [str(i) for i in range(len(mod))]
-        ):
+        if numbered_layers(mod) > MIN_RUN:
             found.append((path, mod))
     return found
+
+
+def numbered_layers(mod: nn.Module) -> int:
+    """How many layers ``mod`` holds if it is a layer stack, else 0: an ``nn.ModuleList``,
+    ``nn.Sequential`` or ``nn.ModuleDict`` whose children are keyed ``0, 1, ...`` in order (a
+    ``ModuleDict`` so keyed is how torchtitan's models hold theirs, so that the FQNs survive a
+    pipeline split), so each layer's modules are at ``<path>.<k>``."""
+    if not isinstance(mod, (nn.ModuleList, nn.Sequential, nn.ModuleDict)):
+        return 0
+    keys = list(mod._modules)
+    return len(keys) if keys == [str(i) for i in range(len(keys))] else 0
 
 
 def _record(

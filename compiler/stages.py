@@ -1,7 +1,7 @@
 """A compiled program split into pipeline stages at its layer stack's boundaries.
 
 Pipeline parallelism starts at capture: every layer of the model's layer stack (its longest
-``nn.ModuleList``/``nn.Sequential``) reads its hidden states through ``meshfold.stage_in``
+``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict`` of numbered layers) reads its hidden states through ``meshfold.stage_in``
 (``marked_layers``), whose backward is ``meshfold.stage_in_grad``, so the joint graph names at each
 layer the value that enters it and the gradient that leaves it (``ir.stage``). After the passes,
 each rank's program is cut at the layers ``passes.stages.split_layers`` chooses:
@@ -37,6 +37,7 @@ from torch import nn
 
 from meshfold.ir import Graph, GraphInput, GraphOutput, Op, Value
 from meshfold.ir.stage import STAGE_IN, STAGE_IN_GRAD, stage_in
+from meshfold.layer_runs import numbered_layers
 from meshfold.passes.base import PassError
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.stages import StageSplit
@@ -128,20 +129,24 @@ class PipelineSpec:
 
 
 def layer_stack(model: nn.Module) -> str:
-    """The path of ``model``'s layer stack: its ``nn.ModuleList``/``nn.Sequential`` of numbered
-    children with the most layers (the first of the longest)."""
+    """The path of ``model``'s layer stack: its ``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict``
+    of children keyed ``0, 1, ...`` (``layer_runs.numbered_layers``) with the most layers (the first
+    of the longest) among those inside no other. NOTE: a list inside a layer is a part of it, however
+    long: StableLM's per-head qk norms are a list of 32 in each of its 24 layers."""
     best: tuple[int, str] | None = None
+    stacks: list[str] = []
     for path, mod in model.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.Sequential)) or len(mod) < 2:
+        n = numbered_layers(mod)
+        if n < 2 or any(path.startswith(f"{s}.") for s in stacks):
             continue
-        if list(mod._modules) != [str(i) for i in range(len(mod))]:
-            continue
-        if best is None or len(mod) > best[0]:
-            best = (len(mod), path)
+        stacks.append(path)
+        if best is None or n > best[0]:
+            best = (n, path)
     if best is None:
         raise PassError(
-            f"pipeline parallelism splits a model between the layers of its layer stack (an nn.ModuleList or "
-            f"nn.Sequential of two or more layers); {type(model).__name__} has none: hold the layers in one"
+            f"pipeline parallelism splits a model between the layers of its layer stack (an nn.ModuleList, "
+            f"nn.Sequential or nn.ModuleDict keyed '0', '1', ... of two or more layers); {type(model).__name__} "
+            "has none: hold the layers in one"
         )
     return best[1]
 
@@ -151,7 +156,9 @@ def marked_layers(model: nn.Module) -> Iterator[str]:
     """For the duration, every layer of ``model``'s layer stack reads its hidden states (its first
     tensor argument, or ``hidden_states=``) through ``stage_in``; yields the stack's path."""
     path = layer_stack(model)
-    handles = [layer.register_forward_pre_hook(_mark, with_kwargs=True) for layer in model.get_submodule(path)]
+    stack = model.get_submodule(path)
+    layers = stack.values() if isinstance(stack, nn.ModuleDict) else stack
+    handles = [layer.register_forward_pre_hook(_mark, with_kwargs=True) for layer in layers]
     try:
         yield path
     finally:
@@ -266,6 +273,13 @@ def stage_graphs(graph: Graph, split: StageSplit) -> list[Graph]:
         if (is_mark(op, STAGE_IN) or is_mark(op, STAGE_IN_GRAD)) and k >= 0:
             marks[(op.target, k)] = op
     made = {r: op for op in graph.ops for r in op.results}
+    for k in split.bounds[1:-1]:
+        if (STAGE_IN, k) not in marks or (STAGE_IN_GRAD, k) not in marks:
+            raise PassError(
+                f"pipeline parallelism: layer {layers.family}.{k} starts a stage, but the hidden states it "
+                "receives never reached it as its first tensor argument (or hidden_states=) in the captured "
+                "program; a layer of the stack must take the hidden states it passes on"
+            )
     out = []
     for s in range(n):
         first, end = split.bounds[s], split.bounds[s + 1]

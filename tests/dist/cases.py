@@ -16,7 +16,7 @@ from meshfold.moe_lists import as_stacked
 from meshfold.passes.memory.policies import Saved
 from meshfold.tools.zoo import build
 from tests.dist.captures import shared_capture
-from tests.dist.pool import device_mesh
+from meshfold.tools.pool import device_mesh
 
 RTOL, ATOL = 1e-5, 1e-6
 LR = 1e-3

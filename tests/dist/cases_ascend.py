@@ -17,7 +17,7 @@ from meshfold.groups import MeshGroups
 from meshfold.passes import PassError
 from meshfold.tools.zoo import build
 from tests.dist.cases import equivalence
-from tests.dist.pool import device_mesh
+from meshfold.tools.pool import device_mesh
 
 
 @contextlib.contextmanager

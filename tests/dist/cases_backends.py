@@ -13,7 +13,7 @@ import torch
 from meshfold.api import parallelize
 from meshfold.passes import PassError
 from meshfold.tools.zoo import build
-from tests.dist.pool import device_mesh
+from meshfold.tools.pool import device_mesh
 
 T = TypeVar("T")
 

@@ -13,7 +13,7 @@ from meshfold.api import parallelize
 from meshfold.signature import CallMismatch
 from meshfold.tools.zoo import build
 from tests.dist.cases import ATOL, RTOL
-from tests.dist.pool import device_mesh
+from meshfold.tools.pool import device_mesh
 
 
 def _refused(call: Any) -> str:

@@ -15,7 +15,7 @@ from meshfold.tools.collectives import group_labels, summarize
 from meshfold.tools.demo import collectives_table, measured_step
 from meshfold.tools.zoo import build
 from tests.dist.captures import shared_capture
-from tests.dist.pool import device_mesh
+from meshfold.tools.pool import device_mesh
 
 # NOTE: the profiler names each collective's op and records its inputs' shapes and dtypes;
 # (name prefix, kind, index of the input that is sent)

@@ -10,7 +10,7 @@ from torch import nn
 
 from meshfold.api import parallelize
 from tests.dist.cases_programs import _same_step
-from tests.dist.pool import device_mesh
+from meshfold.tools.pool import device_mesh
 
 
 class _Gather(nn.Module):

@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshfold.api import parallelize
 from meshfold.passes import PassError
 from meshfold.tools.zoo import build
-from tests.dist.pool import device_mesh
+from meshfold.tools.pool import device_mesh
 
 
 class Odd(nn.Module):

@@ -21,7 +21,7 @@ from meshfold.api import parallelize
 from meshfold.session import CompileOptions, compile_model
 from meshfold.tools.zoo import build
 from tests.dist.cases import ATOL, EPS, LR, PARAM_ATOL, RTOL
-from tests.dist.pool import device_mesh
+from meshfold.tools.pool import device_mesh
 
 
 def _pair(make: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module]:

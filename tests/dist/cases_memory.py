@@ -18,7 +18,7 @@ from meshfold.tools.zoo import build
 from meshfold.tools.zoo.models import LlamaTiny
 from tests.dist.captures import shared_capture
 from tests.dist.cases import assert_step_matches, reference_experts
-from tests.dist.pool import device_mesh
+from meshfold.tools.pool import device_mesh
 
 
 @allocator_accounting()

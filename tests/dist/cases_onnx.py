@@ -14,7 +14,7 @@ from meshfold.api import parallelize
 from meshfold.passes import PassError
 from meshfold.tools.zoo import build
 from tests.dist.captures import shared_capture
-from tests.dist.pool import device_mesh
+from meshfold.tools.pool import device_mesh
 
 
 def exported_forward(model: str, plan: str, shape: tuple[int, ...], names: tuple[str, ...]) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from torch import nn
 
 from meshfold.api import parallelize
 from tests.dist.cases import ATOL, EPS, LR, PARAM_ATOL, RTOL
-from tests.dist.pool import device_mesh
+from meshfold.tools.pool import device_mesh
 
 
 class TwoHeads(nn.Module):

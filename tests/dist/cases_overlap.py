@@ -12,7 +12,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from meshfold.api import parallelize
 from meshfold.tools.zoo.models import LlamaTiny
-from tests.dist.pool import device_mesh
+from meshfold.tools.pool import device_mesh
 
 ISSUE = (
     "_c10d_functional::all_gather_into_tensor",

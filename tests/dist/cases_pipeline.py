@@ -16,7 +16,7 @@ from meshfold.pipelined import IGNORE_INDEX
 from meshfold.tools.zoo import build
 from meshfold.tools.zoo.models import DecoderLayer, _small_init
 from tests.dist.cases import ATOL, EPS, LR, PARAM_ATOL, RTOL
-from tests.dist.pool import device_mesh
+from meshfold.tools.pool import device_mesh
 
 
 def deep_llama(layers: int, seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:

@@ -14,7 +14,7 @@ from meshfold.api import parallelize
 from meshfold.tools.zoo import build
 from tests.dist.cases import ATOL, RTOL
 from tests.dist.cases_calls import _refused
-from tests.dist.pool import device_mesh
+from meshfold.tools.pool import device_mesh
 
 
 def _same_step(pm: nn.Module, ref: nn.Module, *inputs: torch.Tensor) -> None:

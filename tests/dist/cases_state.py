@@ -23,7 +23,7 @@ from meshfold.api import parallelize
 from meshfold.tools.zoo import build
 from tests.dist.cases import EPS, LR, PARAM_ATOL, RTOL
 from tests.dist.hf_models import SMALL
-from tests.dist.pool import device_mesh
+from meshfold.tools.pool import device_mesh
 
 FULL = StateDictOptions(full_state_dict=True)
 

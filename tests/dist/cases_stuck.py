@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from meshfold import CollectiveError, parallelize
 from meshfold.tools.zoo import build
-from tests.dist.pool import device_mesh
+from meshfold.tools.pool import device_mesh
 
 STUCK = 3
 

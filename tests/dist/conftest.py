@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from tests.dist.pool import RankPool
+from meshfold.tools.pool import PRELOAD, RankPool
 
 DIST_DIR = Path(__file__).resolve().parent
 
@@ -17,7 +17,7 @@ class RankPools:
     """One ``RankPool`` per world size, created on first use and kept until ``close``."""
 
     def __init__(self, **pool_kwargs: Any) -> None:
-        self._pool_kwargs = pool_kwargs
+        self._pool_kwargs = {"preload": (*PRELOAD, "tests.dist.cases")} | pool_kwargs
         self._pools: dict[int, RankPool] = {}
 
     def get(self, world: int) -> RankPool:

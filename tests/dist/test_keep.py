@@ -14,7 +14,7 @@ import pytest
 from meshfold.session import CompileOptions, compile_model
 from meshfold.tools.zoo import build
 from tests.dist.conftest import RankPools
-from tests.dist.pool import RankFailure
+from meshfold.tools.pool import RankFailure
 
 CASES = "tests.dist.cases_keep"
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.dist.conftest import RankPools
-from tests.dist.pool import RankFailure, RankPool, RankTimeout
+from meshfold.tools.pool import RankFailure, RankPool, RankTimeout
 
 CASES = "tests.dist.cases_smoke"
 WORLDS = [1, 2, 4, 8]

@@ -3,7 +3,7 @@ as an error naming the collective, the op and the mesh axis it was waiting on.""
 
 from __future__ import annotations
 
-from tests.dist.pool import RankPool
+from meshfold.tools.pool import RankPool
 
 TIMEOUT = 2.0
 # NOTE: how late past the timeout the error may come: on a loaded 2-core machine (two test workers,

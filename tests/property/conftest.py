@@ -6,7 +6,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.dist.pool import RankPool
+from meshfold.tools.pool import RankPool
 
 
 @pytest.fixture(scope="session")

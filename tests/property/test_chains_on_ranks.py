@@ -28,7 +28,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from meshfold import CompileOptions, compile_model, ir
 from meshfold.ir.ops import REDISTRIBUTE
 from meshfold.passes.sharding.plans import Plan
-from tests.dist.pool import RankPool
+from meshfold.tools.pool import RankPool
 from tests.property.chain_cases import combine, local_pieces
 from tests.property.chain_gen import chains
 from tests.property.chain_ir import Chain, joint_text

@@ -6,12 +6,13 @@ group initialised and returns a picklable value; ``RankPool.run`` returns those 
 
     results = rank_pools.get(4).run("tests.dist.cases_smoke:functional_collectives", n=3)  # a list of 4
 
-A task builds what it needs itself (``init_device_mesh``, or ``device_mesh`` below to reuse one) and must
+The tests share one pool per world size for their whole session (``tests/dist/conftest.py``);
+``meshfold corpus`` runs its matrix on one. A task builds what it needs itself (``init_device_mesh``, or ``device_mesh`` below to reuse one) and must
 leave no collective half-issued; tasks share the worker processes, so they must not rely on each other.
 
 Each rank writes its stdout/stderr to a log file; after every task the parent prints what the ranks
 wrote, prefixed ``[rank r]``, so pytest shows it with a failing test. Ranks are forked from a server
-process (``forkserver``) that has torch and meshfold imported. A script (not pytest) that makes a pool
+process (``forkserver``) that has torch and meshfold imported (and the ``preload`` modules). A script (not pytest) that makes a pool
 needs the ``if __name__ == "__main__":`` guard: the server imports the main module.
 """
 
@@ -51,17 +52,10 @@ MAX_WORLD = 8
 # NOTE: these must be in the environment when the interpreter starts (PYTHONUNBUFFERED) or when torch is
 # first imported (thread counts), so the parent sets them around ``Process.start``; 8 ranks share 2 cores.
 _WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-# NOTE: ranks are forked from one server process per test process that has imported these already: a
-# spawned rank spent about 6 s of CPU importing torch and meshfold (and 2-3 s more for transformers or
-# Inductor where its tasks used them), and a session starts dozens of ranks
-_PRELOAD = [
-    "torch",
-    "torch.distributed",
-    "meshfold.api",
-    "tests.dist.cases",
-    "transformers",
-    "torch._inductor.compile_fx",
-]
+# NOTE: ranks are forked from one server process per pool-making process that has imported these
+# already: a spawned rank spent about 6 s of CPU importing torch and meshfold (and 2-3 s more for
+# transformers or Inductor where its tasks used them), and a session starts dozens of ranks
+PRELOAD = ("torch", "torch.distributed", "meshfold.api", "transformers", "torch._inductor.compile_fx")
 _READY = -1
 _Fingerprint = tuple[int, dict[str, int]] | None
 
@@ -148,13 +142,17 @@ class RankPool:
         timeout: float = DEFAULT_TIMEOUT_S,
         spawn_timeout: float = SPAWN_TIMEOUT_S,
         failure_grace: float = FAILURE_GRACE_S,
+        preload: tuple[str, ...] = PRELOAD,
     ) -> None:
+        """``preload``: modules the fork server imports before it forks the ranks (the tasks' own,
+        so that a respawn does not import them again)."""
         if not 1 <= world <= MAX_WORLD:
             raise ValueError(f"world must be in 1..{MAX_WORLD}, got {world}")
         self.world = world
         self.timeout = timeout
         self.spawn_timeout = spawn_timeout
         self.failure_grace = failure_grace
+        self.preload = list(preload)
         self.spawns = 0
         self._task_id = 0
         # NOTE: the finalizer owns these two lists (mutated in place, never rebound) so that ranks are
@@ -265,7 +263,7 @@ class RankPool:
         tmp = Path(tempfile.mkdtemp(prefix=f"meshfold-rankpool-w{self.world}-"))
         self._tmpdirs.append(tmp)
         ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(_PRELOAD)
+        ctx.set_forkserver_preload(self.preload)
         # NOTE: the environment reaches the fork server, started by the first ``start``, and so every rank
         with mock.patch.dict(os.environ, _WORKER_ENV):
             for rank in range(self.world):
