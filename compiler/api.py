@@ -165,8 +165,8 @@ def _pipelined(
     assert spec is not None and options.mesh is not None
     if not dist.is_initialized():
         raise PassError("parallelize needs torch.distributed initialized (run under torchrun or spawn ranks)")
+    micro = microbatch(example_inputs, spec)  # NOTE: before stage_mesh, which may make groups (a collective)
     full, sub = stage_mesh(mesh)
-    micro = microbatch(example_inputs, spec)
     graph, rng_state, _, report = _compile_once(model, micro, options, first=True)
     planned = plan_pipeline(graph, spec, options.cluster, options.memory)
     spec, split = planned.spec, planned.split

@@ -1,10 +1,10 @@
 """A compiled program split into pipeline stages at its layer stack's boundaries.
 
 Pipeline parallelism starts at capture: every layer of the model's layer stack (its longest
-``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict`` of numbered layers) reads its hidden states through ``meshfold.stage_in``
-(``marked_layers``), whose backward is ``meshfold.stage_in_grad``, so the joint graph names at each
-layer the value that enters it and the gradient that leaves it (``ir.stage``). After the passes,
-each rank's program is cut at the layers ``passes.stages.split_layers`` chooses:
+``nn.ModuleList``/``nn.Sequential``/``nn.ModuleDict`` of numbered layers) reads its hidden states
+through ``meshfold.stage_in`` (``marked_layers``), whose backward is ``meshfold.stage_in_grad``, so
+the joint graph names at each layer the value that enters it and the gradient that leaves it
+(``ir.stage``). After the passes, each rank's program is cut at the layers ``passes.stages.split_layers`` chooses:
 
 * an op of layer ``k`` runs on the stage holding ``k``; a forward op of no layer runs on the latest
   stage among its operands' (the final norm and the loss after the stack), a backward op on the

@@ -7,13 +7,15 @@ group initialised and returns a picklable value; ``RankPool.run`` returns those 
     results = rank_pools.get(4).run("tests.dist.cases_smoke:functional_collectives", n=3)  # a list of 4
 
 The tests share one pool per world size for their whole session (``tests/dist/conftest.py``);
-``meshfold corpus`` runs its matrix on one. A task builds what it needs itself (``init_device_mesh``, or ``device_mesh`` below to reuse one) and must
-leave no collective half-issued; tasks share the worker processes, so they must not rely on each other.
+``meshfold corpus`` runs its matrix on one. A task builds what it needs itself (``init_device_mesh``,
+or ``device_mesh`` below to reuse one) and must leave no collective half-issued; tasks share the
+worker processes, so they must not rely on each other.
 
 Each rank writes its stdout/stderr to a log file; after every task the parent prints what the ranks
 wrote, prefixed ``[rank r]``, so pytest shows it with a failing test. Ranks are forked from a server
-process (``forkserver``) that has torch and meshfold imported (and the ``preload`` modules). A script (not pytest) that makes a pool
-needs the ``if __name__ == "__main__":`` guard: the server imports the main module.
+process (``forkserver``) that has torch and meshfold imported (and the ``preload`` modules). A script
+(not pytest) that makes a pool needs the ``if __name__ == "__main__":`` guard: the server imports the
+main module.
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ before use, the gradient reduce-scattered back).
 from __future__ import annotations
 
 import fnmatch
-from collections.abc import Mapping
+import itertools
+import math
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from meshfold.ir import Graph, Layout, Mesh, Placement, R, Shard, TensorType, parse_placement
@@ -94,6 +96,14 @@ class Seeds:
     roles: dict[str, str] = field(default_factory=dict)
     unsplit: list[str] = field(default_factory=list)
     """One line per parameter the preset meant to split but could not (the sizes do not divide)."""
+    whole: tuple[str, ...] = ()
+    """Data-parallel axes this call's batch does not divide over, so every rank of them computes the
+    whole of its part of the batch (``batch_split``)."""
+
+    def batch_axes(self) -> frozenset[str]:
+        """The axes the batch stays split on (``Problem.batch_axes``): the data-parallel ones
+        (``data_parallel_axes``) but those this batch does not divide over."""
+        return frozenset(data_parallel_axes(self.roles)) - set(self.whole)
 
 
 def axis_roles(plan: Plan, mesh: Mesh) -> dict[str, str]:
@@ -143,8 +153,10 @@ def resolve(plan: Plan, graph: Graph, mesh: Mesh) -> Seeds:
     """Seeds for every graph input: parameters by preset then user override, user inputs batch-sharded."""
     roles = axis_roles(plan, mesh)
     tp_roles = megatron_roles(graph) if "tp" in roles.values() else {}
-    seeds = Seeds(roles=roles)
     data_axes = [a for a in mesh.names if a in data_parallel_axes(roles)]
+    batch = [a for a in data_axes if roles[a] != "cp"]
+    split = batch_split(graph, mesh, batch)
+    seeds = Seeds(roles=roles, whole=tuple(a for a in batch if a not in split))
     # NOTE: a parameter's layouts read only its shape and Megatron role: every layer's are alike
     kept: dict[tuple[tuple[Dim, ...], str | None], tuple[Layout, Layout]] = {}
     for i in graph.inputs:
@@ -152,7 +164,7 @@ def resolve(plan: Plan, graph: Graph, mesh: Mesh) -> Seeds:
         if not isinstance(t, TensorType):
             continue
         if i.kind == "input":
-            layout = _batch_layout(i.name, t, mesh, [a for a in data_axes if roles[a] != "cp"])
+            layout = _batch_layout(i.name, t, mesh, split)
             for axis in sequence_axes(roles):
                 layout = _sequence_split(i.name, t, mesh, axis, layout)
             seeds.storage[i.name] = seeds.compute[i.name] = layout
@@ -168,6 +180,29 @@ def resolve(plan: Plan, graph: Graph, mesh: Mesh) -> Seeds:
             seeds.storage[i.name] = seeds.compute[i.name] = Layout.replicated(mesh)
     _apply_overrides(plan, graph, mesh, seeds)
     return seeds
+
+
+def batch_split(graph: Graph, mesh: Mesh, axes: Sequence[str]) -> list[str]:
+    """Which of the data-parallel ``axes`` the inputs' batch (dim 0) is split over: all of them when
+    their ranks divide it, else the subset with the most ranks that does (the outer axes on a tie),
+    none when no axis does.
+
+    NOTE: an axis left out computes the whole of its part of the batch on each of its ranks (the
+    gradients need no reduction over it), so a last, smaller batch that the ranks do not divide
+    trains equal to one device; the part's activations are then that many times a split batch's,
+    which the memory pass prices like any other."""
+    sizes = {
+        int(t.shape[0])
+        for i in graph.inputs
+        if i.kind == "input" and isinstance(t := i.value.type, TensorType) and t.rank and isinstance(t.shape[0], int)
+    }
+    best: tuple[int, list[str]] = (1, [])
+    for n in range(len(axes), 0, -1):
+        for subset in itertools.combinations(axes, n):
+            ways = math.prod(mesh.size(a) for a in subset)
+            if ways > best[0] and all(b % ways == 0 for b in sizes):
+                best = (ways, list(subset))
+    return best[1]
 
 
 def _batch_layout(name: str, t: TensorType, mesh: Mesh, data_axes: list[str]) -> Layout:

@@ -10,6 +10,7 @@ layout its parameter is stored in.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 from typing import ClassVar, Literal
@@ -42,7 +43,6 @@ from meshfold.passes.sharding.plans import (
     AUTO,
     Plan,
     Seeds,
-    data_parallel_axes,
     default_preset,
     mesh_presets,
     resolve,
@@ -97,6 +97,13 @@ class Sharding(Pass):
         seeds = Seeds() if auto else resolve(plan, graph, mesh)
         for line in seeds.unsplit:
             ctx.warn(line)
+        if seeds.whole:
+            ways = math.prod(mesh.size(a) for a in seeds.whole)
+            ctx.warn(
+                f"the batch does not divide over the ranks of data-parallel axes {list(seeds.whole)} of {mesh}: each "
+                f"of them computes the whole of its part of it ({ways} times the work of a split batch), equal to one "
+                "device; a batch their ranks divide splits again"
+            )
         bound = ctx.memory if self.mode == "solve" else None
         return fitted(ctx, bound, lambda c, memory: self._laid_out(c, graph, plan, seeds, memory))
 
@@ -169,7 +176,7 @@ def _solved(
     models = axis_models(mesh, cluster)
     spill = spill_prices(graph, mesh, cluster) if ctx.memory is not None and opts.spill else ()
     problem = Problem(graph, mesh, candidates, start, free, wants, models, valid, memory, spill)
-    batch_axes = frozenset(data_parallel_axes(seeds.roles))
+    batch_axes = seeds.batch_axes()
     problem = replace(
         problem,
         node_limit=opts.node_limit,

@@ -29,7 +29,7 @@ from dataclasses import replace
 from meshfold.ir import Graph, Layout, Mesh, Placement, Value
 from meshfold.passes import cp
 from meshfold.passes.base import PassContext, PassError
-from meshfold.passes.sharding.plans import AUTO, Plan, data_parallel_axes, resolve, sequence_axes
+from meshfold.passes.sharding.plans import AUTO, Plan, resolve, sequence_axes
 from meshfold.passes.sharding.problem import AxisStart, AxisStats, Problem, Solution
 from meshfold.passes.sharding.program import AxisProgram
 from meshfold.passes.sharding.strategy import Strategy
@@ -125,7 +125,7 @@ def preset_plan(graph: Graph, mesh: Mesh, auto: Problem, name: str) -> tuple[str
         start=dict(auto.start) | {v: stored[v] for v in auto.free},
         free=frozenset(),
         wants=wants,
-        batch_axes=frozenset(data_parallel_axes(seeds.roles)),
+        batch_axes=seeds.batch_axes(),
         sequence_axes=frozenset(sequence_axes(seeds.roles)),
     )
     try:

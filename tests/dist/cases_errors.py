@@ -11,8 +11,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshfold.api import parallelize
 from meshfold.passes import PassError
-from meshfold.tools.zoo import build
 from meshfold.tools.pool import device_mesh
+from meshfold.tools.zoo import build
 
 
 class Odd(nn.Module):
@@ -38,6 +38,7 @@ def bad_requests() -> dict[str, str]:
     """Run every bad request on this rank; then all ranks must still meet in one all_reduce."""
     warnings.filterwarnings("ignore")
     mesh = device_mesh((2,), ("dp",))
+    mesh_pp = DeviceMesh("cpu", torch.arange(2), mesh_dim_names=("pp",), _init_backend=False)
     model, inputs = build("mlp")
     out = {
         "axis": _error(lambda: parallelize(model, mesh, inputs, plan={"fc1.weight": {"pp": "S(0)"}})),
@@ -47,7 +48,10 @@ def bad_requests() -> dict[str, str]:
         "indivisible": _error(
             lambda: parallelize(Odd(), mesh, (torch.randn(4, 6),), plan={"preset": "ddp", "lin.weight": {"dp": "S(0)"}})
         ),
-        "batch": _error(lambda: parallelize(model, mesh, (torch.randn(3, 32), torch.randn(3, 16)), plan="ddp")),
+        # NOTE: a pipeline's microbatches must split the batch evenly (their losses are averaged)
+        "microbatches": _error(
+            lambda: parallelize(model, mesh_pp, (torch.randn(3, 32), torch.randn(3, 16)), plan="pp", pp={})
+        ),
         "placement": _error(lambda: parallelize(model, mesh, inputs, plan={"fc1.weight": {"dp": "S(x)"}})),
     }
     small = DeviceMesh("cpu", torch.arange(1), mesh_dim_names=("dp",), _init_backend=False)

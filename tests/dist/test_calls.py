@@ -9,8 +9,6 @@ def test_calls_no_program_can_run_are_refused_on_every_rank_alike(rank_pools: Ra
     results = rank_pools.get(4).run("tests.dist.cases_calls:mismatched_calls")
     assert all(r == results[0] for r in results), results
     said = results[0]
-    assert said["batch 1"].startswith("input 'input_ids' has shape [1, 16]; the program was compiled for [2, 16]")
-    assert "not divisible by the 2 data-parallel ranks" in said["batch 1"]
     assert said["one rank"].startswith(
         "the ranks called the module with different inputs (rank 0: (input_ids: i64[2, 16]"
     )

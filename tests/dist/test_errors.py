@@ -11,7 +11,7 @@ EXPECTED = {
     "axis-role": ["mesh axis named 'tp'", "mesh_dim_names"],
     "glob": ["'nothing.*' matches no parameter"],
     "indivisible": ["'lin.weight'", "dim 0 (size 5)", "mesh axis 'dp'", "does not divide"],
-    "batch": ["batch size 3", "not divisible by the 2 data-parallel ranks", "multiple of 2"],
+    "microbatches": ["input 0 has shape (3, 32)", "2 equal microbatches"],
     "placement": ["unknown placement 'S(x)'"],
     "world": ["the mesh has 1 ranks", "the world has 2"],
     "names": ["no dim names", "mesh_dim_names"],

@@ -10,13 +10,10 @@ def test_new_shapes_compile_programs_of_their_own(rank_pools: RankPools) -> None
     results = rank_pools.get(4).run("tests.dist.cases_programs:new_shapes")
     said = results[0]
     assert all(r == said for r in results), results
-    assert said["batch 3"].startswith("input 'x' has shape [3, 32]; the program was compiled for [8, 32]")
-    assert "not divisible by the 2 data-parallel ranks" in said["batch 3"]
-    assert said["batch 3 again"] == said["batch 3"]
     assert said["one rank"].startswith("the ranks called the module with different inputs")
     assert len(said["evicted"]) == 1 and "holds 3 compiled programs" in said["evicted"][0]
-    # NOTE: least recently used first: batch 4 went; batch 8 (1 call), batch 3 (refused), batch 2
-    assert [calls for _, calls in said["programs"]] == [1, -1, 1], said["programs"]
+    # NOTE: least recently used first: batch 4 went; batch 8, batch 3, batch 2 (1 call each)
+    assert [calls for _, calls in said["programs"]] == [1, 1, 1], said["programs"]
     assert said["programs"][0][0] == "(x: f32[8, 32], target: f32[8, 16]) in train mode"
     assert said["llama programs"] == 3
     # NOTE: one symbolic program (sequence length s*) served both new lengths; the batch of mlp stays static
