@@ -25,11 +25,12 @@ import contextvars
 import math
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.fx as fx
 
+from meshfold.backends.wire import as_complex, as_real, complex_operands
 from meshfold.ir import Mesh, Op, OpDef, TensorType
 from meshfold.ir.ops import (
     ALL_GATHER,
@@ -86,9 +87,28 @@ def issue(
     repeated once per rank, and a sum reduce-scatter as an all-to-all of its operand's blocks, the
     blocks that arrive summed after the wait (the module docstring says why). The buffers are the
     program's, held to the wait (gloo's own all-gather would gather into a flat buffer and free it
-    when the transfer ends, at no fixed point of the program)."""
+    when the transfer ends, at no fixed point of the program).
+
+    Complex operands cross as real views, and a reduction that means nothing on an operand's dtype
+    raises ``ValueError`` before anything is emitted (``backends/wire.py``)."""
+    target = op.target
+    assert isinstance(target, OpDef)
+    which = complex_operands(op)
     if size == 1:
         return Issued(None, results=tuple(xs))  # NOTE: every layout change on a one-rank axis is the identity
+    if not any(which) or target in (SHARD, PARTIAL):  # NOTE: those two stay on this rank: any dtype
+        return _issued(g, op, xs, size, group, coord, local, gloo)
+    real, sent = as_real(g, xs, local, which)
+    inner = _issued(g, op, real, size, group, coord, sent, gloo)
+    finish = inner.finish
+    assert finish is not None
+    return replace(inner, finish=lambda g, out: as_complex(g, finish(g, out), which))
+
+
+def _issued(
+    g: fx.Graph, op: Op, xs: list[fx.Node], size: int, group: str, coord: int, local: list[list[int]], gloo: bool
+) -> Issued:
+    """:func:`issue` on operands of real (or integer, or bool) dtypes, over at least two ranks."""
     target = op.target
     assert isinstance(target, OpDef)
     if target in (ALL_GATHER_BUCKET, REDUCE_SCATTER_BUCKET):
@@ -200,9 +220,14 @@ def _scatter_by_all_to_all(g: fx.Graph, front: fx.Node, rows: list[int], group: 
 
     def summed(g: fx.Graph, out: fx.Node) -> list[fx.Node]:
         blocks = g.call_function(aten.view.default, (g.call_function(_kept, (out, front)), rows))
-        return then(g, g.call_function(aten.sum.dim_IntList, (blocks, [0])))
+        return then(g, g.call_function(_block_sum, (blocks,)))
 
     return Issued(call, summed)
+
+
+def _block_sum(blocks: torch.Tensor) -> torch.Tensor:
+    """The sum of ``blocks`` over their leading dim, in their dtype (``torch.sum`` sums integers to int64)."""
+    return blocks.sum(0, dtype=blocks.dtype)
 
 
 def _kept(x: torch.Tensor, *held: torch.Tensor) -> torch.Tensor:

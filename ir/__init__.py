@@ -19,6 +19,7 @@ from meshfold.ir.graph import (
     ParamStack,
     Phase,
     Provenance,
+    TextPosition,
     Value,
     map_values,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "Shard",
     "Target",
     "TensorType",
+    "TextPosition",
     "Type",
     "Value",
     "ViewTrait",

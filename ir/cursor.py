@@ -4,19 +4,28 @@ from __future__ import annotations
 
 import re
 
+from meshfold.ir.graph import TextPosition
+
 
 class ParseError(ValueError):
-    """Bad IR text; the one-line message reads ``line L, column C: <what is wrong>``."""
+    """Bad IR text; the one-line message reads ``<file>:L:C: <what is wrong>`` (``TextPosition``), or
+    ``line L, column C: <what is wrong>`` for text without a file name."""
 
 
 class Cursor:
-    """A cursor over one line of text; columns count from its first non-blank character."""
+    """A cursor over one line of text without its indentation (``text``, ``pos``); positions it
+    reports count columns from the start of the raw line, as editors do."""
 
-    def __init__(self, raw: str, lineno: int) -> None:
-        self.text, self.pos, self.lineno = raw.strip(), 0, lineno
+    def __init__(self, raw: str, lineno: int, file: str | None = None) -> None:
+        self.text, self.pos, self.lineno, self.file = raw.strip(), 0, lineno, file
+        self.indent = len(raw) - len(raw.lstrip())
+
+    def position(self, pos: int | None = None) -> TextPosition:
+        """The position of ``pos`` in ``text`` (default: the cursor's)."""
+        return TextPosition(self.file, self.lineno, self.indent + (self.pos if pos is None else pos) + 1)
 
     def error(self, what: str, pos: int | None = None) -> ParseError:
-        return error_at(self.lineno, (self.pos if pos is None else pos) + 1, what)
+        return error_at(self.position(pos), what)
 
     def ws(self) -> None:
         while self.pos < len(self.text) and self.text[self.pos] == " ":
@@ -61,6 +70,6 @@ def short(text: str) -> str:
     return repr(text if len(text) <= 60 else text[:57] + "...")
 
 
-def error_at(lineno: int, column: int, what: str) -> ParseError:
-    """The error for ``what`` at ``line L, column C`` (whitespace folded so it stays one line)."""
-    return ParseError(f"line {lineno}, column {column}: {' '.join(what.split())}")
+def error_at(at: TextPosition, what: str) -> ParseError:
+    """The error for ``what`` at ``at`` (whitespace folded so it stays one line)."""
+    return ParseError(f"{at}: {' '.join(what.split())}")

@@ -57,6 +57,22 @@ def local_nbytes(v: Value, mesh: Mesh | None) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class TextPosition:
+    """Where IR text wrote something: ``file`` (None: text without a name), 1-based ``line`` and
+    ``column`` (counted from the start of the line, as editors count)."""
+
+    file: str | None
+    line: int
+    column: int
+
+    def __str__(self) -> str:
+        """``graph.ir:6:3`` (what editors and terminals open), or ``line 6, column 3`` without a file."""
+        if self.file is None:
+            return f"line {self.line}, column {self.column}"
+        return f"{self.file}:{self.line}:{self.column}"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
 class Provenance:
     """Where an op came from: the module path in the user's model, its phase, and source line."""
 
@@ -64,9 +80,44 @@ class Provenance:
     phase: Phase = "fwd"
     source: str | None = None
 
-    def describe(self) -> str:
+    # NOTE: equal and hashed by (module, phase, source) only, whatever the class: the provenance of an
+    # op read from text (``TextProvenance``) equals that of the same op built in code, so where the
+    # text wrote an op never makes two programs differ (``first_difference``) or two ops distinct.
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Provenance):
+            return NotImplemented
+        return (self.module, self.phase, self.source) == (other.module, other.phase, other.source)
+
+    def __hash__(self) -> int:
+        return hash((self.module, self.phase, self.source))
+
+    @property
+    def position(self) -> TextPosition | None:
+        """Where IR text wrote the op (``TextProvenance``); None for an op built in code."""
+        return None
+
+    def describe(self, *, position: bool = True) -> str:
+        """``layers.0.mlp (bwd, model.py:12)``, then `` [graph.ir:7:3]`` for an op read from IR text
+        (unless ``position`` is False: for a message that leads with the position itself)."""
         where = self.module or "<root>"
-        return f"{where} ({self.phase}{', ' + self.source if self.source else ''})"
+        text = f"{where} ({self.phase}{', ' + self.source if self.source else ''})"
+        at = self.position if position else None
+        return text if at is None else f"{text} [{at}]"
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class TextProvenance(Provenance):
+    """The provenance of an op the parser read: also where the text wrote it (``at``). Passes that
+    keep an op's ``prov`` keep this, so their errors (``Op.describe``) name the IR line too.
+
+    NOTE: only the parser makes these; ops built in code keep a plain ``Provenance`` (no extra slot),
+    and the position is never printed (the text form round-trips) nor compared (see ``Provenance``)."""
+
+    at: TextPosition = field(kw_only=True)
+
+    @property
+    def position(self) -> TextPosition:
+        return self.at
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -106,9 +157,10 @@ class Op:
                 return v
         return default
 
-    def describe(self) -> str:
-        """Short description for errors: op name, module path, phase and source line."""
-        return f"{self.name} at {self.prov.describe()}"
+    def describe(self, *, position: bool = True) -> str:
+        """Short description for errors: op name, module path, phase and source line, and for an op
+        read from IR text where the text wrote it (``Provenance.describe``)."""
+        return f"{self.name} at {self.prov.describe(position=position)}"
 
     def key(self) -> Hashable:
         """What the op computes, up to which values it reads: target, arguments with each value
@@ -236,6 +288,11 @@ class Graph:
         from meshfold.ir.printer import print_graph
 
         return print_graph(self)
+
+    def position_of(self, item: Value | Op | GraphOutput) -> TextPosition | None:
+        """Where IR text wrote ``item``: an op's position travels in its provenance (through passes
+        that keep it); an input's (its value) and an output's only the parser's graph knows."""
+        return item.prov.position if isinstance(item, Op) else None
 
     def input(self, name: str) -> GraphInput:
         for i in self.inputs:

@@ -2,7 +2,10 @@
 fixed spelling and op names resolve by attribute lookup on ``torch.ops``.
 
 Contract: any text either parses or raises :class:`ParseError` reading ``line L, column C: <what>``
-on one line — never another exception, a hang, or an allocation sized by the text before a check.
+(``<file>:L:C: <what>`` when given the file's name) on one line — never another exception, a hang, or
+an allocation sized by the text before a check. The graph it returns knows where the text wrote each
+input, op and output (``ParsedGraph.position_of``), for the verifier's and passes' errors; the printed
+form never shows it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,8 @@ from meshfold.ir.graph import (
     Op,
     ParamStack,
     Provenance,
+    TextPosition,
+    TextProvenance,
     Value,
     freeze_arg,
 )
@@ -56,21 +61,27 @@ _INT_RANGE = range(-(2**63), 2**63)
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ParsedGraph(Graph):
-    """A graph read from text: also the text line each input, op and output was written on, so
-    the verifier's errors about it name the line (``line L: ...``). Passes build plain graphs."""
+    """A graph read from text: also where the text wrote each input and output (``positions``), so
+    the verifier's errors about them name it; each op carries its own in a ``TextProvenance``.
 
-    lines: Mapping[Value | Op | GraphOutput, int] = field(default_factory=dict)
+    NOTE: ``positions`` is metadata of this one graph object: never printed, never compared. Passes
+    build plain graphs, which keep the positions of the ops they keep (in their provenance) only."""
 
-    def line_of(self, item: Value | Op | GraphOutput) -> int | None:
-        """The text line ``item`` (an input's value, an op or an output) was written on."""
-        return self.lines.get(item)
+    positions: Mapping[Value | GraphOutput, TextPosition] = field(default_factory=dict)
+
+    def position_of(self, item: Value | Op | GraphOutput) -> TextPosition | None:
+        """Where the text wrote ``item`` (an input's value, an op or an output)."""
+        if isinstance(item, Op):
+            return item.prov.position
+        return self.positions.get(item)
 
 
 class _Parser:
-    def __init__(self) -> None:
+    def __init__(self, file: str | None, located: bool = True) -> None:
+        self.file, self.located = file, located
         self.values: dict[str, Value] = {}
         self.b: GraphBuilder | None = None
-        self.lines: dict[Value | Op | GraphOutput, int] = {}
+        self.positions: dict[Value | GraphOutput, TextPosition] = {}
 
     def value(self, ln: Cursor) -> Value:
         m = ln.match(_NAME, "a value like %x")
@@ -180,6 +191,7 @@ class _Parser:
 
     def op(self, ln: Cursor, mesh: Mesh | None) -> None:
         assert self.b is not None
+        at = ln.position()
         names: list[re.Match[str]] = []
         if ln.peek("%"):
             names.append(ln.match(_NAME, "a result name"))
@@ -215,7 +227,7 @@ class _Parser:
                     ln.take(",")
                 t = self.type_(ln)
                 results.append(Value(name.group(1), t, self.layout(ln, mesh)))
-        prov = self.prov(ln)
+        prov = self.prov(ln, at)
         op = Op(
             target,
             tuple(freeze_arg(a) for a in args),
@@ -224,7 +236,6 @@ class _Parser:
             prov,
         )
         self.b.append(op)
-        self.lines[op] = ln.lineno
         for name, v in zip(names, results, strict=True):
             self.define(ln, name, v)
 
@@ -251,9 +262,10 @@ class _Parser:
         ln.pos = len(ln.text)
         return ParamStack(name, tuple(tuple(r) for r in rows))
 
-    def prov(self, ln: Cursor) -> Provenance:
+    def prov(self, ln: Cursor, at: TextPosition) -> Provenance:
+        """The op's provenance comment (none: the default), with ``at``, where the op's line starts."""
         if ln.at_end():
-            return Provenance()
+            return TextProvenance(at=at) if self.located else Provenance()
         ln.take("#")
         parts = ln.text[ln.pos :].split(None, 2)
         ln.pos = len(ln.text)
@@ -265,22 +277,24 @@ class _Parser:
             if not parts[2].startswith("@"):
                 raise ln.error("source location must start with @")
             source = parts[2][1:]
-        return Provenance(module, parts[1], source)  # type: ignore[arg-type]
+        kind = (lambda *a: TextProvenance(*a, at=at)) if self.located else Provenance
+        return kind(module, parts[1], source)  # type: ignore[arg-type]
 
     def graph(self, text: str) -> Graph:
         lines = [(i + 1, raw.rstrip()) for i, raw in enumerate(text.splitlines())]
         lines = [(n, s) for n, s in lines if s.strip() and not s.lstrip().startswith("//")]
         if not lines:
-            raise error_at(len(text.splitlines()) or 1, 1, "empty input: expected `graph @name {`")
+            at = TextPosition(self.file, len(text.splitlines()) or 1, 1)
+            raise error_at(at, "empty input: expected `graph @name {`")
         n0, head = lines[0]
         m = re.fullmatch(r"graph @([A-Za-z0-9_.\-]+)(?: (mesh<[^>]*>))? \{", head.strip())
         if m is None:
-            raise error_at(n0, 1, f"expected `graph @name [mesh<...>] {{`, got {short(head.strip())}")
-        mesh = self.mesh(Cursor(head, n0), m) if m.group(2) else None
+            raise Cursor(head, n0, self.file).error(f"expected `graph @name [mesh<...>] {{`, got {short(head.strip())}")
+        mesh = self.mesh(Cursor(head, n0, self.file), m) if m.group(2) else None
         self.b = GraphBuilder(m.group(1), mesh)
         closed = False
         for lineno, s in lines[1:]:
-            ln = Cursor(s, lineno)
+            ln = Cursor(s, lineno, self.file)
             if closed:
                 raise ln.error("text after the closing brace")
             word = s.split(None, 1)[0]
@@ -294,7 +308,7 @@ class _Parser:
                 t = self.type_(ln)
                 v = self.b.add_input(word, nm.group(1), t, self.layout(ln, mesh))  # type: ignore[arg-type]
                 self.define(ln, nm, v)
-                self.lines[v] = lineno
+                self.positions[v] = ln.position(0)
             elif word == "stack":
                 ln.take("stack")
                 name = ln.match(_NAME, "a stacked parameter's name").group(1)
@@ -310,16 +324,16 @@ class _Parser:
                 ln.take("=")
                 out = GraphOutput(kind, oname, self.value(ln))  # type: ignore[arg-type]
                 self.b.add_output(out.kind, out.name, out.value)
-                self.lines[out] = lineno
+                self.positions[out] = ln.position(0)
             else:
                 self.op(ln, mesh)
             if not ln.at_end():
                 raise ln.error("unexpected text at end of line")
         if not closed:
             last, s = lines[-1]
-            raise error_at(last, len(s) + 1, "missing closing `}` at the end of the graph")
+            raise error_at(TextPosition(self.file, last, len(s) + 1), "missing closing `}` at the end of the graph")
         g = self.b.build()
-        return ParsedGraph(g.name, g.inputs, g.ops, g.outputs, g.mesh, g.stacks, self.lines)
+        return ParsedGraph(g.name, g.inputs, g.ops, g.outputs, g.mesh, g.stacks, self.positions)
 
     def mesh(self, ln: Cursor, m: re.Match[str]) -> Mesh:
         try:
@@ -379,6 +393,8 @@ def _depth(text: str) -> int:
     return deepest
 
 
-def parse(text: str) -> Graph:
-    """Parse one graph from its text form; ``str(parse(t)) == t`` for any printed graph."""
-    return _Parser().graph(text)
+def parse(text: str, file: str | None = None, *, positions: bool = True) -> Graph:
+    """Parse one graph from its text form; ``str(parse(t)) == t`` for any printed graph. ``file``: the
+    name errors give the text (``graph.ir:6:3: ...``); None: ``line 6, column 3: ...``. ``positions``
+    False: ops keep no position (text no user reads, such as a program rank 0 sent)."""
+    return _Parser(file, positions).graph(text)

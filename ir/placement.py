@@ -7,11 +7,28 @@ from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any, Literal
 
+import torch
+
 from meshfold.ir.mesh import Mesh
 from meshfold.ir.symbolic import Dim, divides
 
 ReduceOp = Literal["sum", "max", "avg"]
 REDUCE_OPS: tuple[ReduceOp, ...] = ("sum", "max", "avg")
+
+
+def reduce_refusal(reduce: str, dtype: torch.dtype) -> str | None:
+    """Why a reduction ``reduce`` (a ``Partial``'s, a ``comm.*`` op's ``reduce``) of ``dtype`` values
+    means nothing, or None when it means what it says: ``sum`` adds (a sum of bools is no bool), ``avg``
+    divides (only floating-point and complex values hold a mean), ``max`` orders (complex numbers have
+    no order; torch.distributed refuses them too). Every other reduction of every dtype is allowed:
+    collectives that only move values (gathers, all-to-alls, permutes) take any dtype."""
+    if reduce == "max" and dtype.is_complex:
+        return "complex numbers have no order, so their max means nothing; reduce their abs() instead"
+    if reduce == "avg" and not (dtype.is_floating_point or dtype.is_complex):
+        return "a mean of integers or bools is no integer or bool; sum them and divide in floating point"
+    if reduce == "sum" and dtype == torch.bool:
+        return "a sum of bools is no bool; sum them as integers, or reduce with max (any)"
+    return None
 
 
 @dataclass(frozen=True, slots=True)

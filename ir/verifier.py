@@ -13,8 +13,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from meshfold.ir.asynchrony import ScheduleError, check_inflight, check_waits
 from meshfold.ir.graph import Arg, Graph, GraphOutput, Op, Value
 from meshfold.ir.ops import OpDef
-from meshfold.ir.parser import ParsedGraph
-from meshfold.ir.placement import Layout, Shard
+from meshfold.ir.placement import Layout, Shard, reduce_refusal
 from meshfold.ir.types import TensorType, dtype_name, type_of
 
 # NOTE: sizes are checked before anything is made for them (even a fake tensor): every static dim is
@@ -46,10 +45,12 @@ def verify(
     graph's mesh and value ranks, sizes (dims >= 0, fewer than 2**62 elements), and — with
     ``check_types`` — operand dtypes of ops that do not promote, and that every ATen op's result types
     equal what the op computes on fake tensors of its operand types. Errors name the op (with its
-    provenance), the values and the types, and for a graph read from text (``ir.parse``) start with
-    the text line, ``line L: ``; nothing else escapes. Started collectives (``ir.asynchrony``): every
-    wait reads one start's handles, nothing else does, and with ``max_inflight`` a rank never holds
-    more bytes in flight than that. ``classes``: ``key_classes(graph.ops)``, where the caller has it.
+    provenance), the values and the types; one about something read from IR text (``ir.parse``: an
+    input or output of the graph it returned, or an op, also after passes that kept its provenance)
+    starts with where the text wrote it, ``<file>:L:C: `` or ``line L, column C: ``; nothing else
+    escapes. Started collectives (``ir.asynchrony``): every wait reads one start's handles, nothing
+    else does, and with ``max_inflight`` a rank never holds more bytes in flight than that.
+    ``classes``: ``key_classes(graph.ops)``, where the caller has it.
     """
     try:
         _verify(graph, check_types, classes)
@@ -57,8 +58,7 @@ def verify(
         if max_inflight is not None:
             check_inflight(graph, max_inflight)
     except _Failure as f:
-        line = graph.line_of(f.item) if isinstance(graph, ParsedGraph) and f.item is not None else None
-        raise VerifyError(f"line {line}: {f.message}" if line is not None else f.message) from None
+        raise VerifyError(f.located(graph)) from None
     except ScheduleError as e:
         raise VerifyError(str(e)) from None
 
@@ -71,15 +71,27 @@ def verify_op_types(ops: Sequence[Op]) -> None:
         try:
             fake.check(op, number)
         except _Failure as f:
-            raise VerifyError(f.message) from None
+            raise VerifyError(f.located(None)) from None
 
 
 class _Failure(Exception):
-    """A broken invariant, with the input value, op or output it is about (to find its text line)."""
+    """A broken invariant, with the input value, op or output it is about (to find its text position).
+
+    NOTE: a message about an op names it by ``_described`` (no text position): ``located`` puts the
+    position first, once."""
 
     def __init__(self, message: str, item: Value | Op | GraphOutput | None = None) -> None:
         super().__init__(message)
         self.message, self.item = message, item
+
+    def located(self, graph: Graph | None) -> str:
+        """The message, led by ``<file>:L:C: `` where the item was read from text (an op's position
+        from its provenance; an input's or output's from ``graph``, the parser's)."""
+        if isinstance(self.item, Op):
+            at = self.item.prov.position
+        else:
+            at = graph.position_of(self.item) if graph is not None and self.item is not None else None
+        return self.message if at is None else f"{at}: {self.message}"
 
 
 def key_classes(ops: Sequence[Op]) -> list[int]:
@@ -106,10 +118,12 @@ def _verify(graph: Graph, check_types: bool, classes: Sequence[int] | None = Non
     for op, number in zip(graph.ops, classes, strict=True):
         if not defined.issuperset(op.operands):
             v = next(v for v in op.operands if v not in defined)
-            raise _Failure(f"{op.describe()}: operand %{v.name} is not defined before this op", op)
+            raise _Failure(f"{_described(op)}: operand %{v.name} is not defined before this op", op)
         for r in op.results:
             _define(r, defined, None, op, sizes)
-        if fake is not None and not isinstance(op.target, OpDef):
+        if isinstance(op.target, OpDef):
+            _check_reduce(op)
+        elif fake is not None:
             fake.check(op, number)
     for o in graph.outputs:
         if o.value not in defined:
@@ -148,7 +162,9 @@ def _define(v: Value, defined: set[Value], where: str | None, item: Value | Op, 
 
 
 def _described(item: Value | Op) -> str:
-    return item.describe() if isinstance(item, Op) else f"%{item.name}"
+    """``item`` as the verifier's errors name it: an op without its text position (``_Failure.located``
+    leads the message with it)."""
+    return item.describe(position=False) if isinstance(item, Op) else f"%{item.name}"
 
 
 def _check_shape(v: Value) -> None:
@@ -207,15 +223,15 @@ class _FakeRunner:
                 out = op.target(*args, **kwargs)  # type: ignore[operator, misc]
             except Exception as e:
                 listing = ", ".join(f"%{v.name}: {v.type}" for v in op.operands)
-                raise _Failure(f"{op.describe()}: the op rejects its operand types ({listing}): {e}", op) from None
+                raise _Failure(f"{_described(op)}: the op rejects its operand types ({listing}): {e}", op) from None
         got = [x for x in _flatten(out)]
         if len(got) != len(op.results):
-            raise _Failure(f"{op.describe()}: computes {len(got)} results but declares {len(op.results)}", op)
+            raise _Failure(f"{_described(op)}: computes {len(got)} results but declares {len(op.results)}", op)
         for r, g in zip(op.results, got, strict=True):
             actual = type_of(g)
             if actual != r.type:
                 raise _Failure(
-                    f"{op.describe()}: result %{r.name} is declared {r.type} but the op computes {actual}", op
+                    f"{_described(op)}: result %{r.name} is declared {r.type} but the op computes {actual}", op
                 )
 
 
@@ -231,10 +247,23 @@ def _check_dtypes(op: Op) -> None:
             got, want = dtype_name(v.type.dtype), dtype_name(first.type.dtype)
             listing = ", ".join(f"%{t.name}: {t.type}" for t in tensors)
             raise _Failure(
-                f"{op.describe()}: operand %{v.name} of {op.name} is {got} where {want} is required "
+                f"{_described(op)}: operand %{v.name} of {op.name} is {got} where {want} is required "
                 f"(the dtype of %{first.name}; {op.name} does not promote, operands {listing})",
                 op,
             )
+
+
+def _check_reduce(op: Op) -> None:
+    """A ``comm.*`` op that reduces (its ``reduce``) reduces every operand's dtype meaningfully
+    (``placement.reduce_refusal``): refused here, at compile time, before any rank runs a collective."""
+    assert isinstance(op.target, OpDef)
+    if "reduce" not in op.target.attrs:
+        return
+    reduce = str(op.kwarg("reduce"))
+    for v in op.operands:
+        why = reduce_refusal(reduce, v.type.dtype) if isinstance(v.type, TensorType) else None
+        if why is not None:
+            raise _Failure(f"{_described(op)}: {op.name}(reduce={reduce!r}) of %{v.name}: {v.type}: {why}", op)
 
 
 def _symbolic(a: Arg) -> bool:

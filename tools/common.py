@@ -37,9 +37,9 @@ class CliError(ValueError):
 
 def _load_ir_file(path: Path) -> ir.Graph:
     try:
-        return ir.parse(path.read_text(encoding="utf-8"))
+        return ir.parse(path.read_text(encoding="utf-8"), file=str(path))
     except ir.ParseError as e:
-        raise CliError(f"{path}: cannot parse IR: {e}") from None
+        raise CliError(f"cannot parse IR: {e}") from None  # NOTE: ``e`` starts with ``<path>:L:C: ``
     except (OSError, UnicodeDecodeError) as e:
         raise CliError(f"{path}: cannot read IR text ({e}); pass a file written by the IR printer") from None
 

@@ -54,7 +54,7 @@ def test_a_constant_runs_as_its_literal() -> None:
 )
 def test_the_verifier_refuses_a_literal_that_disagrees_with_its_type(literal: str, message: str) -> None:
     text = f"graph @g {{\n  %c = meshfold.constant({literal}\n  output out(0) = %c\n}}\n"
-    with pytest.raises(ir.VerifyError, match=r"line 2: meshfold\.constant") as caught:
+    with pytest.raises(ir.VerifyError, match=r"line 2, column 3: meshfold\.constant") as caught:
         ir.verify(ir.parse(text))
     assert message in str(caught.value)
 

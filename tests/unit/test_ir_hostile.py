@@ -1,9 +1,10 @@
 """Hostile IR text gets one clean error line: never a traceback, a hang or an allocation first.
 
 Every file in ``tests/ir_corpus/`` starts with ``// ERROR: <fragment>``; the fragment must appear in
-the error from ``ir.parse`` (+ ``ir.verify`` when it parses) and in pass-debug's single stderr line.
-Both name the text line: ``line L, column C: `` for the parser, ``line L: <op or input>`` for the verifier.
-Cases too large for a file (10,000 nested brackets) are generated here.
+the error from ``ir.parse`` (+ ``ir.verify`` when it parses), and in pass-debug's single stderr line
+with the file's name for the position. Both start with where the text is wrong: ``line L, column C: ``
+(the column as editors count it) for text without a name, ``<file>:L:C: `` for a file; the verifier's
+then name the op or input. Cases too large for a file (10,000 nested brackets) are generated here.
 """
 
 from __future__ import annotations
@@ -30,15 +31,20 @@ def _expected(path: Path) -> str:
     return first.removeprefix("// ERROR: ")
 
 
-def _error_of(text: str) -> tuple[str, str]:
-    """(stage, message) of the error ``text`` raises: parse errors first, then verify errors."""
+def _error_of(text: str, file: str | None = None) -> tuple[str, str]:
+    """(stage, message) of the error ``text`` (named ``file``) raises: parse errors first, then verify errors."""
     try:
-        graph = ir.parse(text)
+        graph = ir.parse(text, file)
     except ir.ParseError as e:
         return "parse", str(e)
     with pytest.raises(ir.VerifyError) as info:
         ir.verify(graph)
     return "verify", str(info.value)
+
+
+def _in_file(needle: str, path: Path) -> str:
+    """``needle`` as an error about the file ``path`` reads it: ``line L, column C: `` becomes ``<path>:L:C: ``."""
+    return re.sub(r"^line (\d+), column (\d+)", lambda m: f"{path}:{m[1]}:{m[2]}", needle)
 
 
 def _pass_debug_error(path: Path, stage: str, capsys: pytest.CaptureFixture[str]) -> str:
@@ -62,18 +68,19 @@ def test_corpus_file_gets_its_error(path: Path, capsys: pytest.CaptureFixture[st
     stage, message = _error_of(path.read_text(encoding="utf-8"))
     assert needle in message
     assert "\n" not in message
+    assert re.match(r"line \d+, column \d+: ", message), message
     if stage == "parse":
-        assert re.match(r"line \d+, column \d+: ", message), message
-        assert re.match(r"line \d+, column \d+: ", needle), f"{path.name}: the fragment must name the line"
+        assert re.match(r"line \d+, column \d+: ", needle), f"{path.name}: the fragment must name the position"
     else:
-        assert re.match(r"line \d+: ", message), message
-        assert re.match(r"line \d+: (aten\.\w+ at |input ).*%\w+", needle), (
-            f"{path.name}: the fragment must name the line, the op or input, and the value"
+        assert re.match(r"line \d+, column \d+: (aten\.\w+ at |input ).*%\w+", needle), (
+            f"{path.name}: the fragment must name the position, the op or input, and the value"
         )
+    named = _error_of(path.read_text(encoding="utf-8"), str(path))
+    assert named[0] == stage and named[1].startswith(f"{path}:") and _in_file(needle, path) in named[1], named
     err = _pass_debug_error(path, stage, capsys)
-    assert needle in err
+    assert _in_file(needle, path) in err
     if stage == "parse":
-        assert "cannot parse IR: line " in err
+        assert f"cannot parse IR: {path}:" in err
 
 
 def _op_line(arg: str) -> str:
@@ -83,15 +90,15 @@ def _op_line(arg: str) -> str:
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
-        (_op_line("[" * DEEP + "]" * DEEP), "line 3, column 84: list arguments nest deeper than 64 levels"),
-        (_op_line("[sym(" + "(" * DEEP + "1" + ")" * DEEP + ")]"), "line 3, column 25: bad dimension"),
+        (_op_line("[" * DEEP + "]" * DEEP), "line 3, column 86: list arguments nest deeper than 64 levels"),
+        (_op_line("[sym(" + "(" * DEEP + "1" + ")" * DEEP + ")]"), "line 3, column 27: bad dimension"),
         (_op_line("[sym(" + "-" * DEEP + "1)]"), "nests deeper than 64 levels"),
-        ("graph @g {\n  input %x : f32[" + "[" * DEEP + "]" * DEEP + "]\n}\n", "line 2, column 16: bad dimension"),
+        ("graph @g {\n  input %x : f32[" + "[" * DEEP + "]" * DEEP + "]\n}\n", "line 2, column 18: bad dimension"),
         ("graph @g {\n  input %x : f32[" + "(" * DEEP + "8" + ")" * DEEP + "]\n}\n", "nests deeper"),
-        ("graph @g mesh<dp=2> {\n  input %x : f32[8] {" + "{" * DEEP + "}" * DEEP + "}\n}\n", "line 2, column 20"),
-        ("graph @g {\n  param %p : f32[2]\n  stack %p = " + "[" * DEEP + "]" * DEEP + "\n}\n", "line 3, column 11"),
+        ("graph @g mesh<dp=2> {\n  input %x : f32[8] {" + "{" * DEEP + "}" * DEEP + "}\n}\n", "line 2, column 22"),
+        ("graph @g {\n  param %p : f32[2]\n  stack %p = " + "[" * DEEP + "]" * DEEP + "\n}\n", "line 3, column 13"),
         ("graph @g mesh<dp=99999999999> {\n}\n", "line 1, column 10: bad mesh header"),
-        ("graph @g {\n  input %x : f32[" + "9" * DEEP + "]\n}\n", "line 2, column 16: bad dimension"),
+        ("graph @g {\n  input %x : f32[" + "9" * DEEP + "]\n}\n", "line 2, column 18: bad dimension"),
         ("graph @g {\n  input %x : f32[8]\n  output out(0) = %x\n}\n}\n", "line 5, column 1: text after"),
         ("", "line 1, column 1: empty input"),
     ],
@@ -114,7 +121,7 @@ def test_generated_hostile_text(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert stage == "parse" and needle in message and "\n" not in message
     path = tmp_path / "hostile.ir"
     path.write_text(text, encoding="utf-8")
-    assert needle in _pass_debug_error(path, stage, capsys)
+    assert _in_file(needle, path) in _pass_debug_error(path, stage, capsys)
 
 
 @pytest.mark.parametrize(

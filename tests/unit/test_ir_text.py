@@ -7,7 +7,8 @@ import sympy
 import torch
 
 from meshfold import ir
-from meshfold.ir import GraphBuilder, Layout, Mesh, Partial, Provenance, Shard, TensorType, parse
+from meshfold.ir import GraphBuilder, Layout, Mesh, Partial, Provenance, Shard, TensorType, TextPosition, parse
+from meshfold.ir.graph import first_difference
 
 aten = torch.ops.aten
 F32 = torch.float32
@@ -118,6 +119,40 @@ def test_parse_errors_carry_line_numbers() -> None:
         parse("graph @g {\n  input %x : f32[2]\n  %y = aten.neg(%z) : f32[2]\n}\n")
 
 
+def test_parse_knows_where_the_text_wrote_each_input_op_and_output() -> None:
+    text = (
+        "graph @g {\n"
+        "  input %x : f32[2]\n"
+        "  // a note\n"
+        "  %y = aten.neg(%x) : f32[2]  # m fwd @m.py:1\n"
+        "  output out(0) = %y\n"
+        "}\n"
+    )
+    g = parse(text, file="g.ir")
+    (op,) = g.ops
+    assert g.position_of(g.inputs[0].value) == TextPosition("g.ir", 2, 3)
+    assert g.position_of(op) == op.prov.position == TextPosition("g.ir", 4, 3)
+    assert g.position_of(g.outputs[0]) == TextPosition("g.ir", 5, 3)
+    # NOTE: errors of passes describe ops this way; the verifier's lead with the position instead.
+    assert op.describe() == "aten.neg at m (fwd, m.py:1) [g.ir:4:3]"
+    assert op.describe(position=False) == "aten.neg at m (fwd, m.py:1)"
+    assert parse(text).ops[0].describe() == "aten.neg at m (fwd, m.py:1) [line 4, column 3]"
+
+
+def test_positions_are_neither_printed_nor_compared() -> None:
+    built = _sample_graph()
+    text = str(built)
+    moved = parse("// a comment moves every line down\n" + text.replace("\n  ", "\n      "), file="moved.ir")
+    assert str(moved) == text
+    assert moved.ops[1].prov.position == TextPosition("moved.ir", 6, 7)
+    assert first_difference(moved, built) is None
+    assert [op.prov for op in moved.ops] == [op.prov for op in built.ops]
+    assert len({op.prov for op in moved.ops} | {op.prov for op in built.ops}) == len({op.prov for op in built.ops})
+    # NOTE: ops built in code keep a plain Provenance: no position, and no slot for one.
+    assert all(type(op.prov) is Provenance and op.prov.position is None for op in built.ops)
+    assert all(op.describe() == op.describe(position=False) for op in built.ops)
+
+
 def test_comment_lines_are_ignored() -> None:
     text = "// RUN: cleanup\ngraph @g {\n  input %x : f32[2]\n  output out(0) = %x\n}\n// CHECK: x\n"
     assert str(parse(text)) == "graph @g {\n  input %x : f32[2]\n  output out(0) = %x\n}\n"
@@ -145,7 +180,7 @@ def test_stack_lines_round_trip_and_reject_bad_members() -> None:
     g = parse(text)
     assert g.stacks == (ir.ParamStack("e.down_proj", (("e.0.w2.weight",), ("e.1.w2.weight",))),)
     assert str(g) == text
-    with pytest.raises(ir.ParseError, match=r"line 3, column 21: .*JSON list of lists of names"):
+    with pytest.raises(ir.ParseError, match=r"line 3, column 23: .*JSON list of lists of names"):
         parse(text.replace('[["e.0.w2.weight"], ["e.1.w2.weight"]]', '["e.0.w2.weight"]'))
 
 

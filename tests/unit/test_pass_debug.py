@@ -15,6 +15,7 @@ from meshfold.tools import dumps
 from meshfold.tools.pass_debug import main
 
 REPO = Path(__file__).resolve().parents[2]
+CORPUS = REPO / "tests" / "ir_corpus"
 
 JOINT = """\
 graph @g {
@@ -214,7 +215,7 @@ def test_bad_options_exit_2(ir_file: Path, capsys: pytest.CaptureFixture[str], a
     ("text", "needle"),
     [
         (JOINT.replace("aten.sum(%d)", "aten.sum(%nope)"), "%nope is used before it is defined"),
-        (JOINT.replace("f32[2, 4]  # <root> fwd", "f32[2, 4  # <root> fwd"), "line 7"),
+        (JOINT.replace("f32[2, 4]  # <root> fwd", "f32[2, 4  # <root> fwd"), "bad.ir:7:"),
         (JOINT.replace("aten.detach", "aten.no_such_op"), "no_such_op"),
     ],
 )
@@ -240,6 +241,46 @@ def test_verify_names_the_failing_step(tmp_path: Path, capsys: pytest.CaptureFix
     assert "verification failed on the input graph" in capsys.readouterr().err
     assert main([str(path), "-p", "cleanup,verify"]) == 2
     assert "pass 2 of 2 (verify) failed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("name", "line", "error"),
+    [
+        ("addmm_i64_operand", 6, "aten.addmm at <root> (fwd): operand %x of aten.addmm is i64 where f32 is required"),
+        ("mm_i64_in_sharded_graph", 7, "aten.mm at layers.0.mlp (bwd): operand %w of aten.mm is i64 where f32 is"),
+    ],
+)
+def test_verify_errors_name_the_ir_file_and_line(
+    name: str, line: int, error: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = CORPUS / f"{name}.ir"
+    assert main([str(path), "-p", "cleanup", "--verify"]) == 2
+    err = capsys.readouterr().err
+    assert f"verification failed on the input graph (IR file {path}): {path}:{line}:3: {error}" in err
+
+
+def test_errors_after_passes_still_name_the_ir_line(capsys: pytest.CaptureFixture[str]) -> None:
+    """The default pipeline's closing verify pass reads ops that eight passes rebuilt; the addmm kept its
+    provenance, and with it where the file wrote it."""
+    path = CORPUS / "addmm_i64_operand.ir"
+    assert main([str(path)]) == 2
+    err = capsys.readouterr().err
+    assert f"(verify) failed: VerifyError: {path}:6:3: aten.addmm at <root> (fwd): operand %x of aten.addmm" in err
+
+
+def test_a_pass_describing_an_op_names_its_ir_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Errors that passes build with ``Op.describe`` (here the verify pass's layout check) name the IR line."""
+    path = tmp_path / "layouts.ir"
+    path.write_text(
+        "graph @g mesh<dp=2> {\n"
+        "  input %x : f32[4, 8] {dp: S(0)}\n"
+        "  %y = aten.neg(%x) : f32[4, 8] {dp: S(1)}  # layers.0 fwd @m.py:3\n"
+        "  output out(0) = %y\n"
+        "}\n"
+    )
+    assert main([str(path), "-p", "verify"]) == 2
+    err = capsys.readouterr().err
+    assert f"aten.neg at layers.0 (fwd, m.py:3) [{path}:3:3]: on mesh axis 'dp' the placements" in err
 
 
 def test_module_factory_model(
@@ -452,3 +493,24 @@ def test_cp_flag_chooses_how_attention_reads_the_split_sequence(capsys: pytest.C
         assert f"context parallel on 'cp': attention split 2 {how}" in out.splitlines()
     assert main(["llama-tiny", "--mesh", "tp=2", "--plan", "tp", "--cp", "ring"]) == 2
     assert "cp= says how attention reads a sequence split over a cp mesh axis" in capsys.readouterr().err
+
+
+def test_print_after_overlap_of_an_output_the_backward_computes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``mm_i64_in_sharded_graph.ir`` with its operand f32: the output's all-reduce (tagged ``fwd``) of the
+    backward's GEMM is scheduled after it, so the IR printed after ``overlap`` reads back and verifies (the
+    printer crashed on a start before its operand); with the i64 operand the closing verify pass names
+    the dtype, without a traceback."""
+    original = CORPUS / "mm_i64_in_sharded_graph.ir"
+    path = tmp_path / "mm_f32.ir"
+    path.write_text(original.read_text().replace("input %w : i64", "input %w : f32"))
+    assert main([str(path), "--print-after", "overlap", "--no-color"]) == 0
+    printed = capsys.readouterr().out.split("-----\n", 1)[1]
+    graph = ir.parse(printed)
+    ir.verify(graph)
+    assert str(graph) == printed and any(op.name == "comm.all_reduce" for op in graph.ops)
+    assert main([str(original), "--print-after", "overlap", "--no-color"]) == 2
+    err = capsys.readouterr().err
+    assert "(verify) failed" in err and "operand %w of aten.mm is i64 where f32 is required" in err
+    assert "Traceback" not in err
