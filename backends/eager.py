@@ -26,7 +26,7 @@ from meshfold.backends.interpret import runnable_target
 from meshfold.backends.local import LOCAL, LocalForms
 from meshfold.backends.moe import exchange_backward, exchange_forward
 from meshfold.backends.offload import offload, reload, reload_start, reload_wait
-from meshfold.backends.phases import phases
+from meshfold.backends.phases import phases, recorded_values
 from meshfold.backends.random import is_random, random_site
 from meshfold.backends.ring_lowering import KERNELS as RING_KERNELS
 from meshfold.backends.ring_lowering import kernel_backward as ring_kernel_backward
@@ -100,13 +100,15 @@ class Lowered:
     fwd_recorded: tuple[Value, ...] = ()
     """With ``record``: values the forward module returns after the saved ones."""
     bwd_recorded: tuple[Value, ...] = ()
-    """With ``record``: values the backward module returns after the gradients."""
+    """With ``record``: values the backward module returns after the gradients (and the ``handoff``)."""
     weights: fx.GraphModule | None = None
     """With ``first``: the rest of the backward (``weight_outputs``' gradients), run after
     ``backward``; it takes the saved values, the tangents, then the ``handoff`` values ``backward``
     returns after its gradients."""
     weight_outputs: tuple[str, ...] = ()
     handoff: int = 0
+    weight_recorded: tuple[Value, ...] = ()
+    """With ``record`` and ``weights``: values ``weights`` returns after its gradients."""
 
 
 def lower(graph: Graph, rank: RankContext, *, record: bool = False, rng: torch.Generator | None = None) -> Lowered:
@@ -119,8 +121,8 @@ def lower(graph: Graph, rank: RankContext, *, record: bool = False, rng: torch.G
     """
     ph = phases(graph)
     fwd_inputs, fwd_out, grads, tangents, saved = ph.fwd_inputs, ph.fwd_out, ph.grads, ph.tangents, ph.saved
-    fwd_rec = _recorded(ph.fwd_ops) if record else []
-    bwd_rec = _recorded(ph.bwd_ops) if record else []
+    fwd_rec = recorded_values(ph.fwd_ops) if record else []
+    bwd_rec = recorded_values(ph.bwd_ops) if record else []
     gen = rng if rng is not None else torch.default_generator
     fwd_results = [o.value for o in fwd_out] + saved + fwd_rec
     forward = build_module([i.value for i in fwd_inputs], ph.fwd_ops, fwd_results, rank, gen)
@@ -138,12 +140,6 @@ def lower(graph: Graph, rank: RankContext, *, record: bool = False, rng: torch.G
         tuple(fwd_rec),
         tuple(bwd_rec),
     )
-
-
-def _recorded(ops: Sequence[Op]) -> list[Value]:
-    """The values ``ops`` compute (a started collective's handles are its wait's results)."""
-    handles = {v for op in ops if op.target == WAIT for v in op.operands}
-    return [r for op in ops for r in op.results if isinstance(r.type, TensorType) and r not in handles]
 
 
 def build_module(
@@ -183,9 +179,8 @@ def build_module(
             node.meta[OP_META] = op
         for r, node in zip(op.results, outs, strict=True):
             env[r] = node
-    # NOTE: gradients accumulate in place (autograd's ``+=`` into ``.grad``, a pipeline schedule's
-    # microbatches and its scaling): two parameters whose ``.grad`` shared one tensor would each add
-    # to, and divide, the other's
+    # NOTE: gradients accumulate and scale in place (``.grad +=``, a pipeline's microbatches, clipping): two
+    # parameters whose ``.grad`` shared one tensor would each change the other's
     results = [env[v] for v in outputs]
     for k in range(distinct):
         if results[k] in results[:k]:

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from meshfold import ir
 from meshfold.ir import Graph, Op, Value
-from meshfold.ir.ops import REDISTRIBUTE
+from meshfold.ir.ops import REDISTRIBUTE, WAIT
 
 
 @dataclass(frozen=True)
@@ -44,3 +45,10 @@ def phases(graph: Graph) -> Phases:
     fwd_inputs = [i for i in graph.inputs if i.kind != "tangent"]
     fwd_out = [o for o in graph.outputs if o.kind in ("out", "update")]
     return Phases(fwd_ops, bwd_ops, fwd_inputs, fwd_out, tangents, grads, saved)
+
+
+def recorded_values(ops: Sequence[Op]) -> list[Value]:
+    """The values ``ops`` compute (a started collective's handles are its wait's results): what a
+    recording program returns for verification (``lower(..., record=True)``)."""
+    handles = {v for op in ops if op.target == WAIT for v in op.operands}
+    return [r for op in ops for r in op.results if isinstance(r.type, ir.TensorType) and r not in handles]

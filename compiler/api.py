@@ -19,7 +19,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshfold import ir
 from meshfold.backends.eager import Lowered, RankContext, lower
 from meshfold.backends.select import select
-from meshfold.backends.weights import lower_split
 from meshfold.groups import MeshGroups, as_timeout
 from meshfold.passes import PassError
 from meshfold.passes.base import quiet
@@ -31,6 +30,7 @@ from meshfold.programs import DEFAULT_CACHE, Program
 from meshfold.runtime import ParallelModule
 from meshfold.session import DEFAULT_PIPELINE, CompileOptions, MemoryPolicy, PlanSpec, compile_model, progress
 from meshfold.signature import Signature
+from meshfold.stage_module import stage_lowering
 from meshfold.stage_plan import pipeline_line, plan_pipeline
 from meshfold.stages import PP, PipelineSpec, stage_graphs
 from meshfold.tied import tied_parameters
@@ -159,7 +159,7 @@ def _pipelined(
     timeout: float | timedelta | None,
 ) -> Any:
     """Compile one microbatch on the mesh's other axes, split it into stages, lower this rank's."""
-    from meshfold.pipelined import PipelinedModule, microbatch, stage_mesh  # NOTE: loads torch's pipelining
+    from meshfold.pipelined import PipelinedModule, StageCheck, microbatch, stage_mesh  # NOTE: loads pipelining
 
     spec = options.pp
     assert spec is not None and options.mesh is not None
@@ -175,13 +175,15 @@ def _pipelined(
     rank = groups.rank_context(options.mesh, graph)  # NOTE: the same groups on every rank, whatever its stages
     rng = torch.Generator()  # NOTE: random ops draw alike on every rank, as in ``_compile``
     rng.set_state(rng_state)
-    held = {
-        s: (graphs[s], _stage_program(graphs[s], spec, rank, rng, options, full.device_type))
-        for s in spec.held(full.get_local_rank(PP))
-    }
+    mine = spec.held(full.get_local_rank(PP))
+    held = {s: (graphs[s], _stage_program(graphs[s], spec, rank, rng, options, full.device_type)) for s in mine}
+    check = None
+    if options.verify:
+        recording = {s: stage_lowering(graphs[s], spec, rank, rng, record=True) for s in mine}
+        check = StageCheck(graph, rank, recording)
     names = [i.name for i in graph.inputs if i.kind == "input"]
     lines = (*report, pipeline_line(planned))
-    return PipelinedModule(model, full, sub, planned, held, names, tied_parameters(graphs), lines)
+    return PipelinedModule(model, full, sub, planned, held, names, tied_parameters(graphs), lines, check)
 
 
 def _compile(
@@ -272,12 +274,8 @@ def _backend(graph: ir.Graph, lowered: Lowered, rank: RankContext, options: Comp
 def _stage_program(
     graph: ir.Graph, spec: PipelineSpec, rank: RankContext, rng: torch.Generator, options: CompileOptions, device: str
 ) -> Lowered:
-    """A stage's program for this rank; under ``zero-bubble`` its backward in two (its input's
-    gradient, which the stage before waits for, then its weights')."""
-    if spec.schedule != "zero-bubble":
-        return _backend(graph, lower(graph, rank, rng=rng), rank, options, device)
-    received = [i.name for i in graph.inputs if i.kind == "input" and any(o.name == i.name for o in graph.outputs)]
-    return _backend(graph, lower_split(graph, rank, received[0] if received else "", rng), rank, options, device)
+    """A stage's program for this rank, as ``options.backend`` runs it (``stage_module.stage_lowering``)."""
+    return _backend(graph, stage_lowering(graph, spec, rank, rng), rank, options, device)
 
 
 def _skeleton(model: nn.Module) -> nn.Module:
@@ -323,7 +321,7 @@ def _compile_once(
     kind, text, rng_state, guards, report = payload[0]
     if kind != "ok":
         raise PassError(text if not first else f"compilation failed on rank 0: {text}")
-    return ir.parse(text), rng_state, tuple(guards), tuple(report)
+    return ir.parse(text, positions=False), rng_state, tuple(guards), tuple(report)
 
 
 M = TypeVar("M", bound=nn.Module)

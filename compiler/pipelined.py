@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,11 +37,14 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from meshfold import ir
 from meshfold.backends.eager import Lowered
+from meshfold.moe_lists import stack_tensors
 from meshfold.passes.base import PassError
 from meshfold.runtime import dtensor_placements, parent_of
 from meshfold.signature import Signature, agree
+from meshfold.stage_module import StageCheck, StageModule, StepTime, examples
 from meshfold.stage_plan import PipelinePlan
 from meshfold.stages import PP, PipelineSpec
+from meshfold.verify import Verifier
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,
@@ -81,102 +83,6 @@ def stage_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
     return mesh, mesh[rest]
 
 
-@dataclass
-class StepTime:
-    """One ``step``'s wall time on this rank and the time its stages' programs ran in it; the rest is
-    the pipeline's bubble (waiting for another stage), sends and receives included."""
-
-    seconds: float = 0.0
-    busy: float = 0.0
-
-    @property
-    def bubble(self) -> float:
-        return 1.0 - self.busy / self.seconds if self.seconds > 0 else 0.0
-
-
-class _StageStep(torch.autograd.Function):
-    """A stage's forward program, its backward program as the backward."""
-
-    @staticmethod
-    def forward(ctx: Any, stage: _Stage, clock: StepTime, *tensors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        low = stage.low
-        start = time.perf_counter()
-        outs = low.forward(*tensors)
-        clock.busy += time.perf_counter() - start
-        ctx.stage, ctx.clock = stage, clock
-        ctx.save_for_backward(*outs[1 : 1 + low.n_saved])
-        return outs[0]
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        stage: _Stage = ctx.stage
-        low = stage.low
-        start = time.perf_counter()
-        outs = low.backward(*ctx.saved_tensors, grad)
-        ctx.clock.busy += time.perf_counter() - start
-        n = len(low.bwd_outputs)
-        if low.weights is not None:
-            # NOTE: the weights' gradients later, in the schedule's W step (``_Stage.weight_step``)
-            stage.pending.append((ctx.saved_tensors, grad, outs[n:], ctx.clock))
-        by_name = dict(zip(low.bwd_outputs, outs[:n], strict=True))
-        return (None, None, *[by_name.get(name) for name in low.fwd_inputs])
-
-
-class _Stage(nn.Module):
-    """One stage's program as a module: ``forward(*received, **inputs)`` -> what it sends on (the
-    last stage: the loss). Holds the owner's parameters it reads, so the schedule scales their
-    gradients."""
-
-    def __init__(self, owner: PipelinedModule, graph: ir.Graph, low: Lowered, taken: set[str]) -> None:
-        super().__init__()
-        self.low = low
-        self._owner = (owner,)  # NOTE: a tuple, not a submodule
-        self.pending: list[tuple[Any, ...]] = []
-        self.kinds = {i.name: i.kind for i in graph.inputs}
-        self.layouts = {i.name: i.value.layout for i in graph.inputs}
-        for name in low.fwd_inputs:
-            # NOTE: a weight two of this rank's stages read is scaled by the schedule once, in the first
-            if self.kinds[name] == "param" and name not in taken:
-                taken.add(name)
-                self.register_parameter(name.replace(".", "__"), owner.get_parameter(name))
-
-    def forward(self, *received: torch.Tensor, **inputs: torch.Tensor) -> torch.Tensor:
-        owner = self._owner[0]
-        got = iter(received)
-        tensors = []
-        for name in self.low.fwd_inputs:
-            kind = self.kinds[name]
-            if kind in ("param", "buffer"):
-                t = owner.get_parameter(name) if kind == "param" else owner.get_buffer(name)
-                tensors.append(t.to_local() if isinstance(t, DTensor) else t)
-            elif name in inputs:
-                dt = distribute_tensor(
-                    inputs[name], owner.stage_mesh, dtensor_placements(self.layouts[name]), src_data_rank=None
-                )
-                tensors.append(dt.to_local())
-            else:
-                tensors.append(next(got))
-        return _StageStep.apply(self, owner.last_step, *tensors)
-
-    def weight_step(self) -> Any:
-        """The W step of the backward just run (zero-bubble schedules): a function computing this
-        stage's weights' gradients, adding them to the parameters' ``.grad``."""
-        saved, grad, handoff, clock = self.pending.pop()
-        low, owner = self.low, self._owner[0]
-        assert low.weights is not None
-
-        def run() -> None:
-            start = time.perf_counter()
-            outs = low.weights(*saved, grad, *handoff)  # type: ignore[misc]
-            clock.busy += time.perf_counter() - start
-            for name, g in zip(low.weight_outputs, outs, strict=True):
-                p = owner.get_parameter(name)
-                part = DTensor.from_local(g, owner.stage_mesh, dtensor_placements(self.layouts[name]), run_check=False)
-                p.grad = part if p.grad is None else p.grad + part
-
-        return run
-
-
 class PipelinedModule(nn.Module):
     """The model on one rank of a pipeline: the parameters of its stages, and ``step``."""
 
@@ -190,6 +96,7 @@ class PipelinedModule(nn.Module):
         input_names: Sequence[str],
         tied: Mapping[str, tuple[int, ...]],
         report: Sequence[str] = (),
+        check: StageCheck | None = None,
     ) -> None:
         super().__init__()
         self.plan = plan
@@ -203,6 +110,14 @@ class PipelinedModule(nn.Module):
         self._report = tuple(report)
         self._stage_graphs = {s: g for s, (g, _) in stages.items()}
         state = dict(model.named_parameters()) | dict(model.named_buffers())
+        # NOTE: experts folded from an nn.ModuleList run on stacked parameters built from the model's own
+        stacks = {st.name: st for graph, _ in stages.values() for st in graph.stacks}
+        with torch.no_grad():
+            stacked = stack_tensors(tuple(stacks.values()), state)
+        state |= {n: t.requires_grad_(True) for n, t in stacked.items()}
+        self._check = check
+        # NOTE: verification compares against the single-device model as it was handed to us
+        self._reference = {n: t.detach().clone() for n, t in state.items()} if check is not None else {}
         for graph, low in stages.values():
             layouts = {i.name: i.value.layout for i in graph.inputs}
             kinds = {i.name: i.kind for i in graph.inputs}
@@ -217,7 +132,7 @@ class PipelinedModule(nn.Module):
                 else:
                     parent.register_buffer(leaf, dt)
         taken: set[str] = set()
-        self._modules_ = {s: _Stage(self, g, low, taken) for s, (g, low) in sorted(stages.items())}
+        self._modules_ = {s: StageModule(self, g, low, taken) for s, (g, low) in sorted(stages.items())}
         self._tied = _tied_groups(mesh, spec, tied, set(taken))
         device = (
             torch.device("cpu")
@@ -230,8 +145,8 @@ class PipelinedModule(nn.Module):
                 s,
                 spec.stages,
                 device,
-                input_args=_examples(self._stage_graphs[s], sub, "input") if s > 0 else None,
-                output_args=_examples(self._stage_graphs[s], sub, "out"),
+                input_args=examples(self._stage_graphs[s], sub, "input") if s > 0 else (),
+                output_args=examples(self._stage_graphs[s], sub, "out"),
                 group=self._group,
                 dw_builder=self._modules_[s].weight_step if self._modules_[s].low.weights is not None else None,
             )
@@ -274,9 +189,22 @@ class PipelinedModule(nn.Module):
         losses: list[torch.Tensor] = []
         target = torch.zeros(self.spec.microbatches)
         self.last_step = StepTime()
+        check, self._check = self._check, None
+        plain = {s: st.low for s, st in self._modules_.items()}
+        for s, st in self._modules_.items():
+            st.forwards = 0
+            st.recorded.clear()
+            if check is not None:  # NOTE: the first step runs the recording programs, checked once
+                st.low = check.recording[s]
         start = time.perf_counter()
-        self._schedule.step(target=target, losses=losses, return_outputs=False, **kwargs)
+        try:
+            self._schedule.step(target=target, losses=losses, return_outputs=False, **kwargs)
+        finally:
+            for s, st in self._modules_.items():
+                st.low = plain[s]
         self.last_step.seconds = time.perf_counter() - start
+        if check is not None:
+            self._verify(check, inputs)
         for name, group in self._tied:  # NOTE: each holder of a tied weight adds the others' parts
             grad = self.get_parameter(name).grad
             if grad is not None:
@@ -284,6 +212,15 @@ class PipelinedModule(nn.Module):
         loss = torch.stack([x.detach() for x in losses]).mean() if losses else torch.zeros(())
         dist.broadcast(loss, self._last_rank, group=self._group)
         return loss
+
+    def _verify(self, check: StageCheck, inputs: Sequence[Any]) -> None:
+        """Check what this rank's stages computed for the first microbatch (``StageCheck``)."""
+        first = [x for x in microbatch(inputs, self.spec) if isinstance(x, torch.Tensor)]
+        feeds = self._reference | dict(zip(self._input_names, first, strict=True))
+        verifier = Verifier(check.graph, self.stage_mesh, check.rank, feeds)
+        verifier.check_stages([r for st in self._modules_.values() for r in st.recorded])
+        for st in self._modules_.values():
+            st.recorded.clear()
 
     def close(self) -> None:
         """Destroy the process groups this module made (its pipeline's, its tied weights'); the module
@@ -368,23 +305,6 @@ def _tied_groups(
 def _own_loss(output: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
     """The model computes its loss itself: the last stage's output is it (the target is unused)."""
     return output
-
-
-def _examples(graph: ir.Graph, mesh: DeviceMesh, kind: str) -> tuple[torch.Tensor, ...]:
-    """Empty tensors of the local shapes of ``graph``'s boundary input (``input`` kind, not a user
-    input) or its outputs (``out``)."""
-    coord = mesh.get_coordinate()
-    if kind == "input":
-        values = [i.value for i in graph.inputs if i.kind == "input"][-1:]  # NOTE: after the user inputs
-    else:
-        values = [o.value for o in graph.outputs if o.kind == "out"]
-    out = []
-    for v in values:
-        t = v.type
-        assert isinstance(t, ir.TensorType)
-        shape = v.layout.local_shape(t.shape, graph.mesh, coord) if graph.mesh is not None else t.shape
-        out.append(torch.empty(tuple(int(d) for d in shape), dtype=t.dtype))
-    return tuple(out)
 
 
 def _has(module: nn.Module, fqn: str) -> bool:

@@ -35,7 +35,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshfold.ir import Graph, GraphInput, GraphOutput, Op, Value
+from meshfold.ir import Graph, GraphInput, GraphOutput, Op, TensorType, Value
+from meshfold.ir.ops import draws
 from meshfold.ir.stage import STAGE_IN, STAGE_IN_GRAD, stage_in
 from meshfold.layer_runs import numbered_layers
 from meshfold.passes.base import PassError
@@ -264,6 +265,14 @@ def placement(graph: Graph, layers: Layers, stage_of: Callable[[int], int]) -> l
 def stage_graphs(graph: Graph, split: StageSplit) -> list[Graph]:
     """``graph`` as one program per stage of ``split`` (see the module docstring)."""
     layers = Layers.of(graph)
+    loss = loss_output(graph)
+    random = next((op for op in graph.ops if draws(op)), None)
+    if random is not None:
+        raise PassError(
+            f"pipeline parallelism: {random.describe()} draws random numbers (dropout); each microbatch would "
+            "draw its own, which are not the single-device model's draws over the whole batch. Train it "
+            "pipelined with that dropout off (p=0), or under a plan without pp"
+        )
     n = len(split.times)
     where = placement(graph, layers, split.stage_of)
     joins, parts, extra = tied_parts(graph, where)
@@ -299,7 +308,7 @@ def stage_graphs(graph: Graph, split: StageSplit) -> list[Graph]:
         used = {v for op in ops for v in op.operands}
         outputs: list[GraphOutput] = []
         if s == n - 1:
-            outputs += [o for o in graph.outputs if o.kind == "out"]
+            outputs.append(loss)
         else:
             assert sent is not None
             outputs.append(GraphOutput("out", f"stage{s}", sent))
@@ -331,6 +340,24 @@ def stage_graphs(graph: Graph, split: StageSplit) -> list[Graph]:
         name = f"{graph.name}_stage{s}"
         out.append(replace(graph, name=name, inputs=tuple(inputs), ops=tuple(ops), outputs=tuple(outputs)))
     return out
+
+
+def loss_output(graph: Graph) -> GraphOutput:
+    """The model's loss: its one scalar floating-point output, which a pipeline's last stage returns and
+    ``step`` averages over the microbatches; the model's other outputs (logits beside the loss) are
+    not returned. Raises when there is no such output, or several."""
+    outs = [o for o in graph.outputs if o.kind == "out"]
+    scalars = [
+        o for o in outs if isinstance(t := o.value.type, TensorType) and t.rank == 0 and t.dtype.is_floating_point
+    ]
+    if len(scalars) != 1:
+        given = ", ".join(f"{o.name}: {o.value.type}" for o in outs) or "none"
+        raise PassError(
+            f"pipeline parallelism trains on the model's loss, its one scalar floating-point output; the model "
+            f"returns {len(scalars)} such among its tensor outputs ({given}): return the loss alone, or beside "
+            "outputs that are not scalars"
+        )
+    return scalars[0]
 
 
 def is_mark(op: Op, target: Any) -> bool:

@@ -37,30 +37,56 @@ class Verifier:
         self.producers = graph.producers()
 
     def check(self, values: Sequence[ir.Value], local: Sequence[torch.Tensor], phase: str) -> None:
-        """Compare this rank's ``local`` tensors for ``values``; raise naming the first difference."""
-        flags = torch.zeros(len(values) + 1, device=collective_device())
-        details: list[str] = []
-        for k, (v, t) in enumerate(zip(values, local, strict=True)):
-            got = self._reduce_partials(v, t.detach())
-            want = self._local_chunk(v, self.reference[v])
-            ok = got.shape == want.shape and torch.allclose(got.double(), want.double(), rtol=1e-4, atol=1e-5)
-            if not ok:
-                flags[k] = 1
-            details.append("" if ok else self._diff(got, want))
+        """Compare this rank's ``local`` tensors for ``values``; raise naming the first difference.
+        Collective: every rank checks the same ``values``."""
+        details = self._details(values, local)
+        flags = torch.tensor([float(bool(d)) for d in details] + [0.0], device=collective_device())
         dist.all_reduce(flags, dist.ReduceOp.MAX)
         said = flags.tolist()
         bad = [k for k in range(len(values)) if said[k] > 0]
         if bad:
             k = bad[0]
-            v = values[k]
-            op = self.producers[v]
-            operands = ", ".join(f"%{u.name} {u.layout}" for u in op.operands)
             mine = details[k] or "this rank's value agrees; another rank's differs"
-            raise VerificationError(
-                f"{phase}: the first value that differs from the single-device model is %{v.name} : {v.type} "
-                f"{v.layout}, computed by {op.describe()} from ({operands}); {mine}. "
-                f"{len(bad)} of {len(values)} {phase} values differ."
-            )
+            raise VerificationError(self._message(values[k], phase, mine, f"{len(bad)} of {len(values)}"))
+
+    def check_stages(self, recorded: Sequence[tuple[Sequence[ir.Value], Sequence[torch.Tensor], str]]) -> None:
+        """``check`` for ranks that compute different values (the stages of a pipeline): each rank
+        compares its own ``(values, local tensors, phase)`` groups, then all agree on the difference
+        earliest in the program and raise it alike. Collective over the world."""
+        order = {op: i for i, op in enumerate(self.graph.ops)}
+        mine: tuple[int, str] | None = None
+        for values, local, phase in recorded:
+            details = self._details(values, local)
+            bad = [k for k, d in enumerate(details) if d]
+            if bad:
+                v = values[bad[0]]
+                where = order[self.producers[v]]
+                if mine is None or where < mine[0]:
+                    count = f"{len(bad)} of this stage's {len(values)}"
+                    mine = (where, self._message(v, phase, details[bad[0]], count))
+        found: list[tuple[int, str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(found, mine)
+        first = min((f for f in found if f is not None), default=None)
+        if first is not None:
+            raise VerificationError(first[1])
+
+    def _details(self, values: Sequence[ir.Value], local: Sequence[torch.Tensor]) -> list[str]:
+        """Per value, how this rank's tensor differs from its piece of the reference ("" if it agrees)."""
+        details: list[str] = []
+        for v, t in zip(values, local, strict=True):
+            got = self._reduce_partials(v, t.detach())
+            want = self._local_chunk(v, self.reference[v])
+            ok = got.shape == want.shape and torch.allclose(got.double(), want.double(), rtol=1e-4, atol=1e-5)
+            details.append("" if ok else self._diff(got, want))
+        return details
+
+    def _message(self, v: ir.Value, phase: str, detail: str, count: str) -> str:
+        op = self.producers[v]
+        operands = ", ".join(f"%{u.name} {u.layout}" for u in op.operands)
+        return (
+            f"{phase}: the first value that differs from the single-device model is %{v.name} : {v.type} "
+            f"{v.layout}, computed by {op.describe()} from ({operands}); {detail}. {count} {phase} values differ."
+        )
 
     def _reduce_partials(self, v: ir.Value, t: torch.Tensor) -> torch.Tensor:
         for i, p in enumerate(v.layout.placements):

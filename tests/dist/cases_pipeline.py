@@ -13,10 +13,10 @@ from torch import nn
 from meshfold.api import parallelize
 from meshfold.passes import PassError
 from meshfold.pipelined import IGNORE_INDEX
+from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
 from meshfold.tools.zoo.models import DecoderLayer, _small_init
 from tests.dist.cases import ATOL, EPS, LR, PARAM_ATOL, RTOL
-from meshfold.tools.pool import device_mesh
 
 
 def deep_llama(layers: int, seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
@@ -159,3 +159,31 @@ def uneven_ignored_labels_refused() -> list[str]:
     loss = pm.step(ids, labels)
     pm.close()
     return [message, f"{float(loss):.6f}"]
+
+
+def pipelined_verify(
+    shape: tuple[int, ...], names: tuple[str, ...], plan: str, pp: dict[str, Any], corrupt: str = ""
+) -> str:
+    """``verify=True`` on a pipeline: the first step checks every value of every stage (microbatch 0)
+    against the whole program on whole tensors; with one rank's shard of ``corrupt`` perturbed, every
+    rank raises the same error naming the first value that differs. Returns the error text ("" when
+    the step passed); a second step is not verified and must run."""
+    from meshfold.verify import VerificationError
+
+    warnings.filterwarnings("ignore")
+    mesh = device_mesh(tuple(shape), tuple(names))
+    net, inputs = deep_llama(4)
+    pm = parallelize(net, mesh, inputs, plan=plan, pp=pp, verify=True)
+    held = dict(pm.named_parameters())
+    # NOTE: the last rank holding it perturbs its shard (the other ranks of its stage do not)
+    if corrupt in held and torch.distributed.get_rank() == torch.distributed.get_world_size() - 1:
+        with torch.no_grad():
+            held[corrupt].to_local().add_(1.0)
+    try:
+        pm.step(*inputs)
+        message = ""
+    except VerificationError as e:
+        message = str(e)
+    pm.step(*inputs)  # NOTE: the second step runs the plain programs, unchecked
+    pm.close()
+    return message

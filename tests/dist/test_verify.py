@@ -43,3 +43,33 @@ def test_decorator_form(rank_pools: RankPools) -> None:
 def test_decorated_class_in_the_usual_order(rank_pools: RankPools) -> None:
     losses = rank_pools.get(2).run("tests.dist.cases:decorated_usual_order")
     assert losses[0] == losses[1] > 0
+
+
+def test_verify_checks_every_stage_of_a_pipeline(rank_pools: RankPools) -> None:
+    """Pipelines: each rank checks its stages' values for the first microbatch (forward, the input's
+    gradient and, under zero bubble, the weights' gradients computed later) against the whole
+    program; correct programs pass under each schedule."""
+    for names, plan, pp in [
+        (("pp", "tp"), "pp+tp", {"schedule": "1f1b", "microbatches": 2}),
+        (("pp", "dp"), "pp+fsdp", {"schedule": "interleaved", "microbatches": 2}),
+        (("pp", "dp"), "pp+ddp", {"schedule": "zero-bubble", "microbatches": 2}),
+    ]:
+        errors = rank_pools.get(4).run(
+            "tests.dist.cases_pipeline:pipelined_verify", shape=(2, 2), names=names, plan=plan, pp=pp
+        )
+        assert errors == ["", "", "", ""], (plan, pp, errors)
+
+
+def test_verify_names_the_first_value_a_pipeline_stage_computes_differently(rank_pools: RankPools) -> None:
+    """A shard of the last layer's down projection perturbed on rank 3 (stage 1): every rank raises the
+    same error, naming the first value computed from it."""
+    errors = rank_pools.get(4).run(
+        "tests.dist.cases_pipeline:pipelined_verify",
+        shape=(2, 2),
+        names=("pp", "tp"),
+        plan="pp+tp",
+        pp={"schedule": "1f1b", "microbatches": 2},
+        corrupt="layers.3.mlp.down_proj.weight",
+    )
+    assert len(set(errors)) == 1 and errors[0].startswith("forward: the first value that differs"), errors
+    assert "at layers.3.mlp.down_proj (fwd" in errors[0], errors[0]
