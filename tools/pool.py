@@ -8,7 +8,7 @@ group initialised and returns a picklable value; ``RankPool.run`` returns those 
 
 The tests share one pool per world size for their whole session (``tests/dist/conftest.py``);
 ``meshfold corpus`` runs its matrix on one. A task builds what it needs itself (``init_device_mesh``,
-or ``device_mesh`` below to reuse one) and must leave no collective half-issued; tasks share the
+or ``pool_worker.device_mesh`` to reuse one) and must leave no collective half-issued; tasks share the
 worker processes, so they must not rely on each other.
 
 Each rank writes its stdout/stderr to a log file; after every task the parent prints what the ranks
@@ -21,8 +21,6 @@ main module.
 from __future__ import annotations
 
 import contextlib
-import faulthandler
-import importlib
 import math
 import multiprocessing
 import os
@@ -31,35 +29,30 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
 import weakref
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 from unittest import mock
+
+from meshfold.tools.pool_worker import READY, WORKER_ENV, Fingerprint, worker_main
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
 
-    from torch.distributed.device_mesh import DeviceMesh
 
 DEFAULT_TIMEOUT_S = 300.0
 SPAWN_TIMEOUT_S = 180.0
 FAILURE_GRACE_S = 5.0
 MAX_WORLD = 8
 
-# NOTE: these must be in the environment when the interpreter starts (PYTHONUNBUFFERED) or when torch is
-# first imported (thread counts), so the parent sets them around ``Process.start``; 8 ranks share 2 cores.
-_WORKER_ENV = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 # NOTE: ranks are forked from one server process per pool-making process that has imported these
 # already: a spawned rank spent about 6 s of CPU importing torch and meshfold (and 2-3 s more for
 # transformers or Inductor where its tasks used them), and a session starts dozens of ranks
 PRELOAD = ("torch", "torch.distributed", "meshfold.api", "transformers", "torch._inductor.compile_fx")
-_READY = -1
-_Fingerprint = tuple[int, dict[str, int]] | None
 
 
 class RankFailure(RuntimeError):
@@ -162,7 +155,7 @@ class RankPool:
         self._ranks: list[_Rank] = []
         self._tmpdirs: list[Path] = []
         # NOTE: each rank's process-group state when it last finished a task the pool kept it after
-        self._settled: dict[int, _Fingerprint] = {}
+        self._settled: dict[int, Fingerprint] = {}
         self._finalizer = weakref.finalize(self, _kill, self._ranks, self._tmpdirs)
         self._spawn()
 
@@ -235,11 +228,11 @@ class RankPool:
 
     def _gather(
         self, task_id: int, timeout: float, grace: float
-    ) -> tuple[dict[int, Any], dict[int, str], dict[int, _Fingerprint], list[_Rank], bool]:
+    ) -> tuple[dict[int, Any], dict[int, str], dict[int, Fingerprint], list[_Rank], bool]:
         """Wait for each rank's reply to ``task_id``: values, failures, fingerprints, silent ranks, broken."""
         results: dict[int, Any] = {}
         failures: dict[int, str] = {}
-        prints: dict[int, _Fingerprint] = {}
+        prints: dict[int, Fingerprint] = {}
         pending: dict[Any, _Rank] = {r.conn: r for r in self._ranks}
         start, first_failure, broken = time.monotonic(), math.inf, False
         while pending:
@@ -267,16 +260,16 @@ class RankPool:
         ctx = multiprocessing.get_context("forkserver")
         ctx.set_forkserver_preload(self.preload)
         # NOTE: the environment reaches the fork server, started by the first ``start``, and so every rank
-        with mock.patch.dict(os.environ, _WORKER_ENV):
+        with mock.patch.dict(os.environ, WORKER_ENV):
             for rank in range(self.world):
                 parent_conn, child_conn = ctx.Pipe()
                 args = (rank, self.world, str(tmp), list(sys.path), child_conn)
-                process = ctx.Process(target=_worker_main, args=args, name=f"rankpool-w{self.world}-r{rank}")
+                process = ctx.Process(target=worker_main, args=args, name=f"rankpool-w{self.world}-r{rank}")
                 process.start()
                 child_conn.close()
                 self._ranks.append(_Rank(rank, process, parent_conn, tmp))
         self.spawns += 1
-        _, failures, self._settled, pending, _ = self._gather(_READY, self.spawn_timeout, grace=0.0)
+        _, failures, self._settled, pending, _ = self._gather(READY, self.spawn_timeout, grace=0.0)
         if failures or pending:
             stuck = _dump_stacks(pending)
             self._teardown()
@@ -298,95 +291,7 @@ class RankPool:
         sys.stdout.flush()
 
 
-def device_mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> DeviceMesh:
-    """Inside a task: a CPU ``DeviceMesh`` of ``shape``/``names``, created once per worker and then reused.
-
-    Each ``init_device_mesh`` call makes new gloo groups (threads and sockets that are never freed), so a
-    session sending hundreds of cases should take its meshes from here. Every rank must ask for the same
-    meshes in the same order, as with ``init_device_mesh``.
-    """
-    key = (tuple(shape), tuple(names))
-    if key not in _MESHES:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        _MESHES[key] = init_device_mesh("cpu", key[0], mesh_dim_names=key[1])
-    return _MESHES[key]
-
-
-# NOTE: worker-process state only (the parent never fills it); it lives exactly as long as the
-# worker's process groups, so a cached mesh can never outlive its groups.
-_MESHES: dict[tuple[tuple[int, ...], tuple[str, ...]], DeviceMesh] = {}
-
-
-def _worker_main(rank: int, world: int, tmpdir: str, path: list[str], conn: Connection) -> None:
-    """Body of a worker process: join the gloo group, then run tasks until told to stop or orphaned."""
-    sys.path[:] = path
-    os.environ.update(_WORKER_ENV)
-    fd = os.open(os.path.join(tmpdir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    os.dup2(fd, 1)
-    os.dup2(fd, 2)
-    os.close(fd)
-    # NOTE: Ctrl-C reaches the whole process group; the parent handles it and kills the ranks.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    if hasattr(signal, "SIGUSR1"):
-        stacks = open(os.path.join(tmpdir, f"rank{rank}.stacks"), "a")  # noqa: SIM115 (lives as long as we do)
-        faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    # NOTE: a crash in native code (a kernel, gloo) kills the rank without a traceback; the stacks of
-    # its threads as it died go to a file the parent puts in the failure (``_Rank.died``)
-    crash = open(os.path.join(tmpdir, f"rank{rank}.crash"), "w")  # noqa: SIM115 (lives as long as we do)
-    faulthandler.enable(file=crash, all_threads=True)
-    # NOTE: our parent process is the fork server, which exits when the pool's process does
-    threading.Thread(target=_exit_when_orphaned, args=(os.getppid(), tmpdir), daemon=True).start()
-    try:
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(1)
-        store = dist.FileStore(os.path.join(tmpdir, "store"), world)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-        dist.barrier()
-    except BaseException:
-        conn.send_bytes(pickle.dumps((_READY, False, traceback.format_exc(), None)))
-        return
-    conn.send_bytes(pickle.dumps((_READY, True, None, _fingerprint())))
-    while True:
-        try:
-            message = pickle.loads(conn.recv_bytes())
-        except EOFError:
-            _orphaned(tmpdir)
-        if message is None:
-            # NOTE: a normal interpreter exit with torch loaded costs ~0.5 s of CPU per rank; nothing a
-            # worker holds needs cleaning up, so leave at once (stdio is flushed after every task).
-            os._exit(0)
-        task_id, target, kwargs = message
-        conn.send_bytes(_run_task(task_id, target, kwargs))
-
-
-def _run_task(task_id: int, target: str, kwargs: dict[str, Any]) -> bytes:
-    """Run one task in a worker; the pickled reply is ``(task_id, ok, value or traceback, fingerprint)``."""
-    try:
-        module, _, qualname = target.partition(":")
-        fn: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            fn = getattr(fn, part)
-        ok, value = True, fn(**kwargs)
-    except BaseException:
-        ok, value = False, traceback.format_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-    fingerprint = _fingerprint()
-    if "torch._dynamo" in sys.modules:
-        # NOTE: tasks must not see each other's compiled code or hit recompile limits from earlier tasks.
-        sys.modules["torch._dynamo"].reset()
-    try:
-        return pickle.dumps((task_id, ok, value, fingerprint))
-    except Exception:
-        error = f"{target} returned an unpicklable value\n{traceback.format_exc()}"
-        return pickle.dumps((task_id, False, error, fingerprint))
-
-
-def _receive(r: _Rank, task_id: int) -> tuple[bool, Any, _Fingerprint, bool]:
+def _receive(r: _Rank, task_id: int) -> tuple[bool, Any, Fingerprint, bool]:
     """Read one reply: ``(ok, value or error text, fingerprint, whether the pool is now unusable)``."""
     try:
         reply = r.conn.recv_bytes()
@@ -400,18 +305,7 @@ def _receive(r: _Rank, task_id: int) -> tuple[bool, Any, _Fingerprint, bool]:
     return ok, payload, fingerprint, got_id != task_id
 
 
-def _fingerprint() -> _Fingerprint:
-    """This rank's process-group state: groups created so far and the collective count of each group."""
-    try:
-        from torch.distributed import distributed_c10d as c10d
-
-        pgs = c10d._world.pg_map
-        return c10d._world.group_count, {str(pg.group_name): int(pg._get_sequence_number_for_group()) for pg in pgs}
-    except Exception:
-        return None
-
-
-def _since(before: _Fingerprint, now: _Fingerprint) -> _Fingerprint:
+def _since(before: Fingerprint, now: Fingerprint) -> Fingerprint:
     """What a rank did to its process-group state in one task: groups made and collectives issued per
     group since ``before`` (the state it settled in after its last task)."""
     if before is None or now is None:
@@ -420,7 +314,7 @@ def _since(before: _Fingerprint, now: _Fingerprint) -> _Fingerprint:
     return count - before[0], {name: seq - before[1].get(name, 0) for name, seq in seqs.items()}
 
 
-def _agree(prints: list[_Fingerprint]) -> bool:
+def _agree(prints: list[Fingerprint]) -> bool:
     """Whether ranks did alike in a failed task, so another may follow: as many groups made, as many
     collectives issued in each group. Compared within the task, not since the start: a finished task
     may leave ranks' counts apart for good (a send and its receive count on their two ranks only)."""
@@ -455,19 +349,6 @@ def _dump_stacks(ranks: list[_Rank]) -> dict[int, str]:
     for r in alive:
         dumps[r.rank] = r.stacks.read_text(errors="replace") or "(no stack dump arrived)"
     return dumps
-
-
-def _exit_when_orphaned(parent_pid: int, tmpdir: str) -> None:
-    """Worker watchdog thread: notices within a second that ``parent_pid`` is gone, even mid-task."""
-    while os.getppid() == parent_pid:
-        time.sleep(1.0)
-    _orphaned(tmpdir)
-
-
-def _orphaned(tmpdir: str) -> NoReturn:
-    """The parent died without closing the pool: remove the pool's files (no one else will) and exit."""
-    shutil.rmtree(tmpdir, ignore_errors=True)
-    os._exit(1)
 
 
 def _kill(ranks: list[_Rank], tmpdirs: list[Path]) -> None:

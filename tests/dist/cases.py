@@ -14,9 +14,9 @@ from meshfold.ir import ParamStack
 from meshfold.moe import MoeSpec, experts_as_ops
 from meshfold.moe_lists import as_stacked
 from meshfold.passes.memory.policies import Saved
+from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
 from tests.dist.captures import shared_capture
-from meshfold.tools.pool import device_mesh
 
 RTOL, ATOL = 1e-5, 1e-6
 LR = 1e-3

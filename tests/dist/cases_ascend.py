@@ -15,9 +15,9 @@ from meshfold.backends import ascend
 from meshfold.backends.eager import lower
 from meshfold.groups import MeshGroups
 from meshfold.passes import PassError
+from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
 from tests.dist.cases import equivalence
-from meshfold.tools.pool import device_mesh
 
 
 @contextlib.contextmanager

@@ -12,8 +12,8 @@ import torch
 
 from meshfold.api import parallelize
 from meshfold.passes import PassError
+from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
-from meshfold.tools.pool import device_mesh
 
 T = TypeVar("T")
 

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 from meshfold.api import parallelize
 from meshfold.signature import CallMismatch
-from meshfold.tools.pool import device_mesh
+from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
 from tests.dist.cases import ATOL, RTOL
 

@@ -13,9 +13,9 @@ from meshfold.api import parallelize
 from meshfold.backends.comm import BY_ALL_TO_ALL
 from meshfold.tools.collectives import group_labels, summarize
 from meshfold.tools.demo import collectives_table, measured_step
+from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
 from tests.dist.captures import shared_capture
-from meshfold.tools.pool import device_mesh
 
 # NOTE: the profiler names each collective's op and records its inputs' shapes and dtypes;
 # (name prefix, kind, index of the input that is sent)

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from meshfold.api import parallelize
+from meshfold.tools.pool_worker import device_mesh
 from tests.dist.cases_programs import _same_step
-from meshfold.tools.pool import device_mesh
 
 
 class _Gather(nn.Module):

@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshfold.api import parallelize
 from meshfold.passes import PassError
-from meshfold.tools.pool import device_mesh
+from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
 
 

@@ -19,9 +19,9 @@ from torch import nn
 
 from meshfold.api import parallelize
 from meshfold.session import CompileOptions, compile_model
+from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
 from tests.dist.cases import ATOL, EPS, LR, PARAM_ATOL, RTOL
-from meshfold.tools.pool import device_mesh
 
 
 def _pair(make: Callable[[], nn.Module]) -> tuple[nn.Module, nn.Module]:

@@ -14,11 +14,11 @@ from meshfold.ir.asynchrony import starts
 from meshfold.ir.ops import RELOAD
 from meshfold.passes.cost.memory import rank_memory
 from meshfold.tools.measure import allocator_accounting, settled_peak_new_bytes, storage_bytes
+from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
 from meshfold.tools.zoo.models import LlamaTiny
 from tests.dist.captures import shared_capture
 from tests.dist.cases import assert_step_matches, reference_experts
-from meshfold.tools.pool import device_mesh
 
 
 @allocator_accounting()

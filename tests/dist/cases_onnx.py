@@ -12,9 +12,9 @@ from torch.distributed.tensor import DTensor
 
 from meshfold.api import parallelize
 from meshfold.passes import PassError
+from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
 from tests.dist.captures import shared_capture
-from meshfold.tools.pool import device_mesh
 
 
 def exported_forward(model: str, plan: str, shape: tuple[int, ...], names: tuple[str, ...]) -> dict[str, Any]:

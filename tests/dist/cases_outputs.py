@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from meshfold.api import parallelize
+from meshfold.tools.pool_worker import device_mesh
 from tests.dist.cases import ATOL, EPS, LR, PARAM_ATOL, RTOL
-from meshfold.tools.pool import device_mesh
 
 
 class TwoHeads(nn.Module):

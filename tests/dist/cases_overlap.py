@@ -11,8 +11,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from meshfold.api import parallelize
+from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo.models import LlamaTiny
-from meshfold.tools.pool import device_mesh
 
 ISSUE = (
     "_c10d_functional::all_gather_into_tensor",

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshfold.api import parallelize
-from meshfold.tools.pool import device_mesh
+from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
 from tests.dist.cases import ATOL, RTOL
 from tests.dist.cases_calls import _refused

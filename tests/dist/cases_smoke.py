@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from meshfold.tools.pool import device_mesh
+from meshfold.tools.pool_worker import device_mesh
 
 
 def _default_group_name() -> str:

@@ -20,10 +20,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 
 from meshfold.api import parallelize
+from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
 from tests.dist.cases import EPS, LR, PARAM_ATOL, RTOL
 from tests.dist.hf_models import SMALL
-from meshfold.tools.pool import device_mesh
 
 FULL = StateDictOptions(full_state_dict=True)
 

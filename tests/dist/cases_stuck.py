@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from meshfold import CollectiveError, parallelize
+from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
-from meshfold.tools.pool import device_mesh
 
 STUCK = 3
 

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from meshfold.session import CompileOptions, compile_model
+from meshfold.tools.pool import RankFailure
 from meshfold.tools.zoo import build
 from tests.dist.conftest import RankPools
-from meshfold.tools.pool import RankFailure
 
 CASES = "tests.dist.cases_keep"
 

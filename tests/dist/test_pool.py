@@ -8,8 +8,8 @@ import threading
 import pytest
 import torch
 
-from tests.dist.conftest import RankPools
 from meshfold.tools.pool import RankFailure, RankPool, RankTimeout
+from tests.dist.conftest import RankPools
 
 CASES = "tests.dist.cases_smoke"
 WORLDS = [1, 2, 4, 8]

@@ -94,9 +94,7 @@ def test_ring_attention_equals_attention(
 
 
 @pytest.mark.parametrize(("window", "hops"), [(6, (1, 1, 1, 0)), (12, (2, 2, 1, 0))])
-def test_routed_ring_attention_equals_attention(
-    rank_pools: RankPools, window: int, hops: tuple[int, ...]
-) -> None:
+def test_routed_ring_attention_equals_attention(rank_pools: RankPools, window: int, hops: tuple[int, ...]) -> None:
     """Under a sliding window over the contiguous layout (4 ranks, parts of 8) ring attention sends each
     block's columns the next ranks see only as far as they are seen (one step for a window of 6, two for
     12 but from the third rank, whose keys only the last one sees; the gradients of the last rank reached

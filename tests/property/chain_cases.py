@@ -21,7 +21,7 @@ from meshfold import ir
 from meshfold.backends.eager import RankContext, lower
 from meshfold.backends.interpret import interpret
 from meshfold.ir import Layout, Mesh, Partial, Shard, TensorType
-from meshfold.tools.pool import device_mesh
+from meshfold.tools.pool_worker import device_mesh
 from tests.sharding_sim import split
 
 RTOL, ATOL = 1e-4, 1e-5
