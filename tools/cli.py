@@ -87,8 +87,23 @@ def main(argv: list[str] | None = None) -> int:
             formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         )
     )
+    from meshfold.tools.corpus import command as corpus
+
+    corpus.add_arguments(
+        sub.add_parser(
+            "corpus",
+            help="the differential corpus: real model code under every plan family against one device",
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+    )
     args = ap.parse_args(argv)
     console = Console()
+    if args.command == "corpus":
+        try:
+            return corpus.run(args, console)
+        except ValueError as e:
+            print(f"meshfold corpus: {e}", file=sys.stderr)
+            return 2
     if args.command == "plan":
         try:
             return plan_cli.run(args, console)

@@ -1,0 +1,178 @@
+"""One cell of the matrix, run on every rank of a pool: an entry compiled under a column's plan and
+trained beside the same model on one device.
+
+Each rank builds the model twice (the same seeded weights), compiles one copy with ``parallelize``
+and trains both for ``steps`` AdamW steps on the entry's inputs, comparing after every backward
+the loss and every gradient (the compiled module's parameters are DTensors under the model's
+FQNs; a pipelined rank holds its stages' only), and the parameters after the last step. It
+reports one of:
+
+* ``equal``: every comparison held;
+* ``refused``: compiling or the first call raised meshfold's own error (``PassError`` or
+  ``CaptureError``, not a pass that crashed), before any collective of a program;
+* ``differs``: the program ran but a value differed (what, by how much).
+
+Anything else (another exception, a rank that died or hung) reaches the pool as a failure; the
+matrix (``meshfold.tools.corpus.matrix``) counts that, and ``differs``, as ``FAIL``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from meshfold.moe_lists import as_stacked
+from meshfold.tools.corpus import plans, registry
+from meshfold.tools.pool_worker import device_mesh
+
+LR = 1e-3
+# NOTE: Adam's step is about lr * g/|g|; eps=1e-6 keeps the step of a gradient near zero proportional
+# to it on both sides (with torch's 1e-8, float noise in a 1e-9 gradient would move its parameter by a
+# sizeable part of lr, differently under any other summation order)
+EPS = 1e-6
+TOLERANCES = {"fp32": (1e-5, 1e-4), "bf16": (2e-3, 2e-2)}
+"""(loss, gradient) relative tolerances by what an entry computes in (``Entry.precision``). NOTE: a
+gradient is compared as a whole against its own largest entry: float32 sums in another order (a
+sharded matmul, a reduce-scatter) differ by ~1e-6 of it, a wrong term by far more; bf16 rounds at
+2^-8 and a split batch rounds each part apart."""
+GRAD_FLOOR = 1e-4
+"""A gradient's scale is at least this share of the model's largest gradient entry: one that is zero
+in exact arithmetic (a key bias under softmax, which adds the same to every score) holds float noise
+around 1e-11, which no two summation orders agree on."""
+PARAM_ATOL = 0.05 * LR
+SEED = 1234
+
+
+def run(entry: str, column: str, steps: int = 3, verify: bool = False) -> dict[str, Any]:
+    """Run cell (``entry``, ``column``) on this rank; returns ``{"status", "message", ...}`` (the
+    module docstring says what each status means)."""
+    from meshfold.api import parallelize
+    from meshfold.passes.base import PassError, PassFailure
+    from meshfold.tracer import CaptureError
+
+    warnings.filterwarnings("ignore")
+    e, col = registry.get(entry), plans.column(column)
+    mesh = device_mesh(col.shape, col.names)
+    net, inputs = e.build()
+    ref, _ = e.build()
+    started = time.perf_counter()
+    torch.manual_seed(SEED)
+    try:
+        pm = parallelize(net, mesh, inputs, verify=verify, **col.kwargs())
+        compiled = time.perf_counter() - started
+        train = _Pipelined(pm, e) if col.pipelined else _Compiled(pm, e)
+        first = train.step(inputs)
+    except (PassError, CaptureError) as err:
+        if isinstance(err, PassFailure) or "PassFailure" in str(err):
+            raise
+        return {"status": "refused", "message": f"{type(err).__name__}: {err}"}
+    out = _Compare(ref, e, train, steps).run(inputs, first)
+    out["compile_s"] = round(compiled, 2)
+    out["seconds"] = round(time.perf_counter() - started, 2)
+    if col.pipelined:
+        pm.close()
+    return out
+
+
+class _Compiled:
+    """Trains a ``ParallelModule``: a call, then ``backward``."""
+
+    def __init__(self, pm: nn.Module, entry: registry.Entry) -> None:
+        self.pm, self.entry = pm, entry
+        self.opt = torch.optim.AdamW(pm.parameters(), lr=LR, eps=EPS)
+
+    def step(self, inputs: tuple[Any, ...]) -> torch.Tensor:
+        loss = self.entry.loss(self.pm(*inputs))
+        loss.backward()
+        return loss.detach()
+
+    def stacks(self) -> tuple[Any, ...]:
+        return tuple(self.pm.graph().stacks)
+
+
+class _Pipelined(_Compiled):
+    """Trains a ``PipelinedModule``: ``pm.step`` (forward and backward by the schedule)."""
+
+    def step(self, inputs: tuple[Any, ...]) -> torch.Tensor:
+        return self.pm.step(*inputs).detach()
+
+    def stacks(self) -> tuple[Any, ...]:
+        return tuple(s for stage in self.pm.stages() for s in self.pm.stage_graph(stage).stacks)
+
+
+class _Compare:
+    """Steps the single-device model beside ``train`` and reports the first difference."""
+
+    def __init__(self, ref: nn.Module, entry: registry.Entry, train: _Compiled, steps: int) -> None:
+        self.ref, self.entry, self.train, self.steps = ref, entry, train, steps
+        self.opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+        self.stacks = train.stacks()
+
+    def run(self, inputs: tuple[Any, ...], first: torch.Tensor) -> dict[str, Any]:
+        torch.manual_seed(SEED)  # NOTE: the program's generator was seeded from this state (random ops draw alike)
+        worst = {"loss": 0.0, "grad": 0.0}
+        for step in range(self.steps):
+            loss = first if step == 0 else self.train.step(inputs)
+            ref_loss = self.entry.loss(self.ref(*inputs))
+            ref_loss.backward()
+            problem = self._loss(step, loss, ref_loss.detach(), worst) or self._grads(step, worst)
+            if problem:
+                return {"status": "differs", "message": problem, **worst}
+            self.train.opt.step()
+            self.opt.step()
+            self.train.opt.zero_grad(set_to_none=True)
+            self.opt.zero_grad(set_to_none=True)
+        problem = self._params()
+        return {"status": "differs" if problem else "equal", "message": problem or "", **worst}
+
+    def _loss(self, step: int, loss: torch.Tensor, ref: torch.Tensor, worst: dict[str, float]) -> str:
+        err = abs(float(loss) - float(ref)) / max(abs(float(ref)), 1e-6)
+        worst["loss"] = max(worst["loss"], err)
+        if not math.isfinite(float(loss)) or err > TOLERANCES[self.entry.precision][0]:
+            return f"step {step}: loss {float(loss):.6g}, single device {float(ref):.6g} (relative {err:.2e})"
+        return ""
+
+    def _grads(self, step: int, worst: dict[str, float]) -> str:
+        want = self._reference("grad")
+        floor = GRAD_FLOOR * max((float(g.abs().max()) for g in want.values() if g is not None), default=0.0)
+        tolerance = TOLERANCES[self.entry.precision][1]
+        for name, p in self.train.pm.named_parameters():
+            if name not in want:
+                return f"step {step}: the compiled module has a parameter {name!r} the model lacks"
+            got = None if p.grad is None else _full(p.grad)
+            if (got is None) != (want[name] is None):
+                side = "compiled" if got is None else "single-device"
+                return f"step {step}: grad {name} is None on the {side} side only"
+            if got is None:
+                continue
+            scale = max(float(want[name].abs().max()), floor, 1e-12)
+            err = float((got - want[name]).abs().max()) / scale
+            worst["grad"] = max(worst["grad"], err)
+            if not math.isfinite(err) or err > tolerance:
+                return f"step {step}: grad {name} differs by {err:.2e} of its largest entry ({scale:.3g})"
+        return ""
+
+    def _params(self) -> str:
+        want = self._reference("param")
+        for name, p in self.train.pm.named_parameters():
+            err = float((_full(p.detach()) - want[name]).abs().max())
+            if err > PARAM_ATOL:
+                return f"param {name} after {self.steps} AdamW steps differs by {err:.2e} (lr {LR})"
+        return ""
+
+    def _reference(self, what: str) -> dict[str, Any]:
+        own = {
+            n: (p.detach() if what == "param" else p.grad) for n, p in self.ref.named_parameters(remove_duplicate=False)
+        }
+        return as_stacked(self.stacks, own) if self.stacks else own
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
