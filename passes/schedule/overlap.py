@@ -3,7 +3,9 @@
 Every collective that moves data becomes a start and a ``comm.wait`` (``ir.asynchrony``), and so
 does every ``mem.reload`` of an offloaded activation on a device with a copy engine (it runs on
 the copy stream, beside the collectives' one); a list scheduler over the time model
-(``timeline.Costs``, the one the sharding solve prices with) orders each phase:
+(``timeline.Costs``, the one the sharding solve prices with) orders each phase, the forward's
+ops first (``_sections``: an op that reads what the backward made is scheduled with the backward,
+whatever its provenance says):
 
 * a collective is started as soon as its operands exist, except one whose operands are all the
   phase's inputs (a parameter's FSDP gather: it could start at the very beginning), which starts
@@ -48,13 +50,14 @@ from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from typing import ClassVar
 
-from meshfold.ir import Graph, GraphBuilder, Op, Value, is_view
+from meshfold.ir import Graph, GraphBuilder, Op, Phase, Value, is_view
 from meshfold.ir.asynchrony import inflight
-from meshfold.ir.ops import PPERMUTE, RELOAD, WAIT
+from meshfold.ir.ops import PPERMUTE, RELOAD, WAIT, draws
 from meshfold.passes.base import Pass, PassContext, PassError
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.cost.axis import axis_models
@@ -121,8 +124,9 @@ class Overlap(Pass):
         opts = replace(self, max_inflight=cap)
         b = GraphBuilder.like(graph)
         blocks = op_blocks(graph)
+        sections = _sections(graph)
         for phase in ("fwd", "bwd"):
-            idx = [k for k, op in enumerate(graph.ops) if op.prov.phase == phase]
+            idx = [k for k, section in enumerate(sections) if section == phase]
             _Scheduler(graph, costs, opts, [graph.ops[k] for k in idx], [blocks[k] for k in idx], b).run()
         for o in graph.outputs:
             b.add_output(o.kind, o.name, o.value)
@@ -148,6 +152,27 @@ class Overlap(Pass):
         return graph, cap
 
 
+def _sections(graph: Graph) -> list[Phase]:
+    """The section of the schedule each op of ``graph`` goes in: ``bwd`` for a backward op and for an
+    op that reads a value the backward section makes (an output's move, tagged ``fwd``, of a value a
+    backward op computes), else ``fwd``.
+
+    NOTE: the forward section is scheduled whole before the backward one, and a scheduler orders
+    only its own section's ops after their producers (a value made elsewhere reads as made before
+    it): so no op of the forward section may read a value of the backward one, or it is emitted
+    before its producer. ``graph`` is in topological order: one walk puts every reader of the
+    backward section's values in it."""
+    late: set[Value] = set()
+    out: list[Phase] = []
+    for op in graph.ops:
+        if op.prov.phase == "bwd" or not late.isdisjoint(op.operands):
+            late.update(op.results)
+            out.append("bwd")
+        else:
+            out.append("fwd")
+    return out
+
+
 class _Scheduler:
     """List scheduling of one phase's ops into ``b`` (see the module doc)."""
 
@@ -156,6 +181,13 @@ class _Scheduler:
         self.comm = {k for k, op in enumerate(ops) if costs.moves_data(op)}
         made = {r: k for k, op in enumerate(ops) for r in op.results}
         self.deps = [sorted({made[v] for v in op.operands if v in made}) for op in ops]
+        # NOTE: random ops draw from the program's one generator in program order (``backends/random.py``):
+        # each waits for the one before it, or two independent dropouts (a parallel residual's) would swap
+        # their masks
+        drawn = [k for k, op in enumerate(ops) if draws(op)]
+        for before, k in itertools.pairwise(drawn):
+            if before not in self.deps[k]:
+                self.deps[k] = sorted([*self.deps[k], before])
         self.users: dict[int, list[int]] = defaultdict(list)
         for k, ds in enumerate(self.deps):
             for d in ds:

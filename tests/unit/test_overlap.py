@@ -12,7 +12,7 @@ from meshfold.ir import VerifyError
 from meshfold.ir.asynchrony import inflight
 from meshfold.ir.asynchrony import starts as starts_of
 from meshfold.ir.graph import local_nbytes
-from meshfold.ir.ops import RELOAD, WAIT
+from meshfold.ir.ops import ALL_REDUCE, RELOAD, WAIT
 from meshfold.passes.cost.axis import axis_models
 from meshfold.passes.cost.hardware import device_cluster, parse_cluster
 from meshfold.passes.cost.memory import rank_memory
@@ -340,3 +340,97 @@ def test_tp_chunks_split_a_gemm_whose_rows_are_reduce_scattered() -> None:
     # NOTE: scattered on the columns themselves: left whole
     cols = ir.parse(SCATTER.replace("DIM", "1"))
     assert [op.name for op in chunk_matmuls(cols, 3).ops] == [op.name for op in cols.ops]
+
+
+def test_random_ops_keep_their_order_through_the_schedule() -> None:
+    """Dropout draws from the program's one generator in program order: a parallel-residual block's two
+    dropouts (independent branches the scheduler may otherwise interleave around ring attention's
+    collectives) keep the order they were captured in, so each draws the single-device model's mask."""
+    from meshfold.ir.ops import draws
+    from meshfold.tools.corpus import registry
+
+    net, inputs = registry.get("gen-0-3").build()  # NOTE: parallel residual, dropout on both branches
+    opts = CompileOptions.of(mesh=ir.Mesh(("dp", "cp"), (2, 2)), plan="fsdp+cp", cp={"method": "ring"})
+    result = compile_model(net, inputs, opts)
+    captured = [op.prov.module for op in result.captured.ops if draws(op)]
+    compiled = [op.prov.module for op in result.graph.ops if draws(op)]
+    assert len(captured) == 8 and compiled == captured, compiled
+
+
+# NOTE: tests/ir_corpus/mm_i64_in_sharded_graph.ir with its operand f32 (a valid program): sharding moves
+# the output to R by a dp all-reduce tagged ``fwd`` (every ``out`` output's move is) of %y, which the
+# backward computes
+MM_IN_THE_BACKWARD = """\
+graph @g mesh<dp=2, tp=2> {
+  input %x : f32[4, 8] {dp: S(0)}
+  input %w : f32[8, 16] {tp: S(1)}
+  %h = aten.neg(%x) : f32[4, 8] {dp: S(0)}  # layers.0.mlp fwd
+  %y = aten.mm(%h, %w) : f32[4, 16] {dp: S(0), tp: S(1)}  # layers.0.mlp bwd
+  output out(0) = %y
+}
+"""
+
+
+def test_a_forward_op_reading_what_the_backward_made_is_scheduled_after_it() -> None:
+    """The default pipeline up to ``overlap`` on a graph whose output's forward-tagged all-reduce reads a
+    backward value: the all-reduce is started after the GEMM that makes its operand (it was started at
+    the forward's beginning, before %y existed, and the printer crashed on the result); the program
+    verifies and its text reads back as itself."""
+    from meshfold.session import DEFAULT_PIPELINE
+
+    g = ir.parse(MM_IN_THE_BACKWARD)
+    pipeline = DEFAULT_PIPELINE.removesuffix(",verify")
+    assert pipeline.endswith("overlap")
+    out = compile_model(g, options=CompileOptions.of(mesh=g.mesh, pipeline=pipeline)).graph
+    ir.verify(out)  # NOTE: every operand defined before the op that reads it, every wait after its start
+    text = str(out)
+    assert str(ir.parse(text)) == text
+    unscheduled = compile_model(g, options=CompileOptions.of(mesh=g.mesh, pipeline=pipeline.removesuffix(",overlap")))
+    assert sorted(op.name for op in out.ops if op.target != WAIT) == sorted(op.name for op in unscheduled.graph.ops)
+    (reduce,) = (op for op in out.ops if op.name == "comm.all_reduce")
+    assert reduce.prov.phase == "fwd" and [v.name for v in reduce.operands] == ["y"]
+
+
+def test_readers_of_a_forward_op_that_reads_the_backward_follow_it() -> None:
+    """A boxed graph scheduled alone: a forward-tagged all-reduce of a backward GEMM's partial sum, and a
+    forward-tagged relu of what it brings, both go after the GEMM (the backward section takes every
+    reader of its values, and their readers in turn)."""
+    from meshfold.passes.sharding.boxing import BOXED
+    from meshfold.passes.sharding.propagate import SHARDED
+
+    g = ir.parse(
+        "graph @g mesh<dp=2> {\n"
+        "  input %x : f32[32, 64] {dp: S(1)}\n"
+        "  param %w : f32[64, 64] {dp: S(0)}\n"
+        "  %h = aten.neg(%x) : f32[32, 64] {dp: S(1)}  # l fwd\n"
+        "  %p = aten.mm(%h, %w) : f32[32, 64] {dp: P(sum)}  # l bwd\n"
+        '  %r = comm.all_reduce(%p, axis="dp", reduce="sum") : f32[32, 64]  # <root> fwd\n'
+        "  %y = aten.relu(%r) : f32[32, 64]  # <root> fwd\n"
+        "  output out(0) = %y\n"
+        "}\n"
+    )
+    out = compile_model(g, options=CompileOptions.of(pipeline="overlap"), assume=frozenset({SHARDED, BOXED})).graph
+    ir.verify(out)
+    assert [op.name for op in out.ops] == ["aten.neg", "aten.mm", "comm.all_reduce", "comm.wait", "aten.relu"]
+    assert str(ir.parse(str(out))) == str(out)
+
+
+def test_a_start_before_its_operand_is_made_is_refused_by_name() -> None:
+    """What the scheduler wrote before the fix (an all-reduce started before the GEMM that makes its
+    operand): the verifier names the op and the value, and the printer refuses it with the value's
+    name (no lookup error from inside it)."""
+    g = ir.parse(MM_IN_THE_BACKWARD)
+    neg, mm = g.ops
+    b = ir.GraphBuilder.like(g)
+    reduced = ir.Value("y_1", mm.result.type, ir.Layout.replicated(g.mesh))  # type: ignore[arg-type]
+    handle = ir.Value("y_start", reduced.type, reduced.layout)
+    b.append(neg)
+    b.append(ir.Op(ALL_REDUCE, (mm.result,), (("axis", "dp"), ("reduce", "sum")), (handle,), ir.Provenance()))
+    b.append(mm)
+    b.append(ir.Op(WAIT, (handle,), (), (reduced,), ir.Provenance()))
+    b.add_output("out", "0", reduced)
+    bad = b.build()
+    with pytest.raises(VerifyError, match=r"comm\.all_reduce at <root> \(fwd\): operand %y is not defined before"):
+        ir.verify(bad, check_types=False)
+    with pytest.raises(ValueError, match="value %y is used before it is defined"):
+        str(bad)
