@@ -68,7 +68,8 @@ def parallelize(
     """Compile ``model`` for ``mesh`` with ``plan`` and return this rank's ``ParallelModule``.
 
     Everything that can be wrong with the request (mesh vs world size, unknown preset or axis,
-    indivisible sizes, a batch the data-parallel ranks do not divide) raises before any collective.
+    indivisible sizes) raises before any collective; a batch the data-parallel ranks do not divide
+    is split over the axes that divide it and computed whole on the others.
     ``verify``: the first step also checks every value on every rank against the single-device
     model and raises ``VerificationError`` naming the first that differs (op, module path, layouts).
 
@@ -110,8 +111,8 @@ def parallelize(
     Every call is checked on every rank alike before any collective of the program. A call with
     other input shapes or dtypes, in the other mode (``pm.eval()``), or under ``torch.no_grad()``
     (a forward-only program) gets its own program, compiled on first use; the module keeps
-    ``cache_size`` of them (``pm.programs()`` lists them). A call no program can run (a batch the
-    data-parallel ranks do not divide) raises ``CallMismatch`` naming the input and both shapes.
+    ``cache_size`` of them (``pm.programs()`` lists them). A call no program can run (a bf16 input to
+    an fp32 model) raises ``CallMismatch`` naming the input and both signatures.
 
     ``backend``: how each rank's programs run: ``"eager"`` op by op, ``"inductor"`` compiled by
     TorchInductor on first call (``meshfold.backends.inductor``; what it cannot compile is refused

@@ -136,7 +136,9 @@ def summary(cells: Sequence[Cell]) -> str:
     ran = n["equal"] + n["refused"] + n["FAIL"]
     share = 100.0 * n["refused"] / ran if ran else 0.0
     extra = ", ".join(f"{n[s]} {s}" for s in ("n/a", "skipped") if n[s])
-    return f"{ran} cells: {n['equal']} equal, {n['refused']} refused ({share:.1f}%), {n['FAIL']} FAIL" + (
+    odd = sum(1 for c in cells if c.status == "refused" and limitation(c) is None)
+    undocumented = f" ({odd} no limitation documents)" if odd else ""
+    return f"{ran} cells: {n['equal']} equal, {n['refused']} refused ({share:.1f}%){undocumented}, {n['FAIL']} FAIL" + (
         f" ({extra})" if extra else ""
     )
 
@@ -160,38 +162,98 @@ def rich_table(cells: Sequence[Cell], entries: Sequence[Entry], columns: Sequenc
     return table
 
 
+@dataclass(frozen=True)
+class Limitation:
+    """A plan a kind of model truly cannot run equal to one device: the cells whose refusal message
+    holds ``phrase`` are this one, documented with ``why`` and what to do instead."""
+
+    phrase: str
+    title: str
+    why: str
+
+
+LIMITATIONS: tuple[Limitation, ...] = (
+    Limitation(
+        "draws random numbers",
+        "Dropout under a pipeline",
+        "each microbatch would draw its own mask from the generator, so no pipelined step draws the "
+        "single-device model's masks over the whole batch; train pipelined with dropout off (p=0), which "
+        "large-model pretraining does, or use a plan without pp",
+    ),
+    Limitation(
+        "updates buffers in place",
+        "Running statistics under a pipeline",
+        "BatchNorm (and torchtitan's MoE token counters) normalise by, and update their buffers from, the "
+        "batch they see: a microbatch's statistics are not the batch's. Use a plan without pp, or GroupNorm",
+    ),
+    Limitation(
+        "only the hidden states a layer",
+        "A value shared by every layer, made by the first",
+        "T5 computes its relative position bias in its first block and hands it to every later one: under a "
+        "pipeline that value would cross every stage boundary beside the hidden states. Use a plan without "
+        "pp for such models",
+    ),
+)
+
+
+def limitation(cell: Cell) -> Limitation | None:
+    """The documented limitation a refused cell is, if any."""
+    return next((lim for lim in LIMITATIONS if lim.phrase in cell.message), None)
+
+
 def markdown(cells: Sequence[Cell], entries: Sequence[Entry], columns: Sequence[Column]) -> str:
-    """The matrix as a markdown page: the date, the commit, the counts, the table, then every
-    refusal and failure with its message."""
+    """The matrix as a markdown page: the date, the commit, the counts, the table, the entries and
+    columns, every refusal under the documented limitation it is (or listed as undocumented), and
+    every failure with its message."""
     by = {c.key: c for c in cells}
     lines = [
         "# The differential corpus",
         "",
         f"Run on {date.today().isoformat()} at commit `{_commit()}` on {WORLD} gloo ranks "
-        "(`meshfold corpus --markdown docs/corpus.md`). Each cell trains the entry under the column's plan "
-        "for three AdamW steps beside the same model on one device, comparing the loss and every gradient "
-        "after each backward and the parameters after the last step.",
+        "(`meshfold corpus --markdown docs/corpus.md`; `meshfold corpus --cell ENTRY:COLUMN` reruns one cell "
+        "and prints its ranks' logs). Each cell compiles the entry under the column's plan and trains it for "
+        "three AdamW steps beside the same model on one device: after every backward the loss (relative "
+        "1e-5) and every gradient (its largest difference at most 1e-4 of its own largest entry, or of "
+        "1e-4 of the model's largest gradient where that is larger: a gradient that is zero in exact "
+        "arithmetic holds float noise), and the parameters after the last step (within 5% of one step). An "
+        "entry whose own code computes in bf16 is held to bf16's rounding (2e-3, 2e-2).",
         "",
-        f"**{summary(cells)}.** `=` equal, `R` refused before any collective, `FAIL` differs, crashed "
-        "or hung, `·` the family does not apply, `-` the entry's modules are not installed.",
+        f"**{summary(cells)}.** `=` equal, `R` refused on every rank before any collective of a program, "
+        "`FAIL` a value differed or a rank crashed or hung, `·` the family does not apply to the entry "
+        "(context parallelism without attention, expert parallelism without experts, pipelines without a "
+        "layer stack), `-` the entry's modules are not installed.",
         "",
-        "| entry | kind | source | " + " | ".join(c.name for c in columns) + " |",
-        "|---|---|---|" + "|".join(":-:" for _ in columns) + "|",
+        "| entry | kind | " + " | ".join(c.name for c in columns) + " |",
+        "|---|---|" + "|".join(":-:" for _ in columns) + "|",
     ]
     for e in entries:
         marks = [MARKS[by[k].status] if (k := f"{e.name}:{c.name}") in by else "" for c in columns]
-        lines.append(f"| {e.name} | {e.kind} | {e.source} | " + " | ".join(marks) + " |")
+        lines.append(f"| {e.name} | {e.kind} | " + " | ".join(marks) + " |")
+    lines += ["", "## Entries", ""]
+    lines += [f"- `{e.name}` ({e.kind}, {e.source}): {e.note}" for e in entries]
     lines += ["", "## Columns", ""]
     for c in columns:
         opts = ", ".join(f"{k}={v!r}" for k, v in c.kwargs().items() if k != "plan")
-        needs = f"; only entries with {', '.join(sorted(c.needs))}" if c.needs else ""
+        needs = f"; entries with {', '.join(sorted(c.needs))}" if c.needs else ""
         lines.append(f"- `{c.name}`: mesh `{c.mesh}`, plan `{c.plan}`{', ' + opts if opts else ''}{needs}")
-    notes = [c for c in cells if c.status in ("refused", "FAIL")]
-    if notes:
-        lines += ["", "## Refusals and failures", ""]
-        for c in notes:
-            lines.append(f"- **{c.entry} / {c.column}** ({c.status}): {c.message.splitlines()[0] if c.message else ''}")
+    refused = [c for c in cells if c.status == "refused"]
+    lines += ["", "## Refusals: documented limitations", ""]
+    for lim in LIMITATIONS:
+        mine = [c for c in refused if limitation(c) is lim]
+        if mine:
+            lines.append(f"- **{lim.title}** ({len(mine)} cells: {', '.join(c.key for c in mine)}): {lim.why}.")
+            lines.append(f"  The message, e.g.: `{_first_line(mine[0].message)}`")
+    other = [c for c in refused if limitation(c) is None]
+    failed = [c for c in cells if c.status == "FAIL"]
+    for title, group in (("Refusals no limitation documents", other), ("Failures", failed)):
+        if group:
+            lines += ["", f"## {title}", ""]
+            lines += [f"- **{c.key}**: `{_first_line(c.message)}`" for c in group]
     return "\n".join(lines) + "\n"
+
+
+def _first_line(text: str) -> str:
+    return text.strip().splitlines()[0].replace("`", "'") if text.strip() else ""
 
 
 def _commit() -> str:
