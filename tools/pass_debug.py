@@ -103,8 +103,15 @@ def _verify(graph: ir.Graph, where: str) -> None:
 
 
 def _print_ir(header: str, graph: ir.Graph) -> None:
+    # NOTE: a graph the printer cannot write (a value read before it is made) is a broken pass; say
+    # which, as the verifier would, instead of a traceback from the printer
+    try:
+        text = str(graph)
+    except ValueError:
+        _verify(graph, header.replace("IR ", "", 1))
+        raise
     print(f"// ----- {header} -----")
-    print(str(graph), end="", flush=True)
+    print(text, end="", flush=True)
 
 
 def _timing_table(timings: Sequence[PassTiming], passes: Sequence[Pass]) -> Table:

@@ -434,3 +434,9 @@ def test_a_start_before_its_operand_is_made_is_refused_by_name() -> None:
         ir.verify(bad, check_types=False)
     with pytest.raises(ValueError, match="value %y is used before it is defined"):
         str(bad)
+    # NOTE: pass-debug asked to print it says so as a CLI error, naming the op and the value
+    from meshfold.tools.common import CliError
+    from meshfold.tools.pass_debug import _print_ir
+
+    with pytest.raises(CliError, match=r"after pass 3 .*comm\.all_reduce at <root> \(fwd\): operand %y"):
+        _print_ir("IR after pass 3 of 9 (overlap)", bad)
