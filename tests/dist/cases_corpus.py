@@ -4,6 +4,7 @@ does besides one backward per step."""
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import torch
 
@@ -17,12 +18,7 @@ def accumulated_and_clipped(entry: str, shape: tuple[int, ...], names: tuple[str
     gradient equals the single-device model's, for two steps; returns the largest relative difference.
     Both act in place on ``.grad``, so two parameters sharing one gradient tensor would each change the
     other's (the output biases of a parallel-residual block get one sum)."""
-    warnings.filterwarnings("ignore")
-    e = registry.get(entry)
-    mesh = device_mesh(shape, names)
-    net, inputs = e.build()
-    ref, _ = e.build()
-    pm = parallelize(net, mesh, inputs, plan=plan)
+    e, pm, ref, inputs = _compiled(entry, shape, names, plan)
     opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (pm, ref)]
     halves = [tuple(x[k::2] for x in inputs) for k in range(2)]
     worst = 0.0
@@ -52,12 +48,7 @@ def uneven_batches(
     data-parallel ranks do not divide among them): each step's loss and gradients equal the
     single-device model's, and the parameters after every AdamW step. Returns, per batch, the layout
     its program gave the first input."""
-    warnings.filterwarnings("ignore")
-    e = registry.get(entry)
-    mesh = device_mesh(shape, names)
-    net, inputs = e.build()
-    ref, _ = e.build()
-    pm = parallelize(net, mesh, inputs, plan=plan)
+    e, pm, ref, inputs = _compiled(entry, shape, names, plan)
     opts = [torch.optim.AdamW(m.parameters(), lr=1e-3, eps=1e-6) for m in (pm, ref)]
     layouts = []
     for b in batches:
@@ -82,3 +73,14 @@ def uneven_batches(
     for name, p in pm.named_parameters():
         torch.testing.assert_close(p.detach().full_tensor(), want[name].detach(), rtol=0, atol=5e-5)
     return layouts
+
+
+def _compiled(
+    entry: str, shape: tuple[int, ...], names: tuple[str, ...], plan: str
+) -> tuple[registry.Entry, torch.nn.Module, torch.nn.Module, tuple[Any, ...]]:
+    """The corpus entry compiled under ``plan`` on a mesh of ``shape``/``names``, and its single-device twin."""
+    warnings.filterwarnings("ignore")
+    e = registry.get(entry)
+    net, inputs = e.build()
+    ref, _ = e.build()
+    return e, parallelize(net, device_mesh(shape, names), inputs, plan=plan), ref, inputs

@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from meshfold.tools.zoo.models import RMSNorm
+
 if TYPE_CHECKING:
     from meshfold.tools.corpus.entries.grammar import ModelSpec
 
@@ -30,20 +32,6 @@ DROPOUT = 0.1
 ROPE_BASE = 10000.0
 LOGIT_SCALE = 0.5
 EMBED_STD = 0.02
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dimension, computed in fp32, with a learned scale."""
-
-    def __init__(self, dim: int, eps: float = 1e-6) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
 
 
 def make_norm(spec: ModelSpec, dim: int) -> nn.Module:
