@@ -34,11 +34,17 @@ class Expert(nn.Module):
 
 
 class LoopMoe(nn.Module):
-    """An LM with one MoE layer in the per-expert loop form; ``combine`` picks how outputs are added."""
+    """An LM with one MoE layer in the per-expert loop form; ``combine`` picks how outputs are added,
+    ``dispatch`` how the loop finds an expert's tokens: ``where-eq`` (``torch.where(top_i == e)``),
+    ``one-hot`` (transformers v4 Mixtral's ``one_hot(top_i).permute(2, 1, 0)`` mask, its gather and
+    cast), ``one-hot-tk`` (the mask permuted token-major, ``permute(2, 0, 1)``)."""
 
-    def __init__(self, act: str = "silu", bias: bool = False, combine: str = "index_add") -> None:
+    def __init__(
+        self, act: str = "silu", bias: bool = False, combine: str = "index_add", dispatch: str = "where-eq"
+    ) -> None:
         super().__init__()
         self.combine = combine
+        self.dispatch = dispatch
         self.embed = nn.Embedding(VOCAB, H)
         self.router = nn.Linear(H, E, bias=False)
         self.experts = nn.ModuleList(Expert(act, bias) for _ in range(E))
@@ -52,6 +58,9 @@ class LoopMoe(nn.Module):
             every = torch.stack([expert(flat) for expert in self.experts], dim=1)
             return F.cross_entropy(self.head((dense_w.unsqueeze(-1) * every).sum(dim=1) + flat), ids.reshape(-1))
         out = torch.zeros_like(flat)
+        if self.dispatch != "where-eq":
+            self._add_one_hot(out, flat, top_w, top_i)
+            return F.cross_entropy(self.head(out + flat), ids.reshape(-1))
         for e, expert in enumerate(self.experts):
             rows, slot = torch.where(top_i == e)
             y = expert(flat[rows]) * top_w[rows, slot, None]
@@ -60,6 +69,19 @@ class LoopMoe(nn.Module):
             else:
                 out = out.index_put((rows,), y, accumulate=True)
         return F.cross_entropy(self.head(out + flat), ids.reshape(-1))
+
+    def _add_one_hot(self, out: torch.Tensor, flat: torch.Tensor, top_w: torch.Tensor, top_i: torch.Tensor) -> None:
+        if self.dispatch == "one-hot":
+            mask = F.one_hot(top_i, num_classes=E).permute(2, 1, 0)
+            for e, expert in enumerate(self.experts):
+                slot, rows = torch.where(mask[e])
+                y = expert(flat[None, rows].reshape(-1, H)) * top_w[rows, slot, None]
+                out.index_add_(0, rows, y.to(flat.dtype))
+        else:
+            mask = F.one_hot(top_i, num_classes=E).permute(2, 0, 1)
+            for e, expert in enumerate(self.experts):
+                rows, slot = torch.where(mask[e])
+                out.index_add_(0, rows, expert(flat[rows]) * top_w[rows, slot, None])
 
 
 def _ids() -> torch.Tensor:
@@ -73,6 +95,11 @@ def _capture_recording(model: nn.Module) -> tuple[object, list[str]]:
     return g, [str(w.message) for w in caught if "MoE layer" in str(w.message)]
 
 
+def _program(g: object) -> list[str]:
+    """``g``'s text without the provenance comments (module, phase, source line)."""
+    return [line.split("  # ", 1)[0] for line in str(g).splitlines()]
+
+
 @pytest.mark.parametrize(("act", "combine"), [("silu", "index_add"), ("gelu_tanh", "index_add"), ("silu", "dense")])
 def test_experts_with_their_own_names_fold_and_match_eager(act: str, combine: str) -> None:
     torch.manual_seed(0)
@@ -84,6 +111,21 @@ def test_experts_with_their_own_names_fold_and_match_eager(act: str, combine: st
     (gate_up, down) = g.stacks  # type: ignore[attr-defined]
     assert gate_up.members[2] == ("experts.2.gate.weight", "experts.2.inp.weight")
     assert down.members[0] == ("experts.0.out.weight",)
+    assert_graph_matches_eager(g, model, (_ids(),))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("dispatch", ["one-hot", "one-hot-tk"])
+def test_a_one_hot_mask_loop_folds_like_the_where_eq_loop(dispatch: str) -> None:
+    """The one-hot mask's ``torch.where`` selects the same tokens of each expert as ``top_i == e``: the
+    captured program is the where-eq loop's, op for op (one experts op on the same stacks, the mask
+    gone), and its loss and gradients equal the eager model's."""
+    torch.manual_seed(0)
+    model = LoopMoe(dispatch=dispatch)
+    g, notes = _capture_recording(model)
+    assert notes == []
+    reference, _ = _capture_recording(LoopMoe())
+    assert _program(g) == _program(reference)
+    assert [op.target for op in g.ops].count(EXPERTS) == 1  # type: ignore[attr-defined]
     assert_graph_matches_eager(g, model, (_ids(),))  # type: ignore[arg-type]
 
 
