@@ -49,6 +49,10 @@ def _pp(schedule: str, rest: str, **extra: Any) -> Column:
     return Column(f"pp-{schedule}-{rest}", "pp", ("pp", axis), (2, 2), f"pp+{rest}", (("pp", spec),), deep)
 
 
+SEQUENCE = frozenset({"attention", "tokens"})
+"""What context parallelism needs: attention over a sequence the inputs hold (the ``cp`` preset splits
+each input's dim 1; an image's tokens are made inside the model)."""
+
 COLUMNS: tuple[Column, ...] = (
     Column("ddp", "ddp", ("dp",), (4,), "ddp"),
     Column("fsdp", "fsdp", ("dp",), (4,), "fsdp"),
@@ -59,9 +63,9 @@ COLUMNS: tuple[Column, ...] = (
     Column("mem-selective", "memory", ("dp", "tp"), (2, 2), "fsdp+tp", (("memory", "selective"),)),
     Column("mem-kv", "memory", ("dp", "tp"), (2, 2), "fsdp+tp", (("memory", "kv"),), frozenset({"attention"})),
     Column("mem-offload", "memory", ("dp", "tp"), (2, 2), "fsdp+tp", (("memory", "offload"),)),
-    Column("cp-ring", "cp", ("dp", "cp"), (2, 2), "fsdp+cp", (("cp", "ring"),), frozenset({"attention"})),
-    Column("cp-tokenring", "cp", ("dp", "cp"), (2, 2), "fsdp+cp", (("cp", "tokenring"),), frozenset({"attention"})),
-    Column("cp-ulysses", "cp", ("dp", "cp"), (2, 2), "fsdp+cp", (("cp", "ulysses"),), frozenset({"attention"})),
+    Column("cp-ring", "cp", ("dp", "cp"), (2, 2), "fsdp+cp", (("cp", "ring"),), SEQUENCE),
+    Column("cp-tokenring", "cp", ("dp", "cp"), (2, 2), "fsdp+cp", (("cp", "tokenring"),), SEQUENCE),
+    Column("cp-ulysses", "cp", ("dp", "cp"), (2, 2), "fsdp+cp", (("cp", "ulysses"),), SEQUENCE),
     _pp("gpipe", "ddp"),
     _pp("1f1b", "fsdp"),
     _pp("1f1b", "tp"),
