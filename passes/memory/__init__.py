@@ -41,7 +41,7 @@ from meshfold.passes.cost.memory import rank_memory, size_text
 from meshfold.passes.memory.budget import copy_windows, decide
 from meshfold.passes.memory.offload import offloaded, saved_activations
 from meshfold.passes.memory.policies import ANSWERS, Saved, policy_values
-from meshfold.passes.memory.recompute import recomputable, recompute
+from meshfold.passes.memory.recompute import overwritten_buffers, recomputable, recompute
 from meshfold.passes.schedule.overlap import SCHEDULED
 from meshfold.passes.schedule.timeline import Costs
 from meshfold.passes.sharding.boxing import BOXED
@@ -127,11 +127,12 @@ class Memory(Pass):
         answers for it (``policies.Saved``)."""
         assert graph.mesh is not None
         made = {r: op for op in graph.ops for r in op.results}
+        overwritten = overwritten_buffers(graph)
         again: set[Value] = set()
         away: set[Value] = set()
         for v in saved_activations(graph, min_bytes=0):
             op = made[v]
-            seen = Saved(v.name, op.prov.module, op.name, local_nbytes(v, graph.mesh), recomputable(op))
+            seen = Saved(v.name, op.prov.module, op.name, local_nbytes(v, graph.mesh), recomputable(op, overwritten))
             answer = ask(seen)
             if answer not in ANSWERS:
                 raise PassError(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from meshfold.ir import Graph, Op, OpDef, Value
 from meshfold.passes.blocks import op_blocks
-from meshfold.passes.memory.recompute import recomputable
+from meshfold.passes.memory.recompute import overwritten_buffers, recomputable
 
 POLICIES = ("full", "selective", "kv")
 ANSWERS = ("save", "recompute", "offload")
@@ -51,20 +51,21 @@ def policy_values(graph: Graph, policy: str) -> dict[str, set[Value]]:
     labels = op_blocks(graph)
     fwd = [(op, b) for op, b in zip(graph.ops, labels, strict=True) if op.prov.phase == "fwd"]
     attention = {op.prov.module for op, _ in fwd if _is_attention(op)}
+    overwritten = overwritten_buffers(graph)
     chosen: dict[str, set[Value]] = defaultdict(set)
     if policy == "full":
         for op, b in fwd:
-            if b and recomputable(op):
+            if b and recomputable(op, overwritten):
                 chosen[b].update(op.results)
         return _inner(graph, fwd, chosen)
     if policy == "pointwise":  # NOTE: the budget's first stage, not a user policy
         for op, b in fwd:
-            if b and recomputable(op) and not _heavy(op):
+            if b and recomputable(op, overwritten) and not _heavy(op):
                 chosen[b].update(op.results)
         return _inner(graph, fwd, chosen)
     if policy == "selective":
         for op, b in fwd:
-            if b and op.prov.module in attention and recomputable(op):
+            if b and op.prov.module in attention and recomputable(op, overwritten):
                 chosen[b].update(op.results)
         return _inner(graph, fwd, chosen)
     if policy != "kv":
@@ -74,7 +75,7 @@ def policy_values(graph: Graph, policy: str) -> dict[str, set[Value]]:
         leaf = op.prov.module.rsplit(".", 1)[-1]
         reads_kv = any(u in keys for u in op.operands)
         in_path = _KV.search(leaf) is not None or (op.prov.module in attention and reads_kv)
-        if b and in_path and recomputable(op) and not _is_attention(op):
+        if b and in_path and recomputable(op, overwritten) and not _is_attention(op):
             keys.update(op.results)
             chosen[b].update(op.results)
     return _inner(graph, fwd, chosen)

@@ -22,13 +22,20 @@ from meshfold.ir.ops import draws
 from meshfold.passes.cleanup import computation_key
 
 
-def recomputable(op: Op) -> bool:
+def recomputable(op: Op, overwritten: Collection[Value] = frozenset()) -> bool:
     """Whether running ``op`` again in the backward gives what the forward's run gave: a forward op
-    that mutates nothing and draws nothing (attention without dropout is tagged as seeded but draws
-    nothing)."""
-    if op.prov.phase != "fwd" or draws(op):
+    that mutates nothing, draws nothing (attention without dropout is tagged as seeded but draws
+    nothing) and reads no buffer the step ``overwritten`` (``overwritten_buffers``: in the backward
+    it would read the new value; BatchNorm reads the running statistics it updates)."""
+    if op.prov.phase != "fwd" or draws(op) or any(v in overwritten for v in op.operands):
         return False
     return op.target.pure if isinstance(op.target, OpDef) else not op.target._schema.is_mutable
+
+
+def overwritten_buffers(graph: Graph) -> frozenset[Value]:
+    """The buffers (graph inputs) a step of ``graph`` updates in place (an ``update`` output names them)."""
+    updated = {o.name for o in graph.outputs if o.kind == "update"}
+    return frozenset(i.value for i in graph.inputs if i.kind == "buffer" and i.name in updated)
 
 
 def recompute(graph: Graph, chosen: Collection[Value]) -> Graph:
@@ -37,9 +44,10 @@ def recompute(graph: Graph, chosen: Collection[Value]) -> Graph:
     op produces, or one the graph outputs."""
     made = {r: op for op in graph.ops if op.prov.phase == "fwd" for r in op.results}
     outputs = {o.value for o in graph.outputs}
+    overwritten = overwritten_buffers(graph)
     for v in chosen:
         op = made.get(v)
-        if op is None or not recomputable(op) or v in outputs:
+        if op is None or not recomputable(op, overwritten) or v in outputs:
             raise ValueError(f"%{v.name} cannot be recomputed: only a pure forward op's non-output result can")
     names = {i.value.name for i in graph.inputs} | {r.name for op in graph.ops for r in op.results}
     copy: dict[Value, Value] = {}
@@ -82,5 +90,7 @@ def recompute(graph: Graph, chosen: Collection[Value]) -> Graph:
             continue
         b.append(op if args == op.args and kwargs == op.kwargs else Op(op.target, args, kwargs, op.results, op.prov))
     for o in graph.outputs:
-        b.add_output(o.kind, o.name, copy.get(o.value, o.value))
+        # NOTE: the forward's outputs (the loss, a buffer's update) stay the forward's values: a recomputed
+        # op's other results (BatchNorm's new running statistics beside its output) are copied too
+        b.add_output(o.kind, o.name, copy.get(o.value, o.value) if o.kind == "grad" else o.value)
     return b.build()

@@ -167,3 +167,20 @@ def test_offload_moves_saved_activations_to_the_host_tier_and_back() -> None:
         result = compile_model(net, inputs, CompileOptions.of(mesh="dp=2,tp=2", plan="fsdp+tp", memory="offload"))
     stats = result.stats["memory"]
     assert isinstance(stats, dict) and stats["offloaded"] and stats["peak_after"] < stats["peak_before"]
+
+
+def test_ops_reading_a_buffer_the_step_updates_are_not_recomputed() -> None:
+    """BatchNorm reads the running statistics it updates: run again in the backward it would read the
+    updated ones (and the step's in-place update of the buffer would invalidate what autograd saved),
+    so under ``memory="full"`` its output is kept; the step's buffer updates stay the forward's."""
+    from meshfold.tools.corpus import registry
+
+    net, inputs = registry.get("script-resnet-bn").build()
+    opts = CompileOptions.of(mesh=ir.Mesh(("dp",), (2,)), plan="ddp", memory="full")
+    graph = compile_model(net, inputs, opts).graph
+    buffers = {i.value for i in graph.inputs if i.kind == "buffer"}
+    assert any(op.prov.phase == "bwd" and op.prov.module for op in graph.ops if op.name.endswith("convolution"))
+    assert not [op.describe() for op in graph.ops if op.prov.phase == "bwd" and buffers & set(op.operands)]
+    made = {r: op for op in graph.ops for r in op.results}
+    updates = [o for o in graph.outputs if o.kind == "update"]
+    assert updates and all(made[o.value].prov.phase == "fwd" for o in updates if o.value in made)
