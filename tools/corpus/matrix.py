@@ -187,6 +187,22 @@ LIMITATIONS: tuple[Limitation, ...] = (
         "batch they see: a microbatch's statistics are not the batch's. Use a plan without pp, or GroupNorm",
     ),
     Limitation(
+        "split neither by batch nor by heads",
+        "Ulysses where the decoder's input is made from the labels",
+        "BART and Marian build their decoder's input by shifting the labels one place along the sequence "
+        "(new_zeros, then slice_scatter): the solve keeps that whole, so Ulysses would give every rank the "
+        "whole sequence to attend over, and meshfold says so rather than run the attention unsplit; ring "
+        "attention (cp={'method': 'ring'}) trains them",
+    ),
+    Limitation(
+        "has no MoE layer meshfold can fold",
+        "Expert parallelism on experts meshfold does not recognise",
+        "torchtitan's DeepSeek-V3 runs its experts as one grouped matmul over tokens sorted by expert "
+        "(torch._grouped_mm with per-expert counts), a form meshfold's MoE folding does not read; moe= "
+        "refuses it naming the reason. Every other plan trains it; writing the experts as one call of "
+        "meshfold.moe_experts gives them expert parallelism",
+    ),
+    Limitation(
         "only the hidden states a layer",
         "A value shared by every layer, made by the first",
         "T5 computes its relative position bias in its first block and hands it to every later one: under a "
@@ -216,7 +232,7 @@ def markdown(cells: Sequence[Cell], entries: Sequence[Entry], columns: Sequence[
         "1e-5) and every gradient (its largest difference at most 1e-4 of its own largest entry, or of "
         "1e-4 of the model's largest gradient where that is larger: a gradient that is zero in exact "
         "arithmetic holds float noise), and the parameters after the last step (within 5% of one step). An "
-        "entry whose own code computes in bf16 is held to bf16's rounding (2e-3, 2e-2).",
+        "entry whose own code computes in bf16 is held to bf16's rounding (2e-3, 2e-2, a quarter step).",
         "",
         f"**{summary(cells)}.** `=` equal, `R` refused on every rank before any collective of a program, "
         "`FAIL` a value differed or a rank crashed or hung, `·` the family does not apply to the entry "
