@@ -196,13 +196,15 @@ def batch_split(graph: Graph, mesh: Mesh, axes: Sequence[str]) -> list[str]:
         for i in graph.inputs
         if i.kind == "input" and isinstance(t := i.value.type, TensorType) and t.rank and isinstance(t.shape[0], int)
     }
-    best: tuple[int, list[str]] = (1, [])
-    for n in range(len(axes), 0, -1):
-        for subset in itertools.combinations(axes, n):
+    best: tuple[int, tuple[str, ...]] = (1, ())
+    many = [a for a in axes if mesh.size(a) > 1]
+    for n in range(len(many), 0, -1):
+        for subset in itertools.combinations(many, n):
             ways = math.prod(mesh.size(a) for a in subset)
             if ways > best[0] and all(b % ways == 0 for b in sizes):
-                best = (ways, list(subset))
-    return best[1]
+                best = (ways, subset)
+    # NOTE: an axis of one rank splits any batch
+    return [a for a in axes if a in best[1] or mesh.size(a) == 1]
 
 
 def _batch_layout(name: str, t: TensorType, mesh: Mesh, data_axes: list[str]) -> Layout:

@@ -230,3 +230,22 @@ def test_cp_that_splits_no_attention_or_no_sequence_is_refused_by_name() -> None
         _compile("llama-tiny", ir.Mesh.parse("cp=8"), "cp", mode="solve")
     with pytest.raises(PassError, match=r"sequence length 16 .* not divisible by the 3 context-parallel ranks"):
         _compile("llama-tiny", ir.Mesh.parse("cp=3"), "cp", mode="solve")
+
+
+def test_a_batch_is_split_over_the_data_parallel_axes_whose_ranks_divide_it() -> None:
+    """All the axes where they divide the batch; else the subset with the most ranks that does (outer
+    axes first on a tie); an axis of one rank always; none where no axis divides it."""
+    from meshfold.passes.sharding.plans import batch_split
+
+    def graph(batch: int) -> ir.Graph:
+        b = ir.GraphBuilder("g")
+        b.add_output("out", "0", b.add_input("input", "x", ir.TensorType((batch, 4), torch.float32)))
+        return b.build()
+
+    mesh = ir.Mesh(("dp", "fsdp", "one"), (2, 3, 1))
+    axes = ["dp", "fsdp", "one"]
+    assert batch_split(graph(12), mesh, axes) == ["dp", "fsdp", "one"]
+    assert batch_split(graph(9), mesh, axes) == ["fsdp", "one"]
+    assert batch_split(graph(4), mesh, axes) == ["dp", "one"]
+    assert batch_split(graph(5), mesh, axes) == ["one"]
+    assert batch_split(graph(6), ir.Mesh(("a", "b"), (2, 2)), ["a", "b"]) == ["a"]
