@@ -1,6 +1,7 @@
 """Random ops on one rank: the values of the whole tensor, this rank's part of them.
 
-A random op (dropout, ``rand_like``, ``randn``, ``bernoulli``) must give the same value to every
+A random op (dropout, ``rand_like``, ``randn``, ``bernoulli``,
+``exponential_``) must give the same value to every
 rank that holds the same logical element, and different values to different shards of one tensor,
 whatever each rank's own seed is. Every rank therefore draws the op's values for its **global**
 shape from the program's own generator (``torch.Generator``, its state taken from rank 0's default
@@ -24,6 +25,7 @@ import torch
 
 from meshfold.ir import Mesh, Op, Partial, TensorType
 from meshfold.ir.ops import draws
+from meshfold.passes.base import PassError
 
 aten = torch.ops.aten
 
@@ -97,6 +99,20 @@ def _like(draw: Callable[..., torch.Tensor]) -> Callable[[RandomSite, tuple[Any,
     return form
 
 
+def _sampled(method: str, *names: str) -> Callable[[RandomSite, tuple[Any, ...], dict[str, Any]], torch.Tensor]:
+    """The form of a functional in-place sampler (``exponential_``, ``uniform_``, ``normal_``): a tensor
+    of the operand's dtype and the global shape filled by ``Tensor.<method>`` with the op's parameters
+    (``names``, by position or keyword; a parameter the op leaves out keeps ATen's default)."""
+
+    def form(site: RandomSite, args: tuple[Any, ...], kw: dict[str, Any]) -> torch.Tensor:
+        x = args[0]
+        params = dict(zip(names, args[1:], strict=False)) | {k: v for k, v in kw.items() if k in names}
+        whole = getattr(torch.empty(site.global_shape, dtype=x.dtype), method)(**params, generator=site.generator)
+        return site._local(whole).to(x.device)
+
+    return form
+
+
 def _bernoulli_p(site: RandomSite, args: tuple[Any, ...], kw: dict[str, Any]) -> torch.Tensor:
     x = args[0]
     p = args[1] if len(args) > 1 else kw.get("p", 0.5)
@@ -111,6 +127,9 @@ _FORMS: dict[str, Callable[[RandomSite, tuple[Any, ...], dict[str, Any]], Any]] 
     "rand": _like(_uniform),
     "randn": _like(_normal),
     "bernoulli.p": _bernoulli_p,
+    "exponential": _sampled("exponential_", "lambd"),
+    "uniform": _sampled("uniform_", "from", "to"),
+    "normal": _sampled("normal_", "mean", "std"),
 }
 
 RANDOM: dict[Any, str] = {
@@ -120,6 +139,9 @@ RANDOM: dict[Any, str] = {
     aten.rand.default: "rand",
     aten.randn.default: "randn",
     aten.bernoulli.p: "bernoulli.p",
+    aten.exponential.default: "exponential",
+    aten.uniform.default: "uniform",
+    aten.normal_functional.default: "normal",
 }
 """The random ops a program may hold, by the form that draws them."""
 
@@ -130,17 +152,17 @@ def is_random(op: Op) -> bool:
 
 
 def random_site(op: Op, generator: torch.Generator, mesh: Mesh, coord: Sequence[int]) -> RandomSite:
-    """The callable that computes ``op`` on the rank at ``coord``; raises ``ValueError`` naming the op
-    for a random op meshfold cannot split (before anything runs)."""
+    """The callable that computes ``op`` on the rank at ``coord``; raises ``PassError`` naming the op
+    for a random op meshfold cannot split (every rank alike, before anything runs)."""
     name = RANDOM.get(op.target)
     if name is None and "dropout_p" in str(getattr(op.target, "_schema", "")):
-        raise ValueError(
+        raise PassError(
             f"{op.describe()}: {op.target} applies dropout inside a fused attention kernel, whose mask meshfold "
             "cannot split like the single-device model's; set the model's attention dropout to 0 (for Hugging "
             "Face models: attention_dropout / attn_pdrop in the config), or dropout the attention output instead"
         )
     if name is None:
-        raise ValueError(
+        raise PassError(
             f"{op.describe()}: random op {op.target} has no split form in meshfold; its values would differ "
             f"from one device's. Supported: {', '.join(sorted(set(RANDOM.values())))}; draw the values "
             "outside the model and pass them in as an input"
@@ -163,7 +185,7 @@ def _meta(site: RandomSite, args: tuple[Any, ...], kw: dict[str, Any]) -> list[t
     if site.name == "native_dropout":
         assert like is not None
         return [(like.dtype, device), (torch.bool, device)]
-    if site.name == "bernoulli.p":
+    if site.name in ("bernoulli.p", "exponential", "uniform", "normal"):
         assert like is not None
         return [(like.dtype, device)]
     return [(_dtype(kw, like), device)]

@@ -269,9 +269,10 @@ def stage_graphs(graph: Graph, split: StageSplit) -> list[Graph]:
     random = next((op for op in graph.ops if draws(op)), None)
     if random is not None:
         raise PassError(
-            f"pipeline parallelism: {random.describe()} draws random numbers (dropout); each microbatch would "
-            "draw its own, which are not the single-device model's draws over the whole batch. Train it "
-            "pipelined with that dropout off (p=0), or under a plan without pp"
+            f"pipeline parallelism: {random.describe()} draws random numbers (dropout, "
+            "sampled routing, noise); each microbatch would draw its own, which are not the single-device model's "
+            "draws over the whole batch. Train it pipelined without the draw (dropout p=0), or under a plan "
+            "without pp"
         )
     n = len(split.times)
     where = placement(graph, layers, split.stage_of)

@@ -80,3 +80,43 @@ def test_fused_attention_dropout_is_refused_by_name_and_without_it_is_determinis
     assert is_random(op)
     with pytest.raises(ValueError, match=r"applies dropout inside a fused attention kernel.*attention dropout to 0"):
         random_site(op, torch.Generator(), mesh, (0,))
+
+
+class _Samplers(nn.Module):
+    """The in-place samplers real code calls on a fresh tensor (PhiMoE's router draws Gumbel noise
+    as ``empty_like(scores).exponential_().log()``)."""
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        gumbel = x - torch.empty_like(x).exponential_().log()
+        return gumbel, torch.empty_like(x).uniform_(-1.0, 2.0) * x, torch.empty_like(x).normal_(1.0, 3.0) + x
+
+
+def test_in_place_samplers_split_like_the_single_device_draw() -> None:
+    x = torch.randn(8, 6)
+    graph = _compiled(_Samplers(), x, "dp=2")
+    names = sorted(site.name for site in _sites(graph, (0,), seed=0))
+    assert names == ["exponential", "normal", "uniform"]
+    pieces: list[list[torch.Tensor]] = [[], [], []]
+    for rank in (0, 1):
+        sites = {site.name: site for site in _sites(graph, (rank,), seed=11)}
+        local = x.chunk(2)[rank]
+        pieces[0].append(local - sites["exponential"](torch.empty_like(local), 1.0).log())
+        pieces[1].append(sites["uniform"](torch.empty_like(local), -1.0, 2.0) * local)
+        pieces[2].append(sites["normal"](torch.empty_like(local), 1.0, 3.0) + local)
+    torch.manual_seed(11)
+    for got, want in zip(pieces, _Samplers()(x), strict=True):
+        torch.testing.assert_close(torch.cat(got), want, rtol=0, atol=0)
+
+
+class _Poisson(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.poisson(x.abs()) + x
+
+
+def test_a_random_op_without_a_split_form_is_refused_naming_it_and_its_line() -> None:
+    from meshfold.passes.base import PassError
+
+    graph = _compiled(_Poisson(), torch.randn(8, 6), "dp=2")
+    (op,) = [op for op in graph.ops if is_random(op)]
+    with pytest.raises(PassError, match=r"aten\.poisson.*test_random\.py:\d+.*no split form.*pass them in"):
+        random_site(op, torch.Generator(), graph.mesh, (0,))  # type: ignore[arg-type]

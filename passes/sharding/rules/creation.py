@@ -1,5 +1,5 @@
 """Ops that create tensors: factories (``arange``, ``full``, ``zeros``, ``scalar_tensor``, ...), the
-``*_like`` family and the ``new_*`` family.
+``*_like`` family (and the samplers that fill a tensor of their input's shape) and the ``new_*`` family.
 
 Factories have no tensor operands and produce Replicate only (a sharded ``arange`` would need its
 bounds rewritten per rank). ``*_like`` results have their input's shape and no dependence on its
@@ -44,10 +44,20 @@ def factory(op: Op) -> list[Strategy]:
     return [Strategy(tuple(R for _ in op.operands), tuple(R for _ in op.results))]
 
 
-@RULES.rule(aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default)
+@RULES.rule(
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.empty_like.default,
+    aten.full_like.default,
+    aten.exponential.default,
+    aten.uniform.default,
+    aten.normal_functional.default,
+)
 def like(op: Op) -> list[Strategy]:
     """``a b -> a b`` (shards follow the input); a Partial input gives a Replicate result, since
-    only the input's (global) shape matters."""
+    only the input's (global) shape matters. The functional samplers (``exponential_``, ``uniform_``,
+    ``normal_`` on a fresh tensor) overwrite every value of theirs alike; each rank draws the whole
+    tensor and keeps its shard (``backends.random``)."""
     t = tensor_type_of(op.operands[0])
     assert t is not None
     g = letters(t.rank)

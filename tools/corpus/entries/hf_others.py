@@ -105,6 +105,12 @@ moe(
     head_dim=16,
     norm_topk_prob=True,
 )
+moe(
+    "hf-phimoe",
+    "PhimoeConfig",
+    "PhimoeForCausalLM",
+    "sampled routing: a Gumbel draw (empty_like(scores).exponential_()) picks each token's experts in training",
+)
 moe("hf-olmoe", "OlmoeConfig", "OlmoeForCausalLM", "RMSNorm over the whole q and k projections, softmax top-2")
 moe(
     "hf-deepseek-v3",
