@@ -50,13 +50,14 @@ def _zeros(x: torch.Tensor, k: int) -> torch.Tensor:
 def causal_conv1d(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     """The causal convolution of the module docstring."""
     _check(x, w, bias)
-    return conv(x, w, bias, _zeros(x, w.shape[-1]))
+    # NOTE: contiguous, as the fake below says: a compiler plans the buffers after it by those strides
+    return conv(x, w, bias, _zeros(x, w.shape[-1])).contiguous()
 
 
 @causal_conv1d.register_fake
 def _causal_conv1d_fake(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
     _check(x, w, bias)
-    return torch.empty_like(x)
+    return x.new_empty(x.shape)
 
 
 @torch.library.custom_op("meshfold::causal_conv1d_backward", mutates_args=())
@@ -65,14 +66,15 @@ def causal_conv1d_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``causal_conv1d`` w.r.t. ``x``, ``w`` and ``bias``."""
     k = w.shape[-1]
-    return conv_back(grad, x, w, _zeros(x, k), _zeros(grad, k))
+    dx, dw, db = conv_back(grad, x, w, _zeros(x, k), _zeros(grad, k))
+    return dx.contiguous(), dw.contiguous(), db.contiguous()
 
 
 @causal_conv1d_backward.register_fake
 def _causal_conv1d_backward_fake(
     grad: torch.Tensor, x: torch.Tensor, w: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.empty_like(x), torch.empty_like(w), w.new_empty(w.shape[0])
+    return x.new_empty(x.shape), w.new_empty(w.shape), w.new_empty(w.shape[0])
 
 
 def _setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[torch.Tensor, ...], output: torch.Tensor) -> None:

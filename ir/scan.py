@@ -81,13 +81,14 @@ def scan_back(
 def affine_scan(m: torch.Tensor, b: torch.Tensor, s0: torch.Tensor, diagonal: bool = False) -> torch.Tensor:
     """States before each step of ``h_{i+1} = m_i @ h_i + b_i`` from ``h_0 = s0`` (module docstring)."""
     _check(m, b, s0, diagonal)
-    return scan(m, b, s0, diagonal)
+    # NOTE: contiguous, as the fake below says: a compiler plans the buffers after it by those strides
+    return scan(m, b, s0, diagonal).contiguous()
 
 
 @affine_scan.register_fake
 def _affine_scan_fake(m: torch.Tensor, b: torch.Tensor, s0: torch.Tensor, diagonal: bool = False) -> torch.Tensor:
     _check(m, b, s0, diagonal)
-    return torch.empty_like(b)
+    return b.new_empty(b.shape)
 
 
 @torch.library.custom_op("meshfold::affine_scan_backward", mutates_args=())
@@ -95,14 +96,15 @@ def affine_scan_backward(
     m: torch.Tensor, h: torch.Tensor, grad: torch.Tensor, diagonal: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of ``affine_scan`` w.r.t. ``m``, ``b`` and ``s0`` (module docstring)."""
-    return scan_back(m, h, grad, torch.zeros_like(h[..., 0, :, :]), diagonal)
+    dm, db, ds0 = scan_back(m, h, grad, torch.zeros_like(h[..., 0, :, :]), diagonal)
+    return dm.contiguous(), db.contiguous(), ds0.contiguous()
 
 
 @affine_scan_backward.register_fake
 def _affine_scan_backward_fake(
     m: torch.Tensor, h: torch.Tensor, grad: torch.Tensor, diagonal: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return torch.empty_like(m), torch.empty_like(h), h.new_empty(*h.shape[:-3], *h.shape[-2:])
+    return m.new_empty(m.shape), h.new_empty(h.shape), h.new_empty(*h.shape[:-3], *h.shape[-2:])
 
 
 def _setup(ctx: torch.autograd.function.FunctionCtx, inputs: tuple[object, ...], output: torch.Tensor) -> None:

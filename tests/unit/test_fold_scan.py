@@ -125,3 +125,17 @@ def test_a_malformed_scan_names_the_shapes_it_takes() -> None:
     with pytest.raises(ValueError, match=r"m \[\*, n, k, k\].*got m \[2, 3, 3, 3\], b \[2, 3, 4, 5\]"):
         torch.ops.meshfold.affine_scan(torch.zeros(2, 3, 3, 3), torch.zeros(2, 3, 4, 5), torch.zeros(2, 4, 5))
     assert scan(torch.zeros(1, 0, 2, 2), torch.zeros(1, 0, 2, 3), torch.zeros(1, 2, 3)).shape == (1, 0, 2, 3)
+
+
+def test_scan_and_causal_conv_kernels_return_the_strides_their_fakes_say() -> None:
+    """A compiler plans the buffers after a custom op by its fake's strides: on inputs laid out
+    transposed (Mamba's conv input is [B, L, C] transposed) the real kernels must agree."""
+    from meshfold.ir import conv, scan
+
+    x = torch.randn(2, 5, 3).transpose(1, 2)  # [B, C, L], not contiguous
+    w, bias = torch.randn(3, 1, 4), torch.randn(3)
+    torch.library.opcheck(conv.causal_conv1d, (x, w, bias), test_utils=("test_faketensor",))
+    b = torch.randn(2, 3, 4, 6).permute(0, 2, 3, 1)  # [*, n, k, v] = [2, 4, 6, 3], not contiguous
+    m = torch.rand(2, 4, 6, 3) * 0.5
+    s0 = torch.randn(2, 6, 3)
+    torch.library.opcheck(scan.affine_scan, (m, b, s0, True), test_utils=("test_faketensor",))
