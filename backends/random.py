@@ -1,8 +1,7 @@
 """Random ops on one rank: the values of the whole tensor, this rank's part of them.
 
-A random op (dropout, ``rand_like``, ``randn``, ``bernoulli``,
-``exponential_``) must give the same value to every
-rank that holds the same logical element, and different values to different shards of one tensor,
+A random op (dropout, ``rand_like``, ``randn``, ``bernoulli``, the samplers ``exponential_``,
+``uniform_`` and ``normal_``) must give the same value to every rank that holds the same logical element, and different values to different shards of one tensor,
 whatever each rank's own seed is. Every rank therefore draws the op's values for its **global**
 shape from the program's own generator (``torch.Generator``, its state taken from rank 0's default
 generator when the program is compiled, advanced by every call alike on all ranks) and keeps the
@@ -132,6 +131,10 @@ _FORMS: dict[str, Callable[[RandomSite, tuple[Any, ...], dict[str, Any]], Any]] 
     "normal": _sampled("normal_", "mean", "std"),
 }
 
+OPERAND_DTYPE = frozenset({"bernoulli.p", "exponential", "uniform", "normal"})
+"""The forms whose one result has their tensor operand's dtype (dropout has two results; the
+factories take ``dtype=`` or the default)."""
+
 RANDOM: dict[Any, str] = {
     aten.native_dropout.default: "native_dropout",
     aten.rand_like.default: "rand_like",
@@ -185,7 +188,7 @@ def _meta(site: RandomSite, args: tuple[Any, ...], kw: dict[str, Any]) -> list[t
     if site.name == "native_dropout":
         assert like is not None
         return [(like.dtype, device), (torch.bool, device)]
-    if site.name in ("bernoulli.p", "exponential", "uniform", "normal"):
+    if site.name in OPERAND_DTYPE:
         assert like is not None
         return [(like.dtype, device)]
     return [(_dtype(kw, like), device)]
