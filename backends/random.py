@@ -1,8 +1,9 @@
 """Random ops on one rank: the values of the whole tensor, this rank's part of them.
 
 A random op (dropout, ``rand_like``, ``randn``, ``bernoulli``, the samplers ``exponential_``,
-``uniform_`` and ``normal_``) must give the same value to every rank that holds the same logical element, and different values to different shards of one tensor,
-whatever each rank's own seed is. Every rank therefore draws the op's values for its **global**
+``uniform_`` and ``normal_``) must give the same
+value to every rank that holds the same logical element, and different values to different shards
+of one tensor, whatever each rank's own seed is. Every rank therefore draws the op's values for its **global**
 shape from the program's own generator (``torch.Generator``, its state taken from rank 0's default
 generator when the program is compiled, advanced by every call alike on all ranks) and keeps the
 slice its result layout gives it (``Layout.shard_bounds``). With the same generator state, the
