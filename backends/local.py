@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from meshfold.ir import Layout, Mesh, Op, Shard, Target, TensorType
-from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, experts_range, experts_range_backward
+from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, EXPERTS_RANGE, EXPERTS_RANGE_BACKWARD
 from meshfold.passes.sharding.rules.common import int_arg, norm_dim
 
 aten = torch.ops.aten
@@ -228,12 +228,14 @@ def scatter_src_ranged(lo: int, size: int, x: torch.Tensor, dim: int, index: tor
 
 # NOTE: routed experts (see passes/sharding/rules/moe.py: the experts' dim 0 sharded).
 @LOCAL.ranged_impl(EXPERTS, lambda op: ("operand", 3, 0))
-def moe_experts_ranged(lo: int, size: int, *args: Any) -> torch.Tensor:
+def moe_experts_ranged(lo: int, size: int, *args: Any, **kw: Any) -> torch.Tensor:
     """This rank's experts ``[lo, lo + size)`` only (its slice of the weights)."""
-    return experts_range(lo, *args)
+    out: torch.Tensor = EXPERTS_RANGE(lo, *args, **kw)
+    return out
 
 
 @LOCAL.ranged_impl(EXPERTS_BACKWARD, lambda op: ("operand", 4, 0))
-def moe_experts_backward_ranged(lo: int, size: int, *args: Any) -> tuple[torch.Tensor, ...]:
+def moe_experts_backward_ranged(lo: int, size: int, *args: Any, **kw: Any) -> tuple[torch.Tensor, ...]:
     """Gradients of this rank's experts ``[lo, lo + size)`` only."""
-    return experts_range_backward(lo, *args)
+    grads: tuple[torch.Tensor, ...] = EXPERTS_RANGE_BACKWARD(lo, *args, **kw)
+    return grads

@@ -21,7 +21,7 @@ from meshfold.backends.random import RandomSite, as_random_call
 from meshfold.backends.watch import Watch
 from meshfold.passes.base import PassError
 
-PURE = ("meshfold.backends.comm", "meshfold.backends.local")
+PURE = ("meshfold.backends.comm", "meshfold.backends.local", "meshfold.backends.scan")
 """Modules whose helpers a lowered program calls that are ATen ops and functional collectives only:
 a tracer follows them like the ops around them."""
 REFUSED = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import os
 import sys
 from typing import Any
@@ -273,19 +274,37 @@ def zigzag_moves(seq: int, dim: int) -> bool:
 
 def split_scans(seq: int) -> bool:
     """A running sum and flips along a dim split over the world (``backends/scan.py``) equal the whole
-    tensor's, on each rank's part."""
+    tensor's, on each rank's part, in float64 and bool; and each traces with fake tensors (as Inductor
+    traces a rank's program) to ATen ops and functional collectives only, the traced graph giving
+    the same parts."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
     from meshfold.backends.scan import cumsum_split, flip_split
 
     world, rank = dist.get_world_size(), dist.get_rank()
     group = dist.group.WORLD
     assert group is not None
+    name = group.group_name
     x = torch.randn(2, seq, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
     mine = sequence_shard(x, 1, world, rank, "contiguous")
-    got = cumsum_split(group.group_name, mine, 1)
-    torch.testing.assert_close(got, sequence_shard(x.cumsum(1), 1, world, rank, "contiguous"), rtol=1e-12, atol=1e-12)
+    summed = sequence_shard(x.cumsum(1), 1, world, rank, "contiguous")
+    torch.testing.assert_close(cumsum_split(name, mine, 1), summed, rtol=1e-12, atol=1e-12)
     for dims in ([1], [0, 1], [2, 1]):
-        flipped = flip_split((group.group_name,), mine, dims)
-        assert torch.equal(flipped, sequence_shard(x.flip(dims), 1, world, rank, "contiguous")), dims
+        for t, whole in ((mine, x), (mine > 0, x > 0)):
+            flipped = flip_split((name,), t, dims)
+            assert torch.equal(flipped, sequence_shard(whole.flip(dims), 1, world, rank, "contiguous")), dims
+    traced = [
+        (make_fx(lambda t: cumsum_split(name, t, 1), tracing_mode="fake")(mine), summed),
+        (
+            make_fx(lambda t: flip_split((name,), t, [1]), tracing_mode="fake")(mine),
+            sequence_shard(x.flip([1]), 1, world, rank, "contiguous"),
+        ),
+    ]
+    for graph, want in traced:
+        targets = {n.target for n in graph.graph.nodes if n.op == "call_function"}
+        assert all(isinstance(t, torch._ops.OpOverload) or t is operator.getitem for t in targets), targets
+        assert any(getattr(t, "namespace", "") == "_c10d_functional" for t in targets), targets
+        torch.testing.assert_close(graph(mine), want, rtol=1e-12, atol=1e-12)
     return True
 
 

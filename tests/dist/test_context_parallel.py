@@ -201,6 +201,14 @@ def test_packed_sequences_under_tokenring_equal_single_device(rank_pools: RankPo
     assert 0 < mine < 0.8 * theirs, (mine, theirs)
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_running_sum_and_flip_split_by_sequence_equal_the_whole(rank_pools: RankPools, world: int) -> None:
+    """``cumsum`` and ``flip`` along a dim split over 2 and 4 ranks give each rank its part of the
+    whole tensor's, and trace for Inductor to ATen ops and functional collectives
+    (``cases_ring.split_scans`` checks both on every rank)."""
+    assert rank_pools.get(world).run("tests.dist.cases_ring:split_scans", seq=8) == [True] * world
+
+
 @pytest.mark.parametrize("diagonal", [False, True])
 @pytest.mark.parametrize("world", [2, 4])
 def test_recurrence_split_by_steps_equals_the_whole_scan(rank_pools: RankPools, world: int, diagonal: bool) -> None:

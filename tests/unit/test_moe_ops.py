@@ -4,6 +4,7 @@ specs map onto meshes (and are refused, naming the rule)."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import pytest
 import torch
@@ -82,6 +83,52 @@ def test_op_is_registered_for_capture() -> None:
     args = (hidden, idx, weights, gate_up.view(E, 2, INTER, H), down, "silu", 0, "probs", "any")
     result = torch.library.opcheck(EXPERTS, args)
     assert set(result.values()) == {"SUCCESS"}, result
+
+
+def _share(fn: Any, lo: int, options: tuple[Any, ...], **kw: Any) -> Any:
+    """``fn`` (a ranged local form) on experts ``[lo, lo + 2)``, its tensors as the arguments."""
+    if fn.__name__.endswith("backward_ranged"):
+        return lambda dy, h, i, w, g, d: fn(lo, 2, dy, h, i, w, g, d, *options, **kw)
+    return lambda h, i, w, g, d: fn(lo, 2, h, i, w, g, d, *options, **kw)
+
+
+def test_one_ranks_share_traces_as_one_op_for_compilers() -> None:
+    """The local form of experts sharded over ranks (``backends.local``) traces with fake tensors,
+    as Inductor traces a rank's program: its grouping of tokens by expert has data-dependent shapes
+    (nonzero), so it runs as the ops ``moe_experts_range`` and its backward; traced and run, it is
+    ``experts_range``'s share exactly, and each share's gradients sum to the whole's."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from meshfold.backends.local import moe_experts_backward_ranged, moe_experts_ranged
+    from meshfold.ir.moe import EXPERTS_RANGE, EXPERTS_RANGE_BACKWARD, experts_range_backward
+
+    hidden, idx, weights, gate_up, down = _inputs(5)
+    gu = gate_up.view(E, 2, INTER, H)
+    grad = torch.randn(T, H)
+    options = ("silu", 0, "probs", "any")
+    whole = experts_range_backward(0, grad, hidden, idx, weights, gu, down, *options)
+    summed = [torch.zeros_like(t) for t in whole[:2]]
+    for lo in (0, 2):
+        mine = (gu[lo : lo + 2], down[lo : lo + 2])
+
+        traced = make_fx(_share(moe_experts_ranged, lo, options), tracing_mode="fake")(hidden, idx, weights, *mine)
+        back = _share(moe_experts_backward_ranged, lo, options, rows=3)
+        traced_back = make_fx(back, tracing_mode="fake")(grad, hidden, idx, weights, *mine)
+        assert {n.target for n in traced.graph.nodes if n.op == "call_function"} == {EXPERTS_RANGE}
+        assert {n.target for n in traced_back.graph.nodes if n.op == "call_function"} >= {EXPERTS_RANGE_BACKWARD}
+        torch.testing.assert_close(
+            traced(hidden, idx, weights, *mine), experts_range(lo, hidden, idx, weights, *mine, "silu")
+        )
+        got = traced_back(grad, hidden, idx, weights, *mine)
+        torch.testing.assert_close(got[2], whole[2][lo : lo + 2])
+        torch.testing.assert_close(got[3], whole[3][lo : lo + 2])
+        summed = [a + b for a, b in zip(summed, got[:2], strict=True)]
+    for a, b in zip(summed, whole[:2], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    args = (2, hidden, idx, weights, gu[2:], down[2:], *options)
+    for op, call in ((EXPERTS_RANGE, args), (EXPERTS_RANGE_BACKWARD, (args[0], grad, *args[1:]))):
+        result = torch.library.opcheck(op, call, test_utils=("test_schema", "test_faketensor"))
+        assert set(result.values()) == {"SUCCESS"}, result
 
 
 def test_hf_experts_are_found_and_modulelist_experts_are_left_to_the_graph() -> None:
