@@ -9,7 +9,8 @@ and keeps each collective's start and wait where the ``overlap`` pass put them: 
 locality and peak memory, on by default, would pull every wait up to its collective's start (on
 llama-tiny under fsdp+tp, the matrix products in flight beside collectives fall from 8 to 2 in the
 forward and from 56 to 0 in the backward), so they are off while it compiles our programs; the
-compiled programs then have the eager order's windows exactly (``tests/dist/test_inductor.py``).
+compiled programs then have the eager order's windows exactly (``tests/dist/test_inductor.py``). Fused
+kernels round bf16 and fp16 intermediates where the eager ops round them (``INDUCTOR_CONFIG``).
 The MoE token exchange runs as one opaque custom op (``meshfold::moe_exchange``) whose fake kernel
 gives its result's shape, since the tokens each expert gets are known only while it runs.
 
@@ -40,6 +41,19 @@ import torch.fx as fx
 from meshfold.backends.eager import Lowered
 from meshfold.backends.traceable import plain
 from meshfold.backends.watch import CollectiveError
+
+INDUCTOR_CONFIG: dict[str, bool] = {
+    # NOTE: Inductor's reorderings for locality and peak memory move each wait up to its
+    # collective's start; without them it keeps the order the overlap pass chose
+    "reorder_for_locality": False,
+    "reorder_for_peak_memory": False,
+    # NOTE: a fused kernel rounds a bf16/fp16 intermediate to its dtype wherever the eager op would, so
+    # a program computes what the model does; without it, silu(a) * b in bf16 skips the rounding of
+    # silu(a) and a quarter of a SwiGLU's outputs move by an ulp (tests/unit/test_inductor_numerics.py).
+    # Programs in fp32 compile the same either way.
+    "emulate_precision_casts": True,
+}
+"""The Inductor settings every program of ours compiles under."""
 
 
 @dataclass
@@ -75,9 +89,7 @@ class Compiled:
         fake = FakeTensorMode(allow_non_fake_inputs=False)
         examples = [fake.from_tensor(a.detach()) if isinstance(a, torch.Tensor) else a for a in args]
         start = time.perf_counter()
-        # NOTE: Inductor's reorderings for locality and peak memory move each wait up to its
-        # collective's start; without them it keeps the order the overlap pass chose
-        with torch.no_grad(), inductor_config.patch(reorder_for_locality=False, reorder_for_peak_memory=False):
+        with torch.no_grad(), inductor_config.patch(**INDUCTOR_CONFIG):
             fn = compile_fx(self.module, examples)
         self.seconds = time.perf_counter() - start
         return fn

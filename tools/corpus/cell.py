@@ -19,6 +19,7 @@ matrix (``meshfold.tools.corpus.matrix``) counts that, and ``differs``, as ``FAI
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -29,6 +30,7 @@ from torch import nn
 
 from meshfold.moe_lists import as_stacked
 from meshfold.tools.corpus import plans, registry
+from meshfold.tools.corpus.ties import BOUND, Ties
 from meshfold.tools.pool_worker import device_mesh
 
 LR = 1e-3
@@ -48,6 +50,8 @@ GRAD_FLOOR = 1e-4
 in exact arithmetic (a key bias under softmax, which adds the same to every score) holds float noise
 around 1e-11, which no two summation orders agree on."""
 SEED = 1234
+MAX_FLIPS = 3
+"""At most this many near ties of one step resolved the other way (``_Compare``)."""
 
 
 def run(entry: str, column: str, steps: int = 3, verify: bool = False) -> dict[str, Any]:
@@ -110,21 +114,28 @@ class _Pipelined(_Compiled):
 
 
 class _Compare:
-    """Steps the single-device model beside ``train`` and reports the first difference."""
+    """Steps the single-device model beside ``train`` and reports the first difference.
+
+    Where a step differs and the single-device forward made top-k decisions at near ties
+    (``meshfold.tools.corpus.ties``), the single-device step is run again with ties resolved the
+    other way, one at a time and then greedily up to ``MAX_FLIPS``; a run that the program then
+    equals within every tolerance is the step's reference (the single-device model trains on from
+    it), and the cell's message names the ties."""
 
     def __init__(self, ref: nn.Module, entry: registry.Entry, train: _Compiled, steps: int) -> None:
         self.ref, self.entry, self.train, self.steps = ref, entry, train, steps
         self.opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
         self.stacks = train.stacks()
+        self.tolerances = TOLERANCES[entry.precision]
+        self.resolved: list[str] = []
 
     def run(self, inputs: tuple[Any, ...], first: torch.Tensor) -> dict[str, Any]:
         torch.manual_seed(SEED)  # NOTE: the program's generator was seeded from this state (random ops draw alike)
         worst = {"loss": 0.0, "grad": 0.0}
         for step in range(self.steps):
             loss = first if step == 0 else self.train.step(inputs)
-            ref_loss = self.entry.loss(self.ref(*inputs))
-            ref_loss.backward()
-            problem = self._loss(step, loss, ref_loss.detach(), worst) or self._grads(step, worst)
+            got = self._compiled_grads()
+            problem = self._step(step, inputs, float(loss), got, worst)
             if problem:
                 return {"status": "differs", "message": problem, **worst}
             self.train.opt.step()
@@ -132,40 +143,103 @@ class _Compare:
             self.train.opt.zero_grad(set_to_none=True)
             self.opt.zero_grad(set_to_none=True)
         problem = self._params()
-        return {"status": "differs" if problem else "equal", "message": problem or "", **worst}
+        ties = f"equal once {len(self.resolved)} near ties resolved the other way: " + "; ".join(self.resolved)
+        message = problem or (ties if self.resolved else "")
+        return {"status": "differs" if problem else "equal", "message": message, **worst}
 
-    def _loss(self, step: int, loss: torch.Tensor, ref: torch.Tensor, worst: dict[str, float]) -> str:
-        err = abs(float(loss) - float(ref)) / max(abs(float(ref)), 1e-6)
+    def _step(
+        self, step: int, inputs: tuple[Any, ...], loss: float, got: dict[str, Any], worst: dict[str, float]
+    ) -> str:
+        """Run the single-device step and compare; on a difference, try its near ties resolved the
+        other way. Returns the first difference, or "" where the step (perhaps so resolved) is equal."""
+        rng, buffers = torch.get_rng_state(), {n: b.clone() for n, b in self.ref.named_buffers()}
+        before = dict(worst)
+        self._reference_step(inputs, None)
+        problem, score = self._check(step, loss, got, worst)
+        if not problem:
+            return ""
+        self._restore(rng, buffers)
+        ties = self._reference_step(inputs, frozenset())
+        assert ties is not None
+        candidates = [(t.call, t.row) for t in ties.ties]
+        chosen: frozenset[tuple[int, int]] = frozenset()
+        for _ in range(MAX_FLIPS if candidates else 0):
+            best: tuple[float, frozenset[tuple[int, int]]] | None = None
+            for c in (c for c in candidates if c not in chosen):
+                trial = chosen | {c}
+                self._restore(rng, buffers)
+                self._reference_step(inputs, trial)
+                found, trial_score = self._check(step, loss, got, None)
+                if not found:
+                    worst.update(before)
+                    self._check(step, loss, got, worst)
+                    self.resolved += [f"step {step}: {t}" for t in ties.ties if (t.call, t.row) in trial]
+                    return ""
+                if best is None or trial_score < best[0]:
+                    best = (trial_score, trial)
+            if best is None or best[0] >= score:
+                break
+            score, chosen = best
+        return problem
+
+    def _reference_step(self, inputs: tuple[Any, ...], flip: frozenset[tuple[int, int]] | None) -> Ties | None:
+        """The single-device model's forward and backward on ``inputs``: plainly where ``flip`` is
+        None, else recording its near ties and resolving those in ``flip`` the other way."""
+        self.opt.zero_grad(set_to_none=True)
+        ties = None if flip is None else Ties(BOUND[self.entry.precision], flip)
+        with ties if ties is not None else contextlib.nullcontext():
+            ref_loss = self.entry.loss(self.ref(*inputs))
+        ref_loss.backward()
+        self.ref_loss = float(ref_loss.detach())
+        return ties
+
+    def _restore(self, rng: torch.Tensor, buffers: dict[str, torch.Tensor]) -> None:
+        torch.set_rng_state(rng)
+        with torch.no_grad():
+            for n, b in self.ref.named_buffers():
+                b.copy_(buffers[n])
+
+    def _compiled_grads(self) -> dict[str, torch.Tensor | None]:
+        """Every gradient of the compiled module, whole (the collectives of ``full_tensor`` run here,
+        once a step, on every rank alike)."""
+        return {n: None if p.grad is None else _full(p.grad) for n, p in self.train.pm.named_parameters()}
+
+    def _check(
+        self, step: int, loss: float, got: dict[str, torch.Tensor | None], worst: dict[str, float] | None
+    ) -> tuple[str, float]:
+        """The first difference of this step's loss and gradients from the single-device step's (""
+        where none), and the largest error as a share of its tolerance; ``worst`` takes the errors."""
+        worst = worst if worst is not None else {"loss": 0.0, "grad": 0.0}
+        ref = self.ref_loss
+        err = abs(loss - ref) / max(abs(ref), 1e-6)
         worst["loss"] = max(worst["loss"], err)
-        if not math.isfinite(float(loss)) or err > TOLERANCES[self.entry.precision][0]:
-            return f"step {step}: loss {float(loss):.6g}, single device {float(ref):.6g} (relative {err:.2e})"
-        return ""
-
-    def _grads(self, step: int, worst: dict[str, float]) -> str:
+        score = err / self.tolerances[0]
+        if not math.isfinite(loss) or err > self.tolerances[0]:
+            return f"step {step}: loss {loss:.6g}, single device {ref:.6g} (relative {err:.2e})", math.inf
         want = self._reference("grad")
         floor = GRAD_FLOOR * max((float(g.abs().max()) for g in want.values() if g is not None), default=0.0)
-        tolerance = TOLERANCES[self.entry.precision][1]
-        for name, p in self.train.pm.named_parameters():
+        first = ""
+        for name, g in got.items():
             if name not in want:
-                return f"step {step}: the compiled module has a parameter {name!r} the model lacks"
-            got = None if p.grad is None else _full(p.grad)
-            if (got is None) != (want[name] is None):
-                side = "compiled" if got is None else "single-device"
-                return f"step {step}: grad {name} is None on the {side} side only"
-            if got is None:
+                return f"step {step}: the compiled module has a parameter {name!r} the model lacks", math.inf
+            if (g is None) != (want[name] is None):
+                side = "compiled" if g is None else "single-device"
+                return f"step {step}: grad {name} is None on the {side} side only", math.inf
+            if g is None:
                 continue
             scale = max(float(want[name].abs().max()), floor, 1e-12)
-            err = float((got - want[name]).abs().max()) / scale
+            err = float((g - want[name]).abs().max()) / scale
             worst["grad"] = max(worst["grad"], err)
-            if not math.isfinite(err) or err > tolerance:
-                return f"step {step}: grad {name} differs by {err:.2e} of its largest entry ({scale:.3g})"
-        return ""
+            score = max(score, err / self.tolerances[1]) if math.isfinite(err) else math.inf
+            if not first and (not math.isfinite(err) or err > self.tolerances[1]):
+                first = f"step {step}: grad {name} differs by {err:.2e} of its largest entry ({scale:.3g})"
+        return first, score
 
     def _params(self) -> str:
         want = self._reference("param")
         for name, p in self.train.pm.named_parameters():
             err = float((_full(p.detach()) - want[name]).abs().max())
-            if err > TOLERANCES[self.entry.precision][2]:
+            if err > self.tolerances[2]:
                 return f"param {name} after {self.steps} AdamW steps differs by {err:.2e} (lr {LR})"
         return ""
 
