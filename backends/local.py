@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
+from meshfold.backends.experts import EXPERTS_RANGE, EXPERTS_RANGE_BACKWARD
 from meshfold.ir import Layout, Mesh, Op, Shard, Target, TensorType
-from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, EXPERTS_RANGE, EXPERTS_RANGE_BACKWARD
+from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
 from meshfold.passes.sharding.rules.common import int_arg, norm_dim
 
 aten = torch.ops.aten

@@ -14,8 +14,8 @@ Dropless: every routed token is computed. The backward is its own op
 autograd-aware call for model code (the marker API: MoE code meshfold does not recognize can call it
 to be folded). ``experts_range`` computes only experts ``[lo, lo + n)`` — one rank's share when the
 expert weights are sharded; every other token row is zero, so shares sum to the whole. A rank's
-lowered program calls it as the ops ``meshfold.moe_experts_range`` and its backward, which a
-compiler that traces the program (Inductor) keeps whole.
+lowered program calls it as the ops ``meshfold.moe_experts_range`` and its backward
+(``backends/experts.py``).
 """
 
 from __future__ import annotations
@@ -330,63 +330,6 @@ moe_experts.register_autograd(_backward, setup_context=_setup)
 
 EXPERTS = torch.ops.meshfold.moe_experts.default
 EXPERTS_BACKWARD = torch.ops.meshfold.moe_experts_backward.default
-
-
-@torch.library.custom_op("meshfold::moe_experts_range", mutates_args=())
-def moe_experts_range(
-    lo: int,
-    hidden: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    act: str,
-    capacity: int,
-    policy: str,
-    dispatcher: str,
-    rows: int = 0,
-) -> torch.Tensor:
-    """``moe_experts`` computed by experts ``[lo, lo + len(w_down))`` only (one rank's share of
-    sharded expert weights; :func:`experts_range`). One op, so that a compiler tracing a rank's
-    program sees tokens in and tokens out, not the data-dependent grouping of tokens by expert."""
-    return experts_range(lo, hidden, top_k_index, top_k_weights, w_gate_up, w_down, act, capacity, policy, rows=rows)
-
-
-@moe_experts_range.register_fake
-def _moe_experts_range_fake(lo: int, hidden: torch.Tensor, *rest: object, rows: int = 0) -> torch.Tensor:
-    return torch.empty_like(hidden)
-
-
-@torch.library.custom_op("meshfold::moe_experts_range_backward", mutates_args=())
-def moe_experts_range_backward(
-    lo: int,
-    grad: torch.Tensor,
-    hidden: torch.Tensor,
-    top_k_index: torch.Tensor,
-    top_k_weights: torch.Tensor,
-    w_gate_up: torch.Tensor,
-    w_down: torch.Tensor,
-    act: str,
-    capacity: int,
-    policy: str,
-    dispatcher: str,
-    rows: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of ``moe_experts_range`` (:func:`experts_range_backward`)."""
-    return experts_range_backward(
-        lo, grad, hidden, top_k_index, top_k_weights, w_gate_up, w_down, act, capacity, policy, rows=rows
-    )
-
-
-@moe_experts_range_backward.register_fake
-def _moe_experts_range_backward_fake(
-    lo: int, grad: torch.Tensor, *tensors_and_options: object, rows: int = 0
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _moe_experts_backward_fake(grad, *tensors_and_options, rows=rows)
-
-
-EXPERTS_RANGE = torch.ops.meshfold.moe_experts_range.default
-EXPERTS_RANGE_BACKWARD = torch.ops.meshfold.moe_experts_range_backward.default
 
 
 def experts(

@@ -99,8 +99,9 @@ def test_one_ranks_share_traces_as_one_op_for_compilers() -> None:
     ``experts_range``'s share exactly, and each share's gradients sum to the whole's."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
+    from meshfold.backends.experts import EXPERTS_RANGE, EXPERTS_RANGE_BACKWARD
     from meshfold.backends.local import moe_experts_backward_ranged, moe_experts_ranged
-    from meshfold.ir.moe import EXPERTS_RANGE, EXPERTS_RANGE_BACKWARD, experts_range_backward
+    from meshfold.ir.moe import experts_range_backward
 
     hidden, idx, weights, gate_up, down = _inputs(5)
     gu = gate_up.view(E, 2, INTER, H)
