@@ -242,7 +242,10 @@ def markdown(cells: Sequence[Cell], entries: Sequence[Entry], columns: Sequence[
         "1e-5) and every gradient (its largest difference at most 1e-4 of its own largest entry, or of "
         "1e-4 of the model's largest gradient where that is larger: a gradient that is zero in exact "
         "arithmetic holds float noise), and the parameters after the last step (within 5% of one step). An "
-        "entry whose own code computes in bf16 is held to bf16's rounding (2e-3, 2e-2, a quarter step).",
+        "entry whose own code computes in bf16 is held to bf16's rounding (2e-3, 2e-2, a quarter step). A "
+        "step that differs where the single-device router chose between two experts whose scores nearly tie "
+        "is compared again with such ties resolved the other way on one device (see the section on near "
+        "ties below, where any cell needed it).",
         "",
         f"**{summary(cells)}.** `=` equal, `R` refused on every rank before any collective of a program, "
         "`FAIL` a value differed or a rank crashed or hung, `·` the family does not apply to the entry "
