@@ -98,3 +98,49 @@ def test_a_wrong_gradient_beside_a_broken_tie_still_differs(skew: str) -> None:
     got = _compare(_Plan({0: {(0, 4)}}, skew=skew))
     # NOTE: the message is the step's first difference from the single-device step as it ran
     assert got["status"] == "differs" and got["message"].startswith("step 0: grad "), got
+
+
+def _top1(pick: str, keepdim: bool) -> Any:
+    """A Switch-style router's choice of one expert per token (``argmax`` or ``max`` along a dim)."""
+
+    def choose(scores: torch.Tensor) -> torch.Tensor:
+        if pick == "argmax":
+            return scores.argmax(dim=-1, keepdim=keepdim)
+        if pick == "argmin":
+            return (-scores).argmin(dim=-1, keepdim=keepdim)
+        return torch.max(scores, dim=-1, keepdim=keepdim).indices
+
+    return choose
+
+
+@pytest.mark.parametrize("keepdim", [False, True])
+@pytest.mark.parametrize("pick", ["argmax", "argmin", "max"])
+def test_a_top1_router_is_a_topk_of_one(pick: str, keepdim: bool) -> None:
+    scores = torch.tensor([[0.1, 0.7, 0.7 + 1e-7, 0.2], [0.9, 0.1, 0.0, 0.5], [0.3, 0.3, 0.1, 0.0]])
+    choose = _top1(pick, keepdim)
+    with Ties(1e-5) as plain:
+        kept = choose(scores)
+    # NOTE: rows 0 (1e-7 apart) and 2 (exactly equal) tie; row 1 does not
+    assert [(t.row, t.chosen, t.other) for t in plain.ties] == [(0, 2, 1), (2, 0, 1)]
+    with Ties(1e-5, frozenset({(0, 0)})) as flipped:
+        other = choose(scores)
+    assert other.shape == kept.shape == ((3, 1) if keepdim else (3,))
+    assert other.flatten().tolist() == [1, 0, 0] and kept.flatten().tolist() == [2, 0, 0]
+    assert len(flipped.ties) == 2
+
+
+def test_a_top1_ties_values_follow_the_other_choice() -> None:
+    scores = torch.tensor([[0.5, 0.5 - 1e-7], [0.0, 1.0]], requires_grad=True)
+    with Ties(1e-5, frozenset({(0, 0)})):
+        values, indices = scores.max(dim=-1)
+    assert indices.tolist() == [1, 1]
+    assert values.tolist() == pytest.approx([0.5 - 1e-7, 1.0])
+    values.sum().backward()
+    # NOTE: the gradient reaches the score chosen, as max's backward routes it by the indices returned
+    assert scores.grad is not None and scores.grad.tolist() == [[0.0, 1.0], [0.0, 1.0]]
+
+
+def test_an_argmax_over_the_whole_tensor_is_no_router() -> None:
+    with Ties(1e-5) as plain:
+        torch.tensor([1.0, 1.0]).argmax()
+    assert plain.ties == [] and plain.calls == 0

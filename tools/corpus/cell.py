@@ -52,6 +52,8 @@ around 1e-11, which no two summation orders agree on."""
 SEED = 1234
 MAX_FLIPS = 3
 """At most this many near ties of one step resolved the other way (``_Compare``)."""
+MAX_TIES = 16
+"""Of a step's near ties, the nearest this many are tried (each try is one single-device step)."""
 
 
 def run(entry: str, column: str, steps: int = 3, verify: bool = False) -> dict[str, Any]:
@@ -117,10 +119,10 @@ class _Compare:
     """Steps the single-device model beside ``train`` and reports the first difference.
 
     Where a step differs and the single-device forward made top-k decisions at near ties
-    (``meshfold.tools.corpus.ties``), the single-device step is run again with ties resolved the
-    other way, one at a time and then greedily up to ``MAX_FLIPS``; a run that the program then
-    equals within every tolerance is the step's reference (the single-device model trains on from
-    it), and the cell's message names the ties."""
+    (``meshfold.tools.corpus.ties``), the single-device step is run again with ties (the
+    ``MAX_TIES`` nearest) resolved the other way, one at a time and then greedily up to
+    ``MAX_FLIPS``; a run that the program then equals within every tolerance is the step's reference
+    (the single-device model trains on from it), and the cell's message names the ties."""
 
     def __init__(self, ref: nn.Module, entry: registry.Entry, train: _Compiled, steps: int) -> None:
         self.ref, self.entry, self.train, self.steps = ref, entry, train, steps
@@ -161,7 +163,8 @@ class _Compare:
         self._restore(rng, buffers)
         ties = self._reference_step(inputs, frozenset())
         assert ties is not None
-        candidates = [(t.call, t.row) for t in ties.ties]
+        nearest = sorted(ties.ties, key=lambda t: t.margin / max(abs(t.value), 1e-30))[:MAX_TIES]
+        candidates = [(t.call, t.row) for t in nearest]
         chosen: frozenset[tuple[int, int]] = frozenset()
         for _ in range(MAX_FLIPS if candidates else 0):
             best: tuple[float, frozenset[tuple[int, int]]] | None = None

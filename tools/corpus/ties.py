@@ -1,12 +1,14 @@
 """Near ties in the single-device model's top-k decisions, and running it with some of them resolved
 the other way.
 
-A top-k router is discontinuous: where a token's k-th and (k+1)-th best scores differ by less than
-the rounding a correct plan may move them by (another summation order, a bf16 matmul split in two),
-the program and the single-device model may pick different experts, and that expert's gradients
-then differ by a whole token's share. Such a cell is not wrong: the program computed the model's
-function with one tie broken the other way. ``Ties`` records, on the single-device side, every
-``aten.topk`` whose k-th and (k+1)-th values lie within ``bound`` of each other (relative), and
+A router that picks its experts by top-k (or top-1: ``argmax``, ``max`` along a dim) is
+discontinuous: where a token's k-th and (k+1)-th best scores differ by less than the rounding a
+correct plan may move them by (another summation order, a bf16 matmul split in two), the program
+and the single-device model may pick different experts, and that expert's gradients then differ by
+a whole token's share. Such a cell is not wrong: the program computed the model's function with one
+tie broken the other way. ``Ties`` records, on the single-device side, every
+selection (``aten.topk``; ``argmax``/``argmin`` and ``max``/``min`` along a dim as top-1) whose
+k-th and (k+1)-th values lie within ``bound`` of each other (relative), and
 runs the model with chosen ones resolved the other way: the (k+1)-th candidate takes the k-th's
 place, with its value. The comparison (``meshfold.tools.corpus.cell``) accepts a step only if the
 program then equals that run within the usual tolerances, so a wrong value is never explained away.
@@ -31,7 +33,7 @@ entry computes in: bf16's unit roundoff where its code rounds to bf16, else 1e-5
 @dataclass(frozen=True)
 class Tie:
     """The ``row``-th top-k selection (rows in the order of the flattened non-selected dims) of the
-    ``call``-th ``aten.topk`` in one forward, made in module ``where``: its k-th candidate
+    ``call``-th selection op in one forward, made in module ``where``: its k-th candidate
     ``chosen`` and the next one, ``other``, ``margin`` apart."""
 
     call: int
@@ -50,7 +52,7 @@ class Tie:
 
 
 class Ties(TorchDispatchMode):
-    """Inside this mode, every ``aten.topk`` is recorded in ``ties`` where it has near ties, and the
+    """Inside this mode, every selection op is recorded in ``ties`` where it has near ties, and the
     ties in ``flip`` (by ``(call, row)``) are resolved the other way. Every forward under a new mode
     numbers its calls from 0, so the same model and inputs give the same ties."""
 
@@ -71,15 +73,30 @@ class Ties(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
-        if func is not aten.topk.default:
+        if func not in SELECTIONS:
             return out
+        x, kw = args[0], kwargs or {}
+        whole = None if func in (aten.argmax.default, aten.argmin.default) else -1
+        dim = _arg(args, kw, 2 if func is aten.topk.default else 1, "dim", whole)
+        if dim is None or x.is_complex() or not x.is_floating_point() or x.dim() == 0:
+            return out  # NOTE: an argmax over the whole tensor picks no expert per token
         call, self.calls = self.calls, self.calls + 1
-        x, k = args[0], args[1]
-        dim = args[2] if len(args) > 2 else kwargs.get("dim", -1) if kwargs else -1
-        largest = args[3] if len(args) > 3 else (kwargs or {}).get("largest", True)
-        if k >= x.shape[dim] or x.is_complex() or not x.is_floating_point():
+        if func is aten.topk.default:
+            k, largest = args[1], _arg(args, kw, 3, "largest", True)
+            return out if k >= x.shape[dim] else self._resolve(call, out, x, k, dim, largest)
+        if x.shape[dim] < 2:
             return out
-        return self._resolve(call, out, x, k, dim, largest)
+        largest = func in (aten.max.dim, aten.argmax.default)
+        # NOTE: a top-1 selection, its dim kept, as topk gives it
+        kept = _arg(args, kw, 2, "keepdim", False)
+        indices = out if func in (aten.argmax.default, aten.argmin.default) else out[1]
+        indices = indices if kept else indices.unsqueeze(dim)
+        top1 = (x.gather(dim, indices), indices)
+        values, indices = resolved = self._resolve(call, top1, x, 1, dim, largest)
+        if resolved is top1:
+            return out
+        values, indices = (values, indices) if kept else (values.squeeze(dim), indices.squeeze(dim))
+        return indices if func in (aten.argmax.default, aten.argmin.default) else (values, indices)
 
     def _resolve(self, call: int, out: Any, x: torch.Tensor, k: int, dim: int, largest: bool) -> Any:
         values, indices = out
@@ -89,18 +106,27 @@ class Ties(TorchDispatchMode):
         margin = (kth - nxt).abs()
         near = (margin <= self.bound * kth.abs().clamp_min(torch.finfo(x.dtype).tiny)).nonzero().flatten().tolist()
         where = max(self.tracker.parents, key=len)
-        for r in near:
-            self.ties.append(
-                Tie(call, r, where, int(rows_i[r, k - 1]), int(rows_i[r, k]), float(kth[r]), float(margin[r]))
-            )
-        rows = [r for r in near if (call, r) in self.flip]
-        if not rows:
-            return out
         out_v, out_i = _rows(values, dim).clone(), _rows(indices, dim).clone()
-        for r in rows:
-            slot = (out_i[r] == rows_i[r, k - 1]).nonzero().flatten()[0]
-            out_i[r, slot], out_v[r, slot] = rows_i[r, k], rows_v[r, k]
-        return _unrows(out_v, values, dim), _unrows(out_i, indices, dim)
+        flipped = False
+        for r in near:
+            # NOTE: by index, from what the op chose: at an exact tie topk's k+1 may order them otherwise
+            slot = int((out_v[r] - kth[r]).abs().argmin())
+            taken = set(out_i[r].tolist())
+            chosen, other = int(out_i[r, slot]), next(int(i) for i in rows_i[r] if int(i) not in taken)
+            self.ties.append(Tie(call, r, where, chosen, other, float(kth[r]), float(margin[r])))
+            if (call, r) in self.flip:
+                out_i[r, slot], out_v[r, slot] = other, nxt[r]
+                flipped = True
+        return (_unrows(out_v, values, dim), _unrows(out_i, indices, dim)) if flipped else out
+
+
+SELECTIONS = frozenset({aten.topk.default, aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default})
+"""The ops a router picks its experts with: top-k, and top-1 along a dim."""
+
+
+def _arg(args: Any, kwargs: dict[str, Any], at: int, name: str, default: Any) -> Any:
+    """An op's argument ``name``, given at position ``at`` or by keyword."""
+    return args[at] if len(args) > at else kwargs.get(name, default)
 
 
 def _rows(t: torch.Tensor, dim: int) -> torch.Tensor:
