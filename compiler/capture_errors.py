@@ -28,6 +28,7 @@ class CaptureError(RuntimeError):
 _FRAME_RE = re.compile(r'File "([^"]+)", line (\d+)')
 # NOTE: dynamo's "failed to run FX node with fake tensors" text ends with the error torch raised underneath.
 _INNER_RE = re.compile(r"\): got (\w+)\((['\"])(.*?)\2\)", re.S)
+_RAISED_RE = re.compile(r"raised exception (\w+)\((['\"])(.*?)\2\)", re.S)
 LEAF_IN_PLACE = "a leaf Variable that requires grad is being used in an in-place operation"
 _SHAPE_KEYS = ("broadcast", "must match the size", "shapes cannot be multiplied", "size mismatch", "Expected size")
 
@@ -96,6 +97,18 @@ def _frame_from_tb(e: BaseException) -> str | None:
         frames = [f for f in traceback.extract_tb(err.__traceback__) if is_user_file(f.filename)]
         if frames:
             return f"{frames[-1].filename}:{frames[-1].lineno}"
+    return None
+
+
+def raised_in_model(e: BaseException) -> str | None:
+    """``TypeError: ...`` where dynamo, tracing the model's code, saw that code raise a Python exception
+    no handler of the traced code caught (dynamo reports it as ``Observed exception``)."""
+    from torch._dynamo.exc import ObservedException
+
+    for err in _chain(e):
+        if isinstance(err, ObservedException):
+            found = _RAISED_RE.search(str(err))
+            return f"{found.group(1)}: {found.group(3)}" if found else str(err).strip().splitlines()[0]
     return None
 
 
@@ -213,7 +226,17 @@ def capture_error(e: Exception, stage: str, mutated: Callable[[], str | None] | 
     where = user_frame(e)
     node = failing_node(e)
     op = f" in {describe_op(node)}" if node is not None else ""
-    if LEAF_IN_PLACE in inner:
+    raised = raised_in_model(e)
+    if raised is not None:
+        inner = raised
+        construct = f"a Python exception ({raised}) raised by the model's code while traced{op}"
+        fix = (
+            "dynamo names the end of the try block the exception left; run the model once in eager: if it "
+            "raises there too, fix the code; if not, the code reads Python state tracing does not reproduce "
+            "(a contextvars.ContextVar, a global set during the forward, hooks collecting outputs): turn that "
+            "feature off or move it out of the forward"
+        )
+    elif LEAF_IN_PLACE in inner:
         fqn = mutated() if mutated is not None else None
         what = f"parameter `{fqn}`" if fqn else "a parameter"
         construct = f"in-place mutation of {what}{op}"
@@ -227,6 +250,8 @@ def capture_error(e: Exception, stage: str, mutated: Callable[[], str | None] | 
     else:
         construct, fix = "an unsupported construct", "rewrite that line with plain tensor ops"
         text = inner if inner != str(e).strip().splitlines()[0] else str(e)
+        # NOTE: dynamo's own hints ("torch.compiler.set_stance") are not the model's construct
+        text = "\n".join(ln for ln in text.splitlines() if not ln.strip().startswith("Hint:"))
         for keys, what_, how in _HINTS:
             if any(k in text for k in keys):
                 construct, fix = what_, how

@@ -4,6 +4,7 @@ name, the op and the operands' shapes, the line of the model's own code, and the
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import pytest
 import torch
@@ -53,6 +54,17 @@ class _BadBroadcast(torch.nn.Module):
         return self.inner(self.lin(x)).sum()
 
 
+class _RaisesInTry(_AddsToWeight):
+    """Code whose exception leaves a try block (as transformers' output-collecting wrapper has one)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scales: dict[str, Any] = {"traced": None}
+        try:
+            return self.lin(x).sum() * scales["traced"][0]
+        finally:
+            scales.clear()  # the try block ends
+
+
 def _line(cls: type, marker: str) -> str:
     lines, start = inspect.getsourcelines(cls)
     return f"test_capture_errors.py:{start + next(i for i, ln in enumerate(lines) if marker in ln)}"
@@ -90,3 +102,11 @@ def test_broadcasting_bug_is_a_shape_error_not_a_mutation() -> None:
     assert "in module `inner`" in msg
     assert _line(_Inner, "# mismatched") in msg
     assert "broadcast" in msg  # NOTE: torch's own reason is kept
+
+
+def test_an_exception_the_model_raises_under_tracing_is_named_not_taken_for_a_mutation() -> None:
+    msg = _error(_RaisesInTry())
+    assert "mutation" not in msg and "in-place" not in msg, msg
+    assert "a Python exception (TypeError: 'NoneType' object is not subscriptable)" in msg
+    assert _line(_RaisesInTry, "# the try block ends") in msg
+    assert "run the model once in eager" in msg  # NOTE: says what to do
