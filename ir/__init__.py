@@ -7,7 +7,9 @@ from meshfold.ir import (
     constant,  # NOTE: registers meshfold.constant, so graphs with it parse
     conv,  # NOTE: registers meshfold.causal_conv1d and its backward
     moe,  # NOTE: registers the meshfold.moe_experts ops, so graphs with them parse
+    ring,  # NOTE: registers meshfold.ring_step, its backward and lse_merge
     scan,  # NOTE: registers meshfold.affine_scan and its backward
+    stage,  # NOTE: registers meshfold.stage_in and its gradient
 )
 from meshfold.ir.graph import (
     Arg,
@@ -49,7 +51,9 @@ __all__ = [
     "conv",
     "specialize",
     "moe",
+    "ring",
     "scan",
+    "stage",
     "Arg",
     "Graph",
     "GraphBuilder",
