@@ -163,7 +163,7 @@ class _Compare:
         self._restore(rng, buffers)
         ties = self._reference_step(inputs, frozenset())
         assert ties is not None
-        nearest = sorted(ties.ties, key=lambda t: t.margin / max(abs(t.value), 1e-30))[:MAX_TIES]
+        nearest = sorted(ties.ties, key=lambda t: t.relative)[:MAX_TIES]
         candidates = [(t.call, t.row) for t in nearest]
         chosen: frozenset[tuple[int, int]] = frozenset()
         for _ in range(MAX_FLIPS if candidates else 0):

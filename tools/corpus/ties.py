@@ -6,12 +6,12 @@ discontinuous: where a token's k-th and (k+1)-th best scores differ by less than
 correct plan may move them by (another summation order, a bf16 matmul split in two), the program
 and the single-device model may pick different experts, and that expert's gradients then differ by
 a whole token's share. Such a cell is not wrong: the program computed the model's function with one
-tie broken the other way. ``Ties`` records, on the single-device side, every
-selection (``aten.topk``; ``argmax``/``argmin`` and ``max``/``min`` along a dim as top-1) whose
-k-th and (k+1)-th values lie within ``bound`` of each other (relative), and
-runs the model with chosen ones resolved the other way: the (k+1)-th candidate takes the k-th's
-place, with its value. The comparison (``meshfold.tools.corpus.cell``) accepts a step only if the
-program then equals that run within the usual tolerances, so a wrong value is never explained away.
+tie broken the other way. ``Ties`` records, on the single-device side, every selection
+(``aten.topk``; ``argmax``/``argmin`` and ``max``/``min`` along a dim as top-1) whose k-th and
+(k+1)-th values lie within ``bound`` of each other (relative), and runs the model with chosen ones
+resolved the other way: the (k+1)-th candidate takes the k-th's place, with its value. The
+comparison (``meshfold.tools.corpus.cell``) accepts a step only if the program then equals that run
+within the usual tolerances, so a wrong value is never explained away.
 """
 
 from __future__ import annotations
@@ -43,6 +43,11 @@ class Tie:
     other: int
     value: float
     margin: float
+
+    @property
+    def relative(self) -> float:
+        """``margin`` relative to the k-th value (what ``bound`` is compared with)."""
+        return self.margin / max(abs(self.value), 1e-30)
 
     def __str__(self) -> str:
         return (
@@ -76,7 +81,7 @@ class Ties(TorchDispatchMode):
         if func not in SELECTIONS:
             return out
         x, kw = args[0], kwargs or {}
-        whole = None if func in (aten.argmax.default, aten.argmin.default) else -1
+        whole = None if func in INDICES_ONLY else -1
         dim = _arg(args, kw, 2 if func is aten.topk.default else 1, "dim", whole)
         if dim is None or x.is_complex() or not x.is_floating_point() or x.dim() == 0:
             return out  # NOTE: an argmax over the whole tensor picks no expert per token
@@ -89,14 +94,14 @@ class Ties(TorchDispatchMode):
         largest = func in (aten.max.dim, aten.argmax.default)
         # NOTE: a top-1 selection, its dim kept, as topk gives it
         kept = _arg(args, kw, 2, "keepdim", False)
-        indices = out if func in (aten.argmax.default, aten.argmin.default) else out[1]
+        indices = out if func in INDICES_ONLY else out[1]
         indices = indices if kept else indices.unsqueeze(dim)
         top1 = (x.gather(dim, indices), indices)
         values, indices = resolved = self._resolve(call, top1, x, 1, dim, largest)
         if resolved is top1:
             return out
         values, indices = (values, indices) if kept else (values.squeeze(dim), indices.squeeze(dim))
-        return indices if func in (aten.argmax.default, aten.argmin.default) else (values, indices)
+        return indices if func in INDICES_ONLY else (values, indices)
 
     def _resolve(self, call: int, out: Any, x: torch.Tensor, k: int, dim: int, largest: bool) -> Any:
         values, indices = out
@@ -120,8 +125,10 @@ class Ties(TorchDispatchMode):
         return (_unrows(out_v, values, dim), _unrows(out_i, indices, dim)) if flipped else out
 
 
-SELECTIONS = frozenset({aten.topk.default, aten.max.dim, aten.min.dim, aten.argmax.default, aten.argmin.default})
-"""The ops a router picks its experts with: top-k, and top-1 along a dim."""
+INDICES_ONLY = frozenset({aten.argmax.default, aten.argmin.default})
+SELECTIONS = INDICES_ONLY | {aten.topk.default, aten.max.dim, aten.min.dim}
+"""The ops a router picks its experts with: top-k, and top-1 along a dim (``INDICES_ONLY`` return no
+values)."""
 
 
 def _arg(args: Any, kwargs: dict[str, Any], at: int, name: str, default: Any) -> Any:
