@@ -20,27 +20,32 @@ import torch
 import torch.fx as fx
 
 from meshfold import ir
-from meshfold.backends.comm import Issued, issue, local_shapes
-from meshfold.backends.halo import causal_conv1d_backward_split, causal_conv1d_split
+from meshfold.backends.collectives import Issued, issue, local_shapes
+from meshfold.backends.context_parallel.halo import causal_conv1d_backward_split, causal_conv1d_split
+from meshfold.backends.context_parallel.ring_lowering import KERNELS as RING_KERNELS
+from meshfold.backends.context_parallel.ring_lowering import kernel_backward as ring_kernel_backward
+from meshfold.backends.context_parallel.split_scans import (
+    affine_scan_backward_split,
+    affine_scan_split,
+    cumsum_split,
+    flip_split,
+)
+from meshfold.backends.experts.dispatch import exchange_backward, exchange_forward
+from meshfold.backends.host_tier import offload, reload, reload_start, reload_wait
 from meshfold.backends.interpret import runnable_target
 from meshfold.backends.local import LOCAL, LocalForms
-from meshfold.backends.moe import exchange_backward, exchange_forward
-from meshfold.backends.offload import offload, reload, reload_start, reload_wait
 from meshfold.backends.phases import phases, recorded_values
 from meshfold.backends.random import is_random, random_site
-from meshfold.backends.ring_lowering import KERNELS as RING_KERNELS
-from meshfold.backends.ring_lowering import kernel_backward as ring_kernel_backward
-from meshfold.backends.scan import affine_scan_backward_split, affine_scan_split, cumsum_split, flip_split
 from meshfold.backends.watch import Watch, watch_waits
 from meshfold.ir import Graph, Op, OpDef, TensorType, Value
-from meshfold.ir.conv import CONV, CONV_BACKWARD
+from meshfold.ir.dialects.conv import CONV, CONV_BACKWARD
+from meshfold.ir.dialects.moe import EXPERTS, EXPERTS_BACKWARD, TOKENS_AND_WEIGHTS
+from meshfold.ir.dialects.moe import exchange_axes as exchange_axes_of
+from meshfold.ir.dialects.ring import RANK_ARG
+from meshfold.ir.dialects.scan import SCAN, SCAN_BACKWARD
 from meshfold.ir.graph import Arg
-from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, TOKENS_AND_WEIGHTS
-from meshfold.ir.moe import exchange_axes as exchange_axes_of
 from meshfold.ir.ops import OFFLOAD, RELOAD, WAIT
-from meshfold.ir.ring import RANK_ARG
-from meshfold.ir.scan import SCAN, SCAN_BACKWARD
-from meshfold.passes.sharding.rules.common import int_arg, norm_dim, op_arg
+from meshfold.passes.sharding.rules.operands import int_arg, norm_dim, op_arg
 
 aten = torch.ops.aten
 OP_META = "meshfold_op"
@@ -279,10 +284,10 @@ def _returns_sequence(op: Op) -> bool:
     return len(rets) != 1 or str(rets[0].type).startswith("List")
 
 
-# NOTE: the ops that exchange tokens themselves (their operands: ``ir.moe.TOKENS_AND_WEIGHTS``).
+# NOTE: the ops that exchange tokens themselves (their operands: ``ir.dialects.moe.TOKENS_AND_WEIGHTS``).
 _EXCHANGES = {EXPERTS: exchange_forward, EXPERTS_BACKWARD: exchange_backward}
 _TIERS = {OFFLOAD: offload, RELOAD: reload}
-"""``mem.*``: an activation to the host tier and back (``backends/offload.py``)."""
+"""``mem.*``: an activation to the host tier and back (``backends/host_tier.py``)."""
 
 
 def exchange_axes(graph: Graph) -> list[tuple[str, ...]]:
@@ -367,8 +372,8 @@ def _ring_call(op: Op, rank: RankContext) -> tuple[Any, tuple[Any, ...]] | None:
 
 def _ranked(op: Op, args: tuple[Any, ...], rank: RankContext) -> tuple[Any, ...]:
     """A ring step's arguments with this rank's coordinate on the axis its queries' sequence is split
-    over (``ir.ring``: the IR holds -1 there, every rank's part)."""
-    x = op.operands[0]  # NOTE: every tensor of a ring step is held alike (``rules.ring``)
+    over (``ir.dialects.ring``: the IR holds -1 there, every rank's part)."""
+    x = op.operands[0]  # NOTE: every tensor of a ring step is held alike (``rules.attention``)
     axes = [a for a in rank.mesh.names if x.layout.placement(a) == ir.Shard(2)]
     assert len(axes) == 1, f"{op.describe()}: a ring step's sequence is split over one mesh axis"
     at = RANK_ARG[op.target]

@@ -25,7 +25,7 @@ inside compiled code cannot name itself. Random ops (dropout) run as the ordered
 program's order, so the masks stay the single-device model's. Programs with ops Inductor cannot
 compile (activations offloaded to host files, ring attention and the other lowerings that call
 process groups directly) are refused when lowered, naming the op and pointing at
-``backend="eager"``. A pipeline's stage programs compile alike (``meshfold.pipelined``).
+``backend="eager"``. A pipeline's stage programs compile alike (``meshfold.pp.pipelined``).
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ import torch
 
 from meshfold import ir
 from meshfold.ir import Graph, OpDef, Value, view_trait
+from meshfold.ir.dialects.ring import permuted
 from meshfold.ir.graph import Arg
-from meshfold.ir.ring import permuted
 
 
 class InterpretError(RuntimeError):
@@ -34,7 +34,7 @@ def run_values(graph: Graph, inputs: Mapping[str, torch.Tensor], *, global_view:
 
     ``global_view``: run a sharded graph on whole (global) tensors. IR types are global, so every
     op that keeps its value (``OpDef.keeps_value``: the ``comm.*`` ops change layouts only) is the
-    identity there, and ``comm.ppermute`` moves the pieces of its dim (``ir.ring.permuted``).
+    identity there, and ``comm.ppermute`` moves the pieces of its dim (``ir.dialects.ring.permuted``).
     """
     env: dict[Value, Any] = {}
     for i in graph.inputs:

@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from meshfold.backends.experts import EXPERTS_RANGE, EXPERTS_RANGE_BACKWARD
+from meshfold.backends.experts.ranged import EXPERTS_RANGE, EXPERTS_RANGE_BACKWARD
 from meshfold.ir import Layout, Mesh, Op, Shard, Target, TensorType
-from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
-from meshfold.passes.sharding.rules.common import int_arg, norm_dim
+from meshfold.ir.dialects.moe import EXPERTS, EXPERTS_BACKWARD
+from meshfold.passes.sharding.rules.operands import int_arg, norm_dim
 
 aten = torch.ops.aten
 
@@ -227,7 +227,7 @@ def scatter_src_ranged(lo: int, size: int, x: torch.Tensor, dim: int, index: tor
     return _scatter_ranged(aten.scatter.src, lo, size, x, dim, index, src)
 
 
-# NOTE: routed experts (see passes/sharding/rules/moe.py: the experts' dim 0 sharded).
+# NOTE: routed experts (see passes/sharding/rules/routed_experts.py: the experts' dim 0 sharded).
 @LOCAL.ranged_impl(EXPERTS, lambda op: ("operand", 3, 0))
 def moe_experts_ranged(lo: int, size: int, *args: Any, **kw: Any) -> torch.Tensor:
     """This rank's experts ``[lo, lo + size)`` only (its slice of the weights)."""

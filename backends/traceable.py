@@ -16,22 +16,24 @@ import torch
 import torch.fx as fx
 
 from meshfold.backends.eager import OP_META
-from meshfold.backends.moe import EXCHANGE_OPS, flat_exchange_args
+from meshfold.backends.experts.dispatch import EXCHANGE_OPS, flat_exchange_args
 from meshfold.backends.random import RandomSite, as_random_call
 from meshfold.backends.watch import Watch
 from meshfold.passes.base import PassError
 
-PURE = ("meshfold.backends.comm", "meshfold.backends.local", "meshfold.backends.scan")
+PURE = ("meshfold.backends.collectives", "meshfold.backends.local", "meshfold.backends.context_parallel.split_scans")
 """Modules whose helpers a lowered program calls that are ATen ops and functional collectives only:
 a tracer follows them like the ops around them."""
 REFUSED = {
-    "meshfold.backends.offload": "copies activations to and from host files",
+    "meshfold.backends.host_tier": "copies activations to and from host files",
     "meshfold.backends.random": "draws from meshfold's own generator, which traced random ops do not take",
 }
 """Modules whose helpers no tracer can take, and why (anything else outside ``PURE``: it calls
 process groups directly)."""
 
-EXCHANGE = {"meshfold.backends.moe": "exchanges tokens between expert ranks in amounts known only while it runs"}
+EXCHANGE = {
+    "meshfold.backends.experts.dispatch": "exchanges tokens between expert ranks in amounts known only while it runs"
+}
 """The reason a backend that takes no opaque op (``exchange_op=False``) gives for the MoE token exchange."""
 
 
@@ -45,7 +47,7 @@ def plain(
     refused: Mapping[str, str] | None = None,
 ) -> fx.GraphModule:
     """``module`` with every ``Watch`` unwrapped and, with ``exchange_op``, each MoE token exchange as
-    its custom op (``backends.moe.EXCHANGE_OPS``); with ``random_op``, each random op as the custom
+    its custom op (``backends.experts.dispatch.EXCHANGE_OPS``); with ``random_op``, each random op as the custom
     op ``meshfold::random_call`` (``backends.random``), which draws as the eager program does.
     Raises ``PassError`` naming the op, its module path and source line where a call is none of
     these: a helper of a module in ``REFUSED`` or ``refused`` (which gives the backend's own

@@ -1,4 +1,4 @@
-"""How values of every dtype cross a collective (``backends/comm.py``'s lowering of ``comm.*`` ops).
+"""How values of every dtype cross a collective (``backends/collectives.py``'s lowering of ``comm.*`` ops).
 
 gloo's collectives take no complex tensor (its all-to-all, which gloo's all-gathers and sum
 reduce-scatters are sent as, least of all), nor do NCCL's; ``torch.distributed``'s own collectives send

@@ -17,13 +17,13 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from meshfold.api import parallelize
     from meshfold.backends.watch import CollectiveError
-    from meshfold.ir.moe import experts as moe_experts
+    from meshfold.ir.dialects.moe import experts as moe_experts
     from meshfold.packing import PackedBatch, doc_mask, pack_sequences
-    from meshfold.pipelined import PipelinedModule
+    from meshfold.pp.pipelined import PipelinedModule
+    from meshfold.runtime.crosscheck import VerificationError
+    from meshfold.runtime.signature import CallMismatch
     from meshfold.session import DEFAULT_PIPELINE, CompileOptions, CompileResult, compile_model
-    from meshfold.signature import CallMismatch
-    from meshfold.tracer import CaptureError, capture
-    from meshfold.verify import VerificationError
+    from meshfold.tracing.tracer import CaptureError, capture
 
 try:
     __version__ = version("meshfold")
@@ -32,19 +32,19 @@ except PackageNotFoundError:  # NOTE: running from a source tree that was never 
 
 _HOME = {
     "parallelize": ("meshfold.api", "parallelize"),
-    "CaptureError": ("meshfold.tracer", "CaptureError"),
-    "capture": ("meshfold.tracer", "capture"),
-    "moe_experts": ("meshfold.ir.moe", "experts"),
+    "CaptureError": ("meshfold.tracing.tracer", "CaptureError"),
+    "capture": ("meshfold.tracing.tracer", "capture"),
+    "moe_experts": ("meshfold.ir.dialects.moe", "experts"),
     "pack_sequences": ("meshfold.packing", "pack_sequences"),
     "PackedBatch": ("meshfold.packing", "PackedBatch"),
-    "PipelinedModule": ("meshfold.pipelined", "PipelinedModule"),
+    "PipelinedModule": ("meshfold.pp.pipelined", "PipelinedModule"),
     "doc_mask": ("meshfold.packing", "doc_mask"),
     "DEFAULT_PIPELINE": ("meshfold.session", "DEFAULT_PIPELINE"),
     "CompileOptions": ("meshfold.session", "CompileOptions"),
     "CompileResult": ("meshfold.session", "CompileResult"),
     "compile_model": ("meshfold.session", "compile_model"),
-    "VerificationError": ("meshfold.verify", "VerificationError"),
-    "CallMismatch": ("meshfold.signature", "CallMismatch"),
+    "VerificationError": ("meshfold.runtime.crosscheck", "VerificationError"),
+    "CallMismatch": ("meshfold.runtime.signature", "CallMismatch"),
     "CollectiveError": ("meshfold.backends.watch", "CollectiveError"),
 }
 

@@ -19,21 +19,21 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshfold import ir
 from meshfold.backends.eager import Lowered, RankContext, lower
 from meshfold.backends.select import select
-from meshfold.groups import MeshGroups, as_timeout
 from meshfold.passes import PassError
 from meshfold.passes.base import quiet
-from meshfold.passes.cost.hardware import Cluster, device_cluster
 from meshfold.passes.memory import memory_line
 from meshfold.passes.schedule.timeline import predicted, to_chrome_trace, write_trace
-from meshfold.passes.sharding.problem import solve_report
-from meshfold.programs import DEFAULT_CACHE, Program
-from meshfold.runtime import ParallelModule
+from meshfold.passes.sharding.ilp.problem import solve_report
+from meshfold.pp.stage_module import stage_lowering
+from meshfold.pp.stage_plan import pipeline_line, plan_pipeline
+from meshfold.pp.stage_split import PP, PipelineSpec, stage_graphs
+from meshfold.pp.tied import tied_parameters
+from meshfold.runtime.groups import MeshGroups, as_timeout
+from meshfold.runtime.parallel_module import ParallelModule
+from meshfold.runtime.programs import DEFAULT_CACHE, Program
+from meshfold.runtime.signature import Signature
 from meshfold.session import DEFAULT_PIPELINE, CompileOptions, MemoryPolicy, PlanSpec, compile_model, progress
-from meshfold.signature import Signature
-from meshfold.stage_module import stage_lowering
-from meshfold.stage_plan import pipeline_line, plan_pipeline
-from meshfold.stages import PP, PipelineSpec, stage_graphs
-from meshfold.tied import tied_parameters
+from meshfold.target.hardware import Cluster, device_cluster
 
 
 def ir_mesh(mesh: DeviceMesh) -> ir.Mesh:
@@ -91,7 +91,7 @@ def parallelize(
     ``"save"``, ``"recompute"`` or ``"offload"`` decides value by value.
 
     ``moe={"ep": 4, "etp": 1}``: the routed experts of every MoE layer meshfold recognizes (see
-    ``meshfold.moe``) get their own mapping of the same ranks: EP ranks split the experts (innermost
+    ``meshfold.tracing.moe_layers``) get their own mapping of the same ranks: EP ranks split the experts (innermost
     mesh axes after ETP), the rest of the world (EDP) replicates them, whatever ``plan`` does with
     attention. Invalid mappings raise before anything runs, naming the rule.
 
@@ -106,7 +106,7 @@ def parallelize(
     ``"interleaved"`` with ``"virtual"`` stages per rank, default 2, ``"zero-bubble"``, or ``"auto"``:
     the one the time model predicts fastest, which ``plan="pp+auto"`` asks for when no schedule is
     given), the rest of the plan laid out on the other axes; the result is a ``PipelinedModule`` that
-    trains by ``pm.step(*inputs)`` (see ``meshfold.pipelined``).
+    trains by ``pm.step(*inputs)`` (see ``meshfold.pp.pipelined``).
 
     Every call is checked on every rank alike before any collective of the program. A call with
     other input shapes or dtypes, in the other mode (``pm.eval()``), or under ``torch.no_grad()``
@@ -160,7 +160,7 @@ def _pipelined(
     timeout: float | timedelta | None,
 ) -> Any:
     """Compile one microbatch on the mesh's other axes, split it into stages, lower this rank's."""
-    from meshfold.pipelined import PipelinedModule, StageCheck, microbatch, stage_mesh  # NOTE: loads pipelining
+    from meshfold.pp.pipelined import PipelinedModule, StageCheck, microbatch, stage_mesh  # NOTE: loads pipelining
 
     spec = options.pp
     assert spec is not None and options.mesh is not None

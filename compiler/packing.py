@@ -22,7 +22,7 @@ position or before, so the order of the tokens in the row changes nothing but wh
 computed, and a compiled model given the packed row equals one device given the sequences in
 order (``pack_sequences(..., ranks=1)``). Ring attention then passes round only the key columns
 another rank's queries see, as far as they are seen, and TokenRing sends only the query rows that
-see another rank's keys (``backends/ring_reach.py``): the split sequences' chunks, at the front of
+see another rank's keys (``backends/context_parallel/ring_reach.py``): the split sequences' chunks, at the front of
 each part, and nothing of the sequences kept whole.
 """
 

@@ -27,15 +27,15 @@ from torch import nn
 from meshfold import ir
 from meshfold.ir.symbolic import size_hints
 from meshfold.passes import JOINT, PassContext, PassError, PassPipeline, PassTiming, parse_size
-from meshfold.passes.cost.hardware import Cluster, parse_cluster
 from meshfold.passes.cp import CpSpec
 from meshfold.passes.memory.policies import Saved
 from meshfold.passes.moe.spec import MoeSpec, check_spec
 from meshfold.passes.pipeline import Callback
 from meshfold.passes.sharding.plans import Plan, axis_roles, default_preset, sequence_axes
-from meshfold.stage_plan import plan_pipeline
-from meshfold.stages import AUTO, PP, PipelineSpec, marked_layers
-from meshfold.tracer import capture
+from meshfold.pp.stage_plan import plan_pipeline
+from meshfold.pp.stage_split import AUTO, PP, PipelineSpec, marked_layers
+from meshfold.target.hardware import Cluster, parse_cluster
+from meshfold.tracing.tracer import capture
 
 # NOTE: grows with every pass that lands. Without a mesh, sharding and boxing leave the
 # single-device graph as it is; without an expert mapping, moe-fold does.
@@ -65,7 +65,7 @@ class CompileOptions:
     cp: CpSpec | None = None
     """How attention reads a sequence split over the plan's ``cp`` axes (None: ``CpSpec()``)."""
     pp: PipelineSpec | None = None
-    """Pipeline stages over a ``pp`` mesh axis (``mesh`` is then the other axes; ``meshfold.stages``)."""
+    """Pipeline stages over a ``pp`` mesh axis (``mesh`` is then the other axes; ``meshfold.pp.stage_split``)."""
     cluster: Cluster | None = None
     memory: int | None = None
     """Bytes per rank: the sharding solve's bound and the budget the ``memory`` pass recomputes to meet."""

@@ -3,14 +3,7 @@
 ``ir`` imports nothing else of meshfold's.
 """
 
-from meshfold.ir import (
-    constant,  # NOTE: registers meshfold.constant, so graphs with it parse
-    conv,  # NOTE: registers meshfold.causal_conv1d and its backward
-    moe,  # NOTE: registers the meshfold.moe_experts ops, so graphs with them parse
-    ring,  # NOTE: registers meshfold.ring_step, its backward and lse_merge
-    scan,  # NOTE: registers meshfold.affine_scan and its backward
-    stage,  # NOTE: registers meshfold.stage_in and its gradient
-)
+from meshfold.ir import dialects  # noqa: F401  # NOTE: registers every op of ours, so IR text naming one parses
 from meshfold.ir.graph import (
     Arg,
     Graph,

@@ -265,7 +265,7 @@ class ParamStack:
     """A parameter input made of several model parameters: row ``e`` of ``name`` (dim 0) is
     ``members[e]``, the one parameter itself or several stacked on a new dim 0 (an expert's gate and
     up weights as ``[2, I, H]``). Capture makes these when it folds experts held in an ``nn.ModuleList``
-    into one experts op (``meshfold.moe_lists``); the runtime builds them from, and maps them back to,
+    into one experts op (``meshfold.rewrites.moe_lists``); the runtime builds them from, and maps them back to,
     the model's own parameters."""
 
     name: str

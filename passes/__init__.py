@@ -1,7 +1,7 @@
 """Passes over the IR. ``passes`` imports ``ir`` and never ``compiler``, ``backends`` or ``tools``.
 
-Names load on first use, so that ``passes.cost`` (pure Python: the simulator behind ``meshfold
-plan``) can be imported without loading torch through the pass registry.
+Names load on first use, so that the pure-Python parts (``passes.cost.comm`` and ``passes.cost.opcost``,
+which the simulator behind ``meshfold plan`` prices with) import without loading torch.
 """
 
 from __future__ import annotations

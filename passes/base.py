@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, ClassVar
 from meshfold.ir import Graph, Mesh
 
 if TYPE_CHECKING:
-    from meshfold.passes.cost.hardware import Cluster
     from meshfold.passes.cp import CpSpec
     from meshfold.passes.memory.policies import Saved
     from meshfold.passes.moe.spec import MoeSpec
     from meshfold.passes.sharding.plans import Plan
+    from meshfold.target.hardware import Cluster
 
 # NOTE: graph properties passes require and ensure. ``joint`` holds for a fresh capture.
 JOINT = "joint"
@@ -67,7 +67,7 @@ class PassContext:
     what a budget allows)."""
     pipelined: bool = False
     """The program is split into pipeline stages at its layer stack after the passes
-    (``meshfold.stages``): ``bucket`` then never groups ops of the code before the stack with those after it."""
+    (``meshfold.pp.stage_split``): ``bucket`` then never groups ops of the code before the stack with those after it."""
     diagnostics: list[str] = field(default_factory=list)
     stats: dict[str, object] = field(default_factory=dict)
     """Figures passes report about their own work (e.g. ``sharding.solve``: per-axis program size)."""

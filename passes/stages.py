@@ -1,6 +1,6 @@
 """Pipeline stages: which contiguous layers each stage runs.
 
-One rule for the runtime (``meshfold.pipelined`` splits a captured program at the layers it names)
+One rule for the runtime (``meshfold.pp.pipelined`` splits a captured program at the layers it names)
 and the simulator (``passes.cost`` prices the stages it gives): layers ``0..L-1`` with their times
 go to ``S`` stages in order, each stage a contiguous run of at least one layer; the first stage also
 runs what comes before the layers (the embedding: ``head``), the last what comes after (the final

@@ -9,7 +9,7 @@ from meshfold.ir import Graph, verify
 from meshfold.ir.ops import REDISTRIBUTE
 from meshfold.ir.verifier import key_classes
 from meshfold.passes.base import VERIFIED, Pass, PassContext, PassError
-from meshfold.passes.cost.memory import rank_memory, size_text
+from meshfold.passes.cost.liveness import rank_memory, size_text
 from meshfold.passes.schedule.overlap import INFLIGHT_STAT
 from meshfold.passes.sharding.check import check_layouts
 
@@ -19,7 +19,7 @@ class Verify(Pass):
     """Check SSA, layouts, started collectives and their waits (under the ``overlap`` pass's bound on
     bytes in flight when it ran) and (with ``types``) every op's result types; with ``layouts``, that
     every op's placements on each mesh axis are allowed by its sharding rule; under a memory bound
-    (``parallelize(memory=...)``), that one rank's predicted peak (``passes.cost.memory``) of a
+    (``parallelize(memory=...)``), that one rank's predicted peak (``passes.cost.liveness``) of a
     boxed program stays under it. Returns the graph unchanged."""
 
     name: ClassVar[str] = "verify"

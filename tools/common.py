@@ -21,7 +21,7 @@ from rich.table import Table
 from torch import nn
 
 from meshfold import ir
-from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
+from meshfold.ir.dialects.moe import EXPERTS, EXPERTS_BACKWARD
 from meshfold.passes.moe.spec import MoeSpec
 from meshfold.passes.sharding.plans import Plan, axis_roles
 

@@ -16,7 +16,13 @@ from typing import Any
 
 import torch
 
-from meshfold.tools.collectives import CollectiveCall, CollectiveRecorder, CollectiveRow, group_labels, summarize
+from meshfold.tools.profiled_collectives import (
+    CollectiveCall,
+    CollectiveRecorder,
+    CollectiveRow,
+    group_labels,
+    summarize,
+)
 from meshfold.tools.ranks import Reporter, Stages, on_ranks
 
 DEFAULT_MESH = "dp=2,tp=2"
@@ -24,7 +30,7 @@ DEFAULT_MESH = "dp=2,tp=2"
 
 def auto_ep(mesh: Any, expert_counts: list[int]) -> int:
     """The largest EP a run of innermost mesh axes gives that divides every layer's expert count
-    (``meshfold.moe.MoeSpec`` maps EP onto whole axes, innermost first); 1 when none does."""
+    (``meshfold.tracing.moe_layers.MoeSpec`` maps EP onto whole axes, innermost first); 1 when none does."""
     best, ranks = 1, 1
     for size in reversed(mesh.sizes):
         ranks *= size
@@ -36,9 +42,9 @@ def auto_ep(mesh: Any, expert_counts: list[int]) -> int:
 def default_moe(model_name: str, mesh: Any) -> dict[str, Any] | None:
     """``moe=`` for the demo: ``{"ep": auto_ep(...)}`` when the model has experts meshfold folds and
     that splits them (EP > 1), else None (the experts, if any, follow the plan)."""
-    from meshfold.moe import find_experts
-    from meshfold.moe_lists import expert_lists
+    from meshfold.rewrites.moe_lists import expert_lists
     from meshfold.tools.zoo import build
+    from meshfold.tracing.moe_layers import find_experts
 
     model = build(model_name)[0]
     sites, _ = find_experts(model)
@@ -186,9 +192,9 @@ def run_demo(
     from rich.table import Table
 
     from meshfold import ir
-    from meshfold.moe import MoeSpec
     from meshfold.passes.sharding.plans import Plan
     from meshfold.tools.common import mapping_line
+    from meshfold.tracing.moe_layers import MoeSpec
 
     mesh = ir.Mesh.parse(mesh_text)
     console = Console()

@@ -16,8 +16,8 @@ def _export(rank: int, args: dict[str, Any], report: Reporter) -> None:
 
     from meshfold.api import parallelize
     from meshfold.backends.onnx import DOMAIN
-    from meshfold.exports import check_onnx
     from meshfold.passes import PassError
+    from meshfold.runtime.onnx_export import check_onnx
     from meshfold.tools.zoo import build
 
     mesh = init_device_mesh("cpu", args["sizes"], mesh_dim_names=args["names"])

@@ -26,12 +26,12 @@ from meshfold import ir
 from meshfold.passes import Pass, PassError, PassFailure, PassPipeline, PassTiming, pass_spelling
 from meshfold.passes.memory import memory_line
 from meshfold.passes.schedule.timeline import predicted, to_chrome_trace, write_trace
-from meshfold.passes.sharding.problem import step_line
+from meshfold.passes.sharding.ilp.problem import step_line
+from meshfold.pp.stage_plan import PipelinePlan, pipeline_line
 from meshfold.session import DEFAULT_PIPELINE, CompileOptions, compile_model, progress
-from meshfold.stage_plan import PipelinePlan, pipeline_line
 from meshfold.tools.common import CliError, load_source, moe_items, moe_tables, parse_mesh, parse_moe, show_progress
 from meshfold.tools.dumps import DumpWriter, phase_counts
-from meshfold.tracer import CaptureError
+from meshfold.tracing.tracer import CaptureError
 
 EXIT_ERROR = 2
 

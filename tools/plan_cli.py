@@ -11,7 +11,7 @@ ZeRO stage, overlap; for MoE models also ep, etp and the folded / unfolded exper
 ``--fixed "tp=2,dp=32,ep=8,etp=1"`` or ``--fixed "tp=2,dp=32,ep=8,moe_mapping=unfolded"``).
 ``--routing-imbalance`` sets the busiest expert rank's load over the mean (default: the model's,
 1.0 for presets). ``--cluster`` may join node groups with different NICs, e.g.
-``h100:8x4@ib+h100:8x4@roce`` (``passes.cost.hardware.parse_cluster``). For plans with a pipeline
+``h100:8x4@ib+h100:8x4@roce`` (``meshfold.target.hardware.parse_cluster``). For plans with a pipeline
 the table is followed by each plan's schedule and layers per stage.
 """
 
@@ -27,7 +27,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from meshfold.passes.cost import (
+from meshfold.sim import (
     Cluster,
     ModelSpec,
     ParallelConfig,
@@ -40,9 +40,9 @@ from meshfold.passes.cost import (
     simulate,
     to_chrome_trace,
 )
-from meshfold.passes.cost.model import PRESETS
-from meshfold.passes.cost.parallel import ConfigError
-from meshfold.passes.cost.result import SimResult
+from meshfold.sim.model import PRESETS
+from meshfold.sim.parallel import ConfigError
+from meshfold.sim.result import SimResult
 
 GIB = 2**30
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import nn
 
-from meshfold.passes.cost import ModelSpec, from_hf_config
+from meshfold.sim import ModelSpec, from_hf_config
 
 _HEADS = ("n_heads", "num_heads", "num_attention_heads", "n_head")
 _KV_HEADS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads")

@@ -1,4 +1,4 @@
-"""A pool of CPU/gloo ranks, spawned once and fed many tasks (DESIGN.md, "Testing").
+"""A pool of CPU/gloo ranks, spawned once and fed many tasks (docs/testing.md).
 
 A task is a function named by import path (``"tests.dist.cases_smoke:rank_and_world"``) plus picklable
 keyword arguments; code is never pickled. Every rank calls the function with the default (gloo) process

@@ -5,7 +5,7 @@ ranks form (``comm.place_axis``), exactly as the cluster simulator prices the sa
 Nothing here is a model of its own: this module only says which collective a change of layout on
 one axis is, and on which group of the cluster it runs. Without a cluster the ranks are gloo
 processes on this CPU (``hardware.local_cluster``). Imported by name (it reads ``ir`` placements,
-hence torch), like ``passes.cost.memory``.
+hence torch), like ``passes.cost.liveness``.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from meshfold.ir import Mesh, Partial, Placement, Replicate, Shard
 from meshfold.passes.cost import comm, opcost
 from meshfold.passes.cost.comm import Group
-from meshfold.passes.cost.hardware import Cluster, local_cluster
+from meshfold.target.hardware import Cluster, local_cluster
 
 # NOTE: a local slice of a replicated value (or keeping a Partial on one rank) moves nothing; a
 # token time keeps Replicate preferred when all else is equal.

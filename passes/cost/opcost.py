@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 
-from meshfold.passes.cost.hardware import DTYPE_BYTES, Device
+from meshfold.target.hardware import DTYPE_BYTES, Device
 
 
 def flops_efficiency(

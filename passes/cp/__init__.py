@@ -7,9 +7,9 @@ two ways to stay split, and ``CpSpec.method`` says which the sharding solve may 
 * ``"ulysses"``: an all-to-all turns the sequence split into a split by heads (or by batch, where
   the batch divides) and back after the kernel: each rank attends whole sequences of some heads.
 * ``"ring"``: the attention stays split by sequence and runs as ring attention
-  (``rules.attention.ring_strategy``, lowered by ``backends/ring_lowering.py``): keys and values are
+  (``rules.attention.ring_strategy``, lowered by ``backends/context_parallel/ring_lowering.py``): keys and values are
   passed round the axis's ranks while each block computes.
-* ``"tokenring"``: split by sequence too, run as TokenRing (``backends/tokenring.py``): the queries
+* ``"tokenring"``: split by sequence too, run as TokenRing (``backends/context_parallel/tokenring.py``): the queries
   travel one way and the block results the other, the keys and values stay.
 * ``"auto"`` (the default): whichever the solve prices cheaper for each attention (ring attention's
   traffic, where it exceeds the blocks it overlaps, or Ulysses' all-to-alls).
@@ -26,13 +26,13 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from meshfold.ir import Graph, Op, TensorType
-from meshfold.ir.conv import CONV
-from meshfold.ir.scan import SCAN
+from meshfold.ir.dialects.conv import CONV
+from meshfold.ir.dialects.scan import SCAN
 from meshfold.passes.base import PassContext, PassError
 from meshfold.passes.sharding.cost import nbytes
 from meshfold.passes.sharding.plans import AUTO
 from meshfold.passes.sharding.rules.attention import RESULT_ROLES, RING_KERNELS, ring_blocker
-from meshfold.passes.sharding.rules.common import operand_names, tensor_type_of
+from meshfold.passes.sharding.rules.operands import operand_names, tensor_type_of
 from meshfold.passes.sharding.strategy import Strategy
 
 METHODS = ("auto", "ring", "tokenring", "ulysses")

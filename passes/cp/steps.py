@@ -3,9 +3,9 @@ the program that the overlap pass schedules beside everything else.
 
 An attention kernel whose queries, keys and values are split along the sequence over one mesh axis
 of ``n`` ranks (the ring strategy, ``rules.attention``) runs as one op that passes the keys and
-values round the ring inside itself (``backends/ring_lowering.py``). Where its schedule is fixed
+values round the ring inside itself (``backends/context_parallel/ring_lowering.py``). Where its schedule is fixed
 before anything runs (no mask tensor, whose reach is known only from its contents; no dropout),
-this pass replaces the forward kernel by (``ir.ring``)::
+this pass replaces the forward kernel by (``ir.dialects.ring``)::
 
     q, k, v = ppermute(q, k, v; zigzag)           # causal only: every rank the same work
     out, lse = ring_step(q, k, v; step 0)
@@ -40,15 +40,15 @@ from typing import ClassVar
 import torch
 
 from meshfold.ir import Graph, GraphBuilder, Op, Shard, TensorType, Value
+from meshfold.ir.dialects.ring import LSE_MERGE, RING_STEP, RING_STEP_BACKWARD, inverse, shift_order, zigzag_order
 from meshfold.ir.graph import fresh_name
 from meshfold.ir.ops import PPERMUTE
-from meshfold.ir.ring import LSE_MERGE, RING_STEP, RING_STEP_BACKWARD, inverse, shift_order, zigzag_order
 from meshfold.ir.symbolic import divides
 from meshfold.passes.base import Pass, PassContext
 from meshfold.passes.cp import method_of
 from meshfold.passes.sharding.boxing import BOXED
 from meshfold.passes.sharding.rules.attention import RING_KERNELS
-from meshfold.passes.sharding.rules.common import op_arg
+from meshfold.passes.sharding.rules.operands import op_arg
 
 FORWARD, BACKWARD = RING_KERNELS[0], RING_KERNELS[1]
 _ADD = torch.ops.aten.add.Tensor
@@ -85,7 +85,7 @@ class RingSteps(Pass):
 
 
 def _report(ctx: PassContext, sizes: dict[str, int], rings: dict[Op, str], method: str) -> None:
-    """A plan report line per axis (``passes.sharding.problem.solve_report``): how many forward
+    """A plan report line per axis (``passes.sharding.ilp.problem.solve_report``): how many forward
     attentions run as steps."""
     lines = []
     what = "queries and results" if method == "tokenring" else "keys and values"

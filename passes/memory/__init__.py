@@ -9,11 +9,11 @@ Policies (``memory{policy=...}`` or ``parallelize(..., memory="...")``):
   right before the backward reads their results (``recompute``). What cannot run twice (a random
   draw) is always kept.
 * ``offload``: every saved activation goes to the host tier after its last forward use and comes
-  back before its first backward use (``offload``; ``backends/offload.py`` lowers the pair).
+  back before its first backward use (``offload``; ``backends/host_tier.py`` lowers the pair).
 * a byte budget (``memory{budget=6GiB}``, ``memory="6GiB"``): per block, recompute its pointwise
   ops or all of it; per saved activation, offload it; per routed-experts op, compute it in smaller
-  pieces (``ir.moe.piece_rows``: a smaller working set, more kernels), whichever ways bring the predicted
-  memory of one rank (``passes.cost.memory``: parameters, gradients, optimizer state, live
+  pieces (``ir.dialects.moe.piece_rows``: a smaller working set, more kernels), whichever ways bring the predicted
+  memory of one rank (``passes.cost.liveness``: parameters, gradients, optimizer state, live
   activations) under the budget at every point of the schedule in least added time (``budget``,
   ``rows``: an integer program with exact feedback).
 * ``keep`` (the default without a budget): everything kept.
@@ -37,7 +37,7 @@ from meshfold.ir.graph import local_nbytes
 from meshfold.ir.ops import OFFLOAD, WAIT
 from meshfold.passes.base import Pass, PassContext, PassError
 from meshfold.passes.cost.axis import axis_models
-from meshfold.passes.cost.memory import rank_memory, size_text
+from meshfold.passes.cost.liveness import rank_memory, size_text
 from meshfold.passes.memory.budget import copy_windows, decide
 from meshfold.passes.memory.offload import offloaded, saved_activations
 from meshfold.passes.memory.policies import ANSWERS, Saved, policy_values

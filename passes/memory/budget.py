@@ -15,7 +15,7 @@ that at every point of the schedule the predicted peak exceeds the budget, what 
 covers the excess. The program's picture of where each value lives is exact for one way at a time;
 a recomputed chain is made in one go before the first backward reader of any of it, so some values
 come back earlier than it assumes. So the choice is carried out, the peak predicted again by the
-liveness estimate (``passes.cost.memory``), and while it is still over, the excess is added to
+liveness estimate (``passes.cost.liveness``), and while it is still over, the excess is added to
 every row and the program solved again: an outer loop with exact feedback, as between the sharding
 solve and this pass.
 """
@@ -27,18 +27,18 @@ from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from meshfold.ir import Graph, Mesh, Op, Value
+from meshfold.ir.dialects.moe import EXPERTS, EXPERTS_BACKWARD, ROWS, with_rows
+from meshfold.ir.dialects.moe_memory import pieces, working_set
 from meshfold.ir.graph import local_nbytes
-from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, ROWS, with_rows
-from meshfold.ir.moe_memory import pieces, working_set
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.cost.axis import axis_models
-from meshfold.passes.cost.hardware import Cluster
-from meshfold.passes.cost.memory import alias_roots, rank_memory
+from meshfold.passes.cost.liveness import alias_roots, rank_memory
 from meshfold.passes.memory.offload import offloaded, saved_activations
 from meshfold.passes.memory.policies import policy_values
 from meshfold.passes.memory.recompute import recompute
 from meshfold.passes.memory.rows import cheapest, freed_at
 from meshfold.passes.schedule.timeline import Costs
+from meshfold.target.hardware import Cluster
 
 ROUNDS = 8
 """Solves at most: each adds the excess the estimate still shows (two sufficed on the test models)."""
@@ -144,11 +144,11 @@ def choices(graph: Graph, cluster: Cluster | None) -> list[Choice]:
 
 
 SMALLER = (ROWS // 2, ROWS // 4, ROWS // 8)
-"""Piece sizes a budget may give a routed-experts op (``ir.moe.piece_rows``): its working set is one
+"""Piece sizes a budget may give a routed-experts op (``ir.dialects.moe.piece_rows``): its working set is one
 piece of one expert's temporaries, so halving the piece halves most of it, for more kernels."""
 
 KERNELS = {EXPERTS: 8, EXPERTS_BACKWARD: 24}
-"""Kernels one piece launches (``ir.moe.pair_outputs``, ``pair_grads``): what a smaller piece adds."""
+"""Kernels one piece launches (``ir.dialects.moe.pair_outputs``, ``pair_grads``): what a smaller piece adds."""
 
 DISPATCH_S = 1.5e-6
 """Least time an extra kernel adds: one eager op's dispatch, measured on this CPU (one thread,

@@ -4,7 +4,7 @@
 last forward reader (after its producer when the forward reads it no more) and reads it back
 (``mem.reload``) right before its first backward reader, which reads the copy; the forward hands
 the backward the host copy instead of the value, so the value is freed in the forward. The eager
-backend lowers the pair to a file-backed copy on CPU ranks (``backends/offload.py``).
+backend lowers the pair to a file-backed copy on CPU ranks (``backends/host_tier.py``).
 """
 
 from __future__ import annotations

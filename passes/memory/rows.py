@@ -25,8 +25,8 @@ from scipy.sparse import csc_array
 
 from meshfold.ir import Graph, Op, Value
 from meshfold.ir.graph import local_nbytes
-from meshfold.passes.cost.memory import MemoryEstimate, alias_roots
-from meshfold.passes.sharding.milp import solve_milp
+from meshfold.passes.cost.liveness import MemoryEstimate, alias_roots
+from meshfold.passes.sharding.ilp.milp import solve_milp
 
 
 class Way(Protocol):

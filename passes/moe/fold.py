@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from meshfold import ir
-from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD, capacity_of
+from meshfold.ir.dialects.moe import EXPERTS, EXPERTS_BACKWARD, capacity_of
 from meshfold.passes.base import JOINT, Pass, PassContext
 from meshfold.passes.moe.spec import MoeSpec, check_spec, expert_overrides, experts_sites
 from meshfold.passes.sharding.plans import Plan, default_preset

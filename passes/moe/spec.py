@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshfold import ir
-from meshfold.ir.moe import EXPERTS
+from meshfold.ir.dialects.moe import EXPERTS
 from meshfold.passes.base import PassError
 from meshfold.passes.sharding.plans import AUTO, Plan
 

@@ -61,7 +61,7 @@ from meshfold.ir.ops import PPERMUTE, RELOAD, WAIT, draws
 from meshfold.passes.base import Pass, PassContext, PassError
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.cost.axis import axis_models
-from meshfold.passes.cost.memory import rank_memory, size_text
+from meshfold.passes.cost.liveness import rank_memory, size_text
 from meshfold.passes.schedule.chunks import chunk_matmuls
 from meshfold.passes.schedule.nano import nano_batch
 from meshfold.passes.schedule.timeline import Costs, replay
@@ -134,7 +134,7 @@ class Overlap(Pass):
 
     def _within(self, ctx: PassContext, graph: Graph, costs: Costs, budget: int) -> tuple[Graph, int]:
         """Under a memory budget (``parallelize(memory=...)``): the schedule whose predicted peak
-        (``passes.cost.memory``) stays under it, with the bytes in flight capped first at the
+        (``passes.cost.liveness``) stays under it, with the bytes in flight capped first at the
         headroom the unscheduled program leaves, then halved; the program unscheduled (its
         collectives waited where issued) when no cap fits."""
         peak = rank_memory(graph, cluster=ctx.cluster).peak

@@ -41,8 +41,8 @@ from meshfold.ir.ops import (
 )
 from meshfold.ir.symbolic import Dim, size_hint
 from meshfold.passes.cost.axis import AxisModel, axis_models
-from meshfold.passes.cost.hardware import LOCAL, Cluster
 from meshfold.passes.sharding.opwork import op_bytes, op_flops
+from meshfold.target.hardware import LOCAL, Cluster
 
 _KIND = {
     ALL_GATHER: "all_gather",

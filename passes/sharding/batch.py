@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from meshfold.ir import Graph, Layout, Mesh, Placement, Shard, TensorType, Value
 from meshfold.passes.base import PassError
-from meshfold.passes.sharding.problem import Solution
+from meshfold.passes.sharding.ilp.problem import Solution
 from meshfold.passes.sharding.rules.attention import RESULT_ROLES
 
 

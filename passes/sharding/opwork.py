@@ -11,8 +11,8 @@ from typing import Any
 from torch.utils.flop_counter import flop_registry
 
 from meshfold.ir import Op, TensorType, Value
+from meshfold.ir.dialects.ring import step_area
 from meshfold.ir.graph import Arg
-from meshfold.ir.ring import step_area
 from meshfold.ir.symbolic import size_hint
 
 
@@ -75,7 +75,7 @@ def op_flops(op: Op) -> float:
 
 
 def _ring_step_flops(op: Op, backward: bool) -> float:
-    """One ring step of every rank (``ir.ring.step_area``): ``4 b h d L^2`` over the blocks' share of
+    """One ring step of every rank (``ir.dialects.ring.step_area``): ``4 b h d L^2`` over the blocks' share of
     the score matrix; 2.5 times that backward."""
     q = op.operands[1 if backward else 0].type
     assert isinstance(q, TensorType)

@@ -38,7 +38,8 @@ from meshfold.passes.cost.axis import AxisModel, axis_models
 from meshfold.passes.moe.spec import plan_with_experts
 from meshfold.passes.sharding.batch import attention_split, batch_splits
 from meshfold.passes.sharding.cost import nbytes, own_traffic
-from meshfold.passes.sharding.fit import fitted, spill_prices
+from meshfold.passes.sharding.ilp.fit import fitted, spill_prices
+from meshfold.passes.sharding.ilp.solve import Problem, Solution, preset_plan, report, seeded
 from meshfold.passes.sharding.plans import (
     AUTO,
     Plan,
@@ -50,7 +51,6 @@ from meshfold.passes.sharding.plans import (
 )
 from meshfold.passes.sharding.rebind import rebind
 from meshfold.passes.sharding.rules import RuleTable, rule_table, strategies_for
-from meshfold.passes.sharding.solve import Problem, Solution, preset_plan, report, seeded
 from meshfold.passes.sharding.strategy import Strategy, fits_axis, keeps_pinned
 
 SHARDED = "sharded"

@@ -11,11 +11,11 @@ import torch
 
 from meshfold.api import parallelize
 from meshfold.ir import ParamStack
-from meshfold.moe import MoeSpec, experts_as_ops
-from meshfold.moe_lists import as_stacked
 from meshfold.passes.memory.policies import Saved
+from meshfold.rewrites.moe_lists import as_stacked
 from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
+from meshfold.tracing.moe_layers import MoeSpec, experts_as_ops
 from tests.dist.captures import shared_capture
 
 RTOL, ATOL = 1e-5, 1e-6
@@ -199,7 +199,7 @@ def verify_mode(
 ) -> str:
     """``verify=True`` on a correct compilation passes; with one rank's shard of ``corrupt`` perturbed,
     every rank raises the same error naming the first value that differs. Returns the error text."""
-    from meshfold.verify import VerificationError
+    from meshfold.runtime.crosscheck import VerificationError
 
     warnings.filterwarnings("ignore")
     mesh = device_mesh(tuple(shape), tuple(names))

@@ -13,8 +13,8 @@ from typing import Any
 from meshfold.api import parallelize
 from meshfold.backends import ascend
 from meshfold.backends.eager import lower
-from meshfold.groups import MeshGroups
 from meshfold.passes import PassError
+from meshfold.runtime.groups import MeshGroups
 from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
 from tests.dist.cases import equivalence

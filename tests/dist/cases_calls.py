@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from meshfold.api import parallelize
-from meshfold.signature import CallMismatch
+from meshfold.runtime.signature import CallMismatch
 from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
 from tests.dist.cases import ATOL, RTOL

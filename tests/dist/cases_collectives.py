@@ -10,10 +10,10 @@ from typing import Any
 import torch
 
 from meshfold.api import parallelize
-from meshfold.backends.comm import BY_ALL_TO_ALL
-from meshfold.tools.collectives import group_labels, summarize
+from meshfold.backends.collectives import BY_ALL_TO_ALL
 from meshfold.tools.demo import collectives_table, measured_step
 from meshfold.tools.pool_worker import device_mesh
+from meshfold.tools.profiled_collectives import group_labels, summarize
 from meshfold.tools.zoo import build
 from tests.dist.captures import shared_capture
 
@@ -31,7 +31,7 @@ _DTYPE_BYTES = {"float": 4, "double": 8, "long int": 8, "int": 4, "c10::Half": 2
 
 def _profiled(prof: Any) -> tuple[Counter[str], Counter[str]]:
     """Calls and bytes sent per kind, from the profiler's outermost event of each collective op (an
-    all-to-all under ``backends.comm``'s label of a gloo all-gather: that all-gather, its operand
+    all-to-all under ``backends.collectives``'s label of a gloo all-gather: that all-gather, its operand
     the ``1/n`` of the all-to-all's input that it repeats; of a gloo reduce-scatter: that
     reduce-scatter, its operand the all-to-all's input)."""
     calls: Counter[str] = Counter()

@@ -1,4 +1,4 @@
-"""Tasks for tests/dist/test_comm.py: one comm op's eager lowering (``backends/comm.py``) on the ranks,
+"""Tasks for tests/dist/test_comm.py: one comm op's eager lowering (``backends/collectives.py``) on the ranks,
 against the layouts it claims, and against the liveness estimate of its buffers."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import torch.distributed as dist
 import torch.fx as fx
 
 from meshfold import ir
-from meshfold.backends.comm import issue, local_shapes
+from meshfold.backends.collectives import issue, local_shapes
+from meshfold.ir.dialects.ring import permuted
 from meshfold.ir.ops import ALL_TO_ALL
-from meshfold.ir.ring import permuted
-from meshfold.passes.cost.memory import rank_memory
+from meshfold.passes.cost.liveness import rank_memory
 from meshfold.tools.measure import settled_peak_new_bytes
 
 
@@ -56,7 +56,7 @@ def all_to_all(shape: tuple[int, ...], concat: int, split: int) -> dict[str, Any
 
 def ppermute(shape: tuple[int, ...], dim: int, order: tuple[int, ...]) -> dict[str, Any]:
     """``comm.ppermute`` over every rank of a value split along ``dim``: this rank's result against its
-    slice of the whole tensor with its pieces moved (``ir.ring.permuted``), as the IR reads it."""
+    slice of the whole tensor with its pieces moved (``ir.dialects.ring.permuted``), as the IR reads it."""
     world, rank = dist.get_world_size(), dist.get_rank()
     dims = ", ".join(map(str, shape))
     graph = ir.parse(

@@ -1,5 +1,5 @@
 """Tasks for tests/dist/test_complex.py: a model with torchtitan's complex rotary table trained under plans
-whose programs move the table between ranks (``backends/comm.py`` sends complex values as real views)."""
+whose programs move the table between ranks (``backends/collectives.py`` sends complex values as real views)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ from typing import Any
 import torch
 
 from meshfold.api import parallelize
-from meshfold.tools.corpus import registry
+from meshfold.tools.corpus import catalog as registry
+from meshfold.tools.corpus import entries as corpus_entries
 from meshfold.tools.pool_worker import device_mesh
 
 
@@ -80,7 +81,7 @@ def _compiled(
 ) -> tuple[registry.Entry, torch.nn.Module, torch.nn.Module, tuple[Any, ...]]:
     """The corpus entry compiled under ``plan`` on a mesh of ``shape``/``names``, and its single-device twin."""
     warnings.filterwarnings("ignore")
-    e = registry.get(entry)
+    e = corpus_entries.get(entry)
     net, inputs = e.build()
     ref, _ = e.build()
     return e, parallelize(net, device_mesh(shape, names), inputs, plan=plan), ref, inputs

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
-from meshfold.moe import MoeSpec, experts_as_ops
+from meshfold.ir.dialects.moe import EXPERTS, EXPERTS_BACKWARD
 from meshfold.tools.zoo import build
+from meshfold.tracing.moe_layers import MoeSpec, experts_as_ops
 from tests.dist.cases import equivalence
 
 
@@ -65,8 +65,8 @@ def skewed_exchange(pad: bool) -> float:
     """The all-to-all on 2 ranks when every pair routes to rank 0's experts (rank 1 receives nothing),
     with a capacity: forward and backward against the one-device op on all tokens. Returns the
     largest difference."""
-    from meshfold.backends.moe import exchange_backward, exchange_forward
-    from meshfold.ir.moe import capacity_of, experts_range, experts_range_backward
+    from meshfold.backends.experts.dispatch import exchange_backward, exchange_forward
+    from meshfold.ir.dialects.moe import capacity_of, experts_range, experts_range_backward
 
     rank = torch.distributed.get_rank()
     group = torch.distributed.group.WORLD.group_name  # type: ignore[union-attr]
@@ -99,12 +99,12 @@ def exchange_working_set(
 ) -> tuple[list[int], list[int]]:
     """The all-to-all lowering of both experts ops on this rank (``tokens`` split over every rank,
     ``n`` experts too, ``rows`` pairs computed at a time): the allocator's peak while each runs, and
-    ``ir.moe_memory.working_set`` plus its results for the same op. Returns (measured, estimated)."""
+    ``ir.dialects.moe_memory.working_set`` plus its results for the same op. Returns (measured, estimated)."""
     from meshfold import ir
-    from meshfold.backends.moe import exchange_backward, exchange_forward
+    from meshfold.backends.experts.dispatch import exchange_backward, exchange_forward
+    from meshfold.ir.dialects.moe import with_rows
+    from meshfold.ir.dialects.moe_memory import working_set
     from meshfold.ir.graph import local_nbytes
-    from meshfold.ir.moe import with_rows
-    from meshfold.ir.moe_memory import working_set
     from meshfold.tools.measure import settled_peak_new_bytes
 
     world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()

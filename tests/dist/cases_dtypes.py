@@ -1,5 +1,5 @@
 """Tasks for tests/dist/test_dtypes.py: values of every dtype the IR holds through every ``comm.*`` op
-(``backends/comm.py``), eagerly, compiled by Inductor and traced for Ascend, in gloo's forms and in
+(``backends/collectives.py``), eagerly, compiled by Inductor and traced for Ascend, in gloo's forms and in
 the forms NCCL and HCCL run, against what each collective must give (computed on one rank from every
 rank's operands); the point-to-point exchanges of ring attention and the host tier on the same values;
 and the reductions the IR refuses (``ir.placement.reduce_refusal``), refused before any collective runs."""
@@ -15,15 +15,16 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from meshfold import ir
-from meshfold.backends import ascend, p2p
+from meshfold.backends import ascend
+from meshfold.backends.context_parallel import p2p
+from meshfold.backends.context_parallel.ring_attention import sequence_shard
+from meshfold.backends.context_parallel.ring_lowering import from_zigzag, to_zigzag
 from meshfold.backends.eager import RankContext, build_module
+from meshfold.backends.host_tier import offload, reload
 from meshfold.backends.inductor import Compiled
-from meshfold.backends.offload import offload, reload
-from meshfold.backends.ring import sequence_shard
-from meshfold.backends.ring_lowering import from_zigzag, to_zigzag
 from meshfold.backends.traceable import plain
+from meshfold.ir.dialects.ring import permuted, shift_order, zigzag_order
 from meshfold.ir.graph import local_nbytes
-from meshfold.ir.ring import permuted, shift_order, zigzag_order
 from meshfold.ir.types import DTYPES_BY_NAME
 
 SHAPE = (8, 12)
@@ -190,8 +191,8 @@ def collectives(names: tuple[str, ...], backend: str, gloo: bool) -> dict[str, A
 
 
 def point_to_point(names: tuple[str, ...]) -> list[str]:
-    """Ring attention's point-to-point pass (``backends.p2p``), its zigzag reshuffle
-    (``ring_lowering.to_zigzag``/``from_zigzag``) and the host tier's round trip (``backends.offload``)
+    """Ring attention's point-to-point pass (``backends.context_parallel.p2p``), its zigzag reshuffle
+    (``ring_lowering.to_zigzag``/``from_zigzag``) and the host tier's round trip (``backends.host_tier``)
     on values of each dtype in ``names``: the checks that fail (by name)."""
     pg = dist.distributed_c10d._get_default_group()
     n, rank = dist.get_world_size(), dist.get_rank()

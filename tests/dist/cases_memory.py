@@ -1,5 +1,5 @@
 """Tasks that measure a compiled model's peak tensor memory on each rank and set it beside the
-liveness estimate of ``passes.cost.memory`` for the same compiled graph."""
+liveness estimate of ``passes.cost.liveness`` for the same compiled graph."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from meshfold.api import parallelize
 from meshfold.ir.asynchrony import starts
 from meshfold.ir.ops import RELOAD
-from meshfold.passes.cost.memory import rank_memory
+from meshfold.passes.cost.liveness import rank_memory
 from meshfold.tools.measure import allocator_accounting, settled_peak_new_bytes, storage_bytes
 from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
+from meshfold.ir.dialects.moe import EXPERTS, EXPERTS_BACKWARD
 from tests.dist.cases import equivalence
 
 
@@ -17,8 +17,8 @@ def folded(
     (``expert_numel_local``) out of the model's whole (``expert_numel_total``)."""
     from torch.distributed.tensor import DTensor
 
-    from meshfold.moe import find_experts
     from meshfold.tools.zoo import build
+    from meshfold.tracing.moe_layers import find_experts
 
     sites, _ = find_experts(build(model)[0])
     # NOTE: experts folded from an nn.ModuleList are the graph's stacked parameters.

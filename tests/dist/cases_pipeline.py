@@ -12,7 +12,7 @@ from torch import nn
 
 from meshfold.api import parallelize
 from meshfold.passes import PassError
-from meshfold.pipelined import IGNORE_INDEX
+from meshfold.pp.pipelined import IGNORE_INDEX
 from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
 from meshfold.tools.zoo.models import DecoderLayer, _small_init
@@ -34,7 +34,7 @@ def hf_llama_tied(layers: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     embedding (random weights), and a batch of 8 sequences of 16 tokens."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from meshfold.tools.zoo.hf import _HF_COMMON, _hf_causal_lm
+    from meshfold.tools.zoo.hf_zoo import _HF_COMMON, _hf_causal_lm
 
     common = _HF_COMMON | {"num_hidden_layers": layers, "tie_word_embeddings": True}
     model, _ = _hf_causal_lm(LlamaConfig, LlamaForCausalLM, common, intermediate_size=128)
@@ -47,7 +47,7 @@ def hf_mixtral(layers: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     loss (``output_router_logits=False``), and a batch of 8 sequences of 16 tokens."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from meshfold.tools.zoo.hf import _HF_COMMON, _hf_causal_lm
+    from meshfold.tools.zoo.hf_zoo import _HF_COMMON, _hf_causal_lm
 
     common = _HF_COMMON | {"num_hidden_layers": layers}
     model, _ = _hf_causal_lm(
@@ -168,7 +168,7 @@ def pipelined_verify(
     against the whole program on whole tensors; with one rank's shard of ``corrupt`` perturbed, every
     rank raises the same error naming the first value that differs. Returns the error text ("" when
     the step passed); a second step is not verified and must run."""
-    from meshfold.verify import VerificationError
+    from meshfold.runtime.crosscheck import VerificationError
 
     warnings.filterwarnings("ignore")
     mesh = device_mesh(tuple(shape), tuple(names))

@@ -12,10 +12,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from meshfold.backends import p2p
-from meshfold.backends.ring import ring_attention, ring_forward, sequence_shard, sequence_unshard
-from meshfold.backends.ring_reach import reach
-from meshfold.backends.tokenring import tokenring_backward, tokenring_forward
+from meshfold.backends.context_parallel import p2p
+from meshfold.backends.context_parallel.ring_attention import (
+    ring_attention,
+    ring_forward,
+    sequence_shard,
+    sequence_unshard,
+)
+from meshfold.backends.context_parallel.ring_reach import reach
+from meshfold.backends.context_parallel.tokenring import tokenring_backward, tokenring_forward
 
 
 def ring_equals_attention(
@@ -132,8 +137,8 @@ def compiled_attention(
     compiled program reads its queries on each mesh axis: ``sequence`` (ring attention), ``heads``,
     ``batch`` or ``whole``; and, per running sum (``cumsum``), the dim it scans and its operand's
     placement on ``cp``; per phase, the ring steps and ``comm.ppermute`` ops (``passes/cp/steps.py``)."""
+    from meshfold.ir.dialects.ring import RING_STEP, RING_STEP_BACKWARD, first_step
     from meshfold.ir.ops import PPERMUTE
-    from meshfold.ir.ring import RING_STEP, RING_STEP_BACKWARD, first_step
     from meshfold.passes.sharding.rules.attention import RESULT_ROLES
     from meshfold.tools.zoo import build
     from tests.dist.cases import equivalence, token_inputs
@@ -200,7 +205,7 @@ def packed_sequences(world_cp: int, split_above: int | None) -> tuple[Any, Any]:
     """``hf-llama-packed``'s example sequences packed for ``world_cp`` ranks (``split_above`` as
     ``pack_sequences`` takes it) and in order for one device."""
     from meshfold.packing import pack_sequences
-    from meshfold.tools.zoo.hf import PACKED_LENGTHS, PACKED_TOKENS
+    from meshfold.tools.zoo.hf_zoo import PACKED_LENGTHS, PACKED_TOKENS
 
     g = torch.Generator().manual_seed(0)
     seqs = [torch.randint(1, 256, (n,), generator=g) for n in PACKED_LENGTHS]
@@ -243,7 +248,7 @@ def packed_attention(
             sent[0] += sum(t.numel() for t in send)
         return start(group, send, *args, **kwargs)
 
-    from meshfold.backends import ring_lowering
+    from meshfold.backends.context_parallel import ring_lowering
 
     reaches = [0]
     measured = ring_lowering.reach
@@ -261,7 +266,7 @@ def packed_attention(
 def zigzag_moves(seq: int, dim: int) -> bool:
     """Each rank's contiguous part of a tensor moved to the zigzag layout is ``sequence_shard``'s
     zigzag part, and moved back is the contiguous part again."""
-    from meshfold.backends.ring_lowering import from_zigzag, to_zigzag
+    from meshfold.backends.context_parallel.ring_lowering import from_zigzag, to_zigzag
 
     world, rank = dist.get_world_size(), dist.get_rank()
     x = torch.arange(3 * seq * 2, dtype=torch.float64).reshape(3, seq, 2).movedim(1, dim)
@@ -273,13 +278,14 @@ def zigzag_moves(seq: int, dim: int) -> bool:
 
 
 def split_scans(seq: int) -> bool:
-    """A running sum and flips along a dim split over the world (``backends/scan.py``) equal the whole
+    """A running sum and flips along a dim split over the world (``backends/context_parallel/split_scans.py``)
+    equal the whole
     tensor's, on each rank's part, in float64 and bool; and each traces with fake tensors (as Inductor
     traces a rank's program) to ATen ops and functional collectives only, the traced graph giving
     the same parts."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from meshfold.backends.scan import cumsum_split, flip_split
+    from meshfold.backends.context_parallel.split_scans import cumsum_split, flip_split
 
     world, rank = dist.get_world_size(), dist.get_rank()
     group = dist.group.WORLD
@@ -313,8 +319,8 @@ def split_recurrence(steps: int, diagonal: bool) -> dict[str, float]:
     element by element) with the steps split over the world in rank order (``affine_scan_split`` and
     its backward): the largest differences of this rank's states and gradients from the whole scan's
     on one device, ``ds0`` summed over the ranks."""
-    from meshfold.backends.scan import affine_scan_backward_split, affine_scan_split
-    from meshfold.ir.scan import affine_scan_backward, scan
+    from meshfold.backends.context_parallel.split_scans import affine_scan_backward_split, affine_scan_split
+    from meshfold.ir.dialects.scan import affine_scan_backward, scan
 
     g = torch.Generator().manual_seed(0)
     m = 0.5 * torch.randn(2, 3, steps, 4, 5 if diagonal else 4, generator=g, dtype=torch.float64)
@@ -342,8 +348,8 @@ def split_conv(length: int) -> dict[str, float]:
     """``meshfold.causal_conv1d`` (filters of 4) with the sequence of ``length`` split over the world in
     rank order (``causal_conv1d_split`` and its backward): the largest differences of this rank's
     output and input gradient from one device's, and of ``dw``, ``dbias`` summed over the ranks."""
-    from meshfold.backends.halo import causal_conv1d_backward_split, causal_conv1d_split
-    from meshfold.ir.conv import causal_conv1d_backward, conv
+    from meshfold.backends.context_parallel.halo import causal_conv1d_backward_split, causal_conv1d_split
+    from meshfold.ir.dialects.conv import causal_conv1d_backward, conv
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 3, length, generator=g, dtype=torch.float64)

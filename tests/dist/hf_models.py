@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshfold.tools.zoo.hf import _hf_loss_cls
+from meshfold.tools.zoo.hf_zoo import _hf_loss_cls
 
 SMALL = dict(
     vocab_size=256,

@@ -1,4 +1,4 @@
-"""Comm ops lowered on 4 gloo ranks (``backends/comm.py``): results and buffers."""
+"""Comm ops lowered on 4 gloo ranks (``backends/collectives.py``): results and buffers."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ def test_all_to_all_moves_each_block_to_its_rank(
 
 
 # NOTE: (shape, dim, order) on 4 ranks: the ring's shift; the zigzag split of 8 half-chunks
-# (ir.ring.zigzag_order(4)) and its inverse; pieces staying home beside pieces swapped, along dim 0
+# (ir.dialects.ring.zigzag_order(4)) and its inverse; pieces staying home beside pieces swapped, along dim 0
 MOVES = [
     ((2, 3, 16, 4), 2, (3, 0, 1, 2)),
     ((2, 3, 16, 4), 2, (0, 7, 6, 1, 2, 5, 4, 3)),

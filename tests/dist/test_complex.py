@@ -2,7 +2,7 @@
 trained on 4 gloo ranks under plans whose programs move that table between ranks: FSDP + TP, with
 activations offloaded, context parallel beside FSDP (ring attention, TokenRing), and compiled by
 Inductor. Loss and every gradient equal one device's. gloo's collectives take no complex
-tensor (its all-to-all, which gloo's all-gathers are sent as, least of all): ``backends/comm.py`` sends
+tensor (its all-to-all, which gloo's all-gathers are sent as, least of all): ``backends/collectives.py`` sends
 complex values as real views (``tests/dist/test_dtypes.py`` checks every collective on every dtype)."""
 
 from __future__ import annotations

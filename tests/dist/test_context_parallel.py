@@ -96,7 +96,7 @@ def test_cp_method_equals_single_device(rank_pools: RankPools, case: tuple[Any, 
         double=double,
         moe=moe,
     )
-    kernel = {"ulysses": set(), "tokenring": {"tokenring.py"}}.get(method, {"ring.py"})
+    kernel = {"ulysses": set(), "tokenring": {"tokenring.py"}}.get(method, {"ring_attention.py"})
     # NOTE: ring attention and TokenRing with no mask tensor are written out as their steps
     # (passes/cp/steps.py): the keys (the queries and results) travel by comm.ppermute ops of the
     # program, not from inside a kernel

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import pytest
 
-from meshfold.tools.corpus import matrix, plans, registry
+from meshfold.tools.corpus import columns as plans
+from meshfold.tools.corpus import entries as corpus_entries
+from meshfold.tools.corpus import matrix
 from meshfold.tools.corpus.slice import CI_SLICE, REFUSED
 from tests.dist.conftest import RankPools
 
 
 @pytest.mark.parametrize("cell", CI_SLICE, ids=[f"{e}:{c}" for e, c in CI_SLICE])
 def test_corpus_slice_cell_equals_single_device(rank_pools: RankPools, cell: tuple[str, str]) -> None:
-    entry, column = registry.get(cell[0]), plans.column(cell[1])
+    entry, column = corpus_entries.get(cell[0]), plans.column(cell[1])
     got = matrix.run_cell(rank_pools.get(plans.WORLD), entry, column)
     assert got.status == "equal", f"{got.key}: {got.status}: {got.message}\n{got.log}"
 
@@ -24,7 +26,7 @@ def test_corpus_cells_a_plan_cannot_run_are_refused_naming_why(
     """A plan that cannot equal one device says so on every rank before any collective of a program:
     dropout under a pipeline (each microbatch would draw its own mask), BatchNorm's running statistics
     under a pipeline (each microbatch would update them)."""
-    entry, column = registry.get(cell[0]), plans.column(cell[1])
+    entry, column = corpus_entries.get(cell[0]), plans.column(cell[1])
     got = matrix.run_cell(rank_pools.get(plans.WORLD), entry, column)
     assert got.status == "refused" and cell[2] in got.message, f"{got.key}: {got.status}: {got.message}\n{got.log}"
 

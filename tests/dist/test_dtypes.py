@@ -1,4 +1,4 @@
-"""Every dtype the IR holds through every ``comm.*`` op (``backends/comm.py``) on gloo ranks: in gloo's
+"""Every dtype the IR holds through every ``comm.*`` op (``backends/collectives.py``) on gloo ranks: in gloo's
 forms (all-gathers and sum reduce-scatters sent as all-to-alls) and in the forms NCCL and HCCL run,
 eagerly, compiled by Inductor and traced for Ascend's GE graph mode (run on CPU), each result equal to
 what the collective must give. Complex values cross as real views (gloo's and NCCL's collectives take
@@ -62,7 +62,7 @@ def test_complex_collectives_compiled_by_inductor(rank_pools: RankPools) -> None
 
 
 def test_point_to_point_and_host_tier_keep_every_dtype(rank_pools: RankPools) -> None:
-    """Ring attention's and TokenRing's pass to the next rank (``backends/p2p.py``), the zigzag
+    """Ring attention's and TokenRing's pass to the next rank (``backends/context_parallel/p2p.py``), the zigzag
     reshuffle (``ring_lowering.to_zigzag``) and an offload's round trip through the host tier."""
     out = rank_pools.get(4).run("tests.dist.cases_dtypes:point_to_point", names=DTYPES)
     assert out == [[]] * 4, out

@@ -1,4 +1,4 @@
-"""The liveness estimate of one rank's memory (``passes.cost.memory``) against the peak tensor memory
+"""The liveness estimate of one rank's memory (``passes.cost.liveness``) against the peak tensor memory
 the CPU allocator reports on real gloo ranks, for plans that keep, shard and bucket differently."""
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ WORKING_SETS = [(4096, 64, 96, 4, 2, 512), (4096, 64, 96, 4, 2, 64), (2048, 256,
 
 @pytest.mark.parametrize("shape", WORKING_SETS, ids=["x".join(map(str, s)) for s in WORKING_SETS])
 def test_the_exchange_working_set_is_what_the_allocator_holds(rank_pools: RankPools, shape: tuple[int, ...]) -> None:
-    """``ir.moe_memory.working_set`` of the all-to-all lowering (4 ranks, tokens and experts split over all
+    """``ir.dialects.moe_memory.working_set`` of the all-to-all lowering (4 ranks, tokens and experts split over all
     of them) plus the op's results, against the CPU allocator's peak while the forward and the
     backward run on each rank: within 3% (routing spreads the pairs over ranks only about evenly)."""
     tokens, hidden, inter, n, k, rows = shape

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from meshfold.passes.base import PassFailure
-from meshfold.passes.cost.memory import rank_memory
+from meshfold.passes.cost.liveness import rank_memory
 from meshfold.session import CompileOptions, compile_model
 from meshfold.tools.zoo import build
 from tests.dist.cases import mlp_recomputed_attention_offloaded, token_inputs
@@ -112,7 +112,7 @@ def test_a_budget_below_every_choice_is_refused_before_anything_runs() -> None:
 # a Mixtral-style model (its experts computed in place, and split over all 4 ranks with the
 # all-to-all dispatcher) and an HF model. Qwen2's offload-only peak has an FSDP all-gather in flight
 # (its wait after the reloads): measured as predicted since an all-gather on gloo holds its
-# buffers to its wait (``backends.comm.issue``'s ``gloo``).
+# buffers to its wait (``backends.collectives.issue``'s ``gloo``).
 MEASURED: list[tuple[str, tuple[int, int], dict[str, int] | None, tuple[float, ...], bool]] = [
     ("llama-tiny", BUDGETED["llama-tiny"], None, (0.7, 0.5, 0.3), True),
     ("mixtral-tiny", BUDGETED["mixtral-tiny"], None, (0.7, 0.5, 0.3), False),

@@ -1,4 +1,5 @@
-"""Ring attention (``backends/ring.py``): the zigzag layout's blocks and balance, and the ring on
+"""Ring attention (``backends/context_parallel/ring_attention.py``): the zigzag layout's blocks and balance, and
+the ring on
 gloo ranks against one device's attention, forward and backward."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from meshfold.backends.ring import ring_blocks, sequence_shard, sequence_unshard
+from meshfold.backends.context_parallel.ring_attention import ring_blocks, sequence_shard, sequence_unshard
 from tests.dist.conftest import RankPools
 
 

@@ -26,7 +26,7 @@ def test_a_stuck_rank_is_named_within_the_timeout() -> None:
         message, seconds = said["inside the program"]
         assert seconds < TIMEOUT + SLACK, seconds
         assert "over mesh axis" in message and " did not complete" in message, message
-        # NOTE: on gloo all-gathers and reduce-scatters run as all-to-alls (``backends.comm.issue``)
+        # NOTE: on gloo all-gathers and reduce-scatters run as all-to-alls (``backends.collectives.issue``)
         called = ("gather_by_all_to_all", "scatter_by_all_to_all", "all_reduce")
         assert message.split(" of ")[0] in called, message
     print(waiting[0]["inside the program"][0])

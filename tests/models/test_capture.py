@@ -10,7 +10,7 @@ import torch
 
 from meshfold import CaptureError, capture, ir
 from meshfold.backends.interpret import interpret
-from meshfold.moe_lists import as_unstacked, stack_tensors
+from meshfold.rewrites.moe_lists import as_unstacked, stack_tensors
 from meshfold.tools.zoo import build, zoo_names
 
 HF = {name for name in zoo_names() if name.startswith("hf-")}
@@ -81,7 +81,7 @@ def test_every_op_carries_phase_module_and_source(name: str) -> None:
     with_source = [op for op in g.ops if op.prov.source]
     assert len(with_source) >= 0.9 * len(g.ops)
     if name not in HF:
-        ours = ("models.py:", "moe.py:", "base.py:", "hybrid.py:")
+        ours = ("models.py:", "moe_zoo.py:", "shared.py:", "hybrid.py:")
         assert all(op.prov.source.startswith(ours) for op in with_source if op.prov.phase == "fwd")
 
 

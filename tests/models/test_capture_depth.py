@@ -11,12 +11,13 @@ import pytest
 import torch
 from torch import nn
 
-from meshfold import capture, layer_runs, tracer
-from meshfold.fakes import fake_copies
+from meshfold import capture
 from meshfold.ir.graph import first_difference
-from meshfold.layer_runs import Run, find_runs
-from meshfold.moe import experts_as_ops
-from meshfold.unroll import Unfoldable, unroll
+from meshfold.tracing import layer_runs, tracer
+from meshfold.tracing.fakes import fake_copies
+from meshfold.tracing.layer_runs import Run, find_runs
+from meshfold.tracing.moe_layers import experts_as_ops
+from meshfold.tracing.unroll import Unfoldable, unroll
 from tests.dist.hf_models import build_hf
 from tests.unit.test_solve_scale import _hf
 
@@ -65,7 +66,7 @@ def test_layers_given_different_masks_are_different_kinds() -> None:
     # the sliding mask; layer 2 reads a full-attention layer, so the run of alike layers is 3-6
     import transformers as hf
 
-    from meshfold.tools.zoo.hf import _hf_loss_cls
+    from meshfold.tools.zoo.hf_zoo import _hf_loss_cls
 
     config = hf.Qwen2Config(
         vocab_size=256,

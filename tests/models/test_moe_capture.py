@@ -12,11 +12,11 @@ import torch
 from torch import nn
 
 from meshfold import capture, ir
-from meshfold.ir.moe import EXPERTS, experts
-from meshfold.moe import find_experts
+from meshfold.ir.dialects.moe import EXPERTS, experts
 from meshfold.tools.zoo import build
 from meshfold.tools.zoo.models import MoeExpert, StackedExperts
-from meshfold.tools.zoo.moe import GroupLimitedRouter, moe_loop_tiny, sequence_balance_loss
+from meshfold.tools.zoo.moe_zoo import GroupLimitedRouter, moe_loop_tiny, sequence_balance_loss
+from meshfold.tracing.moe_layers import find_experts
 from tests.golden import test_golden_zoo as golden_zoo
 from tests.models.test_capture import assert_graph_matches_eager
 

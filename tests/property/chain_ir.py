@@ -185,7 +185,7 @@ def _load(t: Template, env: list[Any]) -> Any:
 
 def joint_text(chain: Chain) -> str:
     """The captured joint forward+backward graph of ``chain`` (as a :class:`ChainModule`), as text."""
-    from meshfold.tracer import capture
+    from meshfold.tracing.tracer import capture
 
     graph = capture(ChainModule(ir.parse(chain.text)), [], name="chain")
     return str(graph)

@@ -1,4 +1,4 @@
-"""``tools.collectives.classify`` names every collective call the way the programs make it: the
+"""``tools.profiled_collectives.classify`` names every collective call the way the programs make it: the
 functional ops of the eager programs and the in-place and ``out=`` forms Inductor's code calls."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from meshfold.tools.collectives import classify
+from meshfold.tools.profiled_collectives import classify
 
 c10d = torch.ops._c10d_functional
 

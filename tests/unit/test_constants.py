@@ -8,9 +8,9 @@ import torch
 from torch import nn
 
 from meshfold import ir
-from meshfold.capture_errors import CaptureError
-from meshfold.ir.constant import MAX_ELEMENTS, constant
-from meshfold.tracer import capture
+from meshfold.ir.dialects.constant import MAX_ELEMENTS, constant
+from meshfold.tracing.capture_errors import CaptureError
+from meshfold.tracing.tracer import capture
 
 
 class ListIndex(nn.Module):

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from meshfold import DEFAULT_PIPELINE, CompileOptions, CompileResult, capture, compile_model, ir
+from meshfold.backends.context_parallel.ring_lowering import kernel_backward, kernel_forward
 from meshfold.backends.eager import RankContext, lower
-from meshfold.backends.ring_lowering import kernel_backward, kernel_forward
+from meshfold.ir.dialects.ring import RANK_ARG, RING_STEP, RING_STEP_BACKWARD, first_step
 from meshfold.ir.ops import PPERMUTE
-from meshfold.ir.ring import RANK_ARG, RING_STEP, RING_STEP_BACKWARD, first_step
 from meshfold.passes import PassError
 from meshfold.passes.cp import CpSpec
-from meshfold.passes.sharding.problem import solve_report
+from meshfold.passes.sharding.ilp.problem import solve_report
 from meshfold.tools.zoo import build
 
 
@@ -160,8 +160,8 @@ def test_the_solve_keeps_a_long_sequence_split_through_convolutions_and_scans() 
     choice) splits each layer's causal convolution and selective scan along the sequence, forward
     and backward, and the split lowers to the halo exchange and the scan that passes composite
     steps; at 128 tokens replicating them is the cheaper plan for so small a model."""
-    from meshfold.backends.halo import causal_conv1d_backward_split, causal_conv1d_split
-    from meshfold.backends.scan import affine_scan_backward_split, affine_scan_split
+    from meshfold.backends.context_parallel.halo import causal_conv1d_backward_split, causal_conv1d_split
+    from meshfold.backends.context_parallel.split_scans import affine_scan_backward_split, affine_scan_split
     from meshfold.tools.bench.recurrences import build as mamba
 
     net, inputs = mamba(256, 32)

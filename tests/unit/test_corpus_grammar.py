@@ -13,7 +13,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from meshfold.tools.corpus import registry
+from meshfold.tools.corpus import entries as corpus_entries
 from meshfold.tools.corpus.entries import grammar
 from meshfold.tools.corpus.entries.grammar import CHOICES, GENERATED, GENERATED_SEED, ModelSpec, draw
 
@@ -64,21 +64,21 @@ def test_spec_is_validated_and_picklable() -> None:
 
 
 def test_entries_are_named_and_rebuilt_from_their_names() -> None:
-    listed = {e.name for e in registry.entries() if e.kind == "generated"}
+    listed = {e.name for e in corpus_entries.entries() if e.kind == "generated"}
     assert set(DEFAULT) <= listed
     for i, name in enumerate(DEFAULT):
-        entry, spec = registry.get(name), draw(GENERATED_SEED, GENERATED)[i]
+        entry, spec = corpus_entries.get(name), draw(GENERATED_SEED, GENERATED)[i]
         assert (entry.kind, entry.source, entry.traits) == ("generated", "generated", spec.traits)
         assert entry.note == str(spec)
         assert grammar.entry_named(name).note == entry.note
-    assert registry.get("gen-3-11").note == str(draw(3, 12)[11])
+    assert corpus_entries.get("gen-3-11").note == str(draw(3, 12)[11])
     with pytest.raises(ValueError):
         grammar.entry_named("gen-x-1")
 
 
 @pytest.mark.parametrize("name", DEFAULT)
 def test_default_entry_builds_alike_and_trains(name: str) -> None:
-    entry = registry.get(name)
+    entry = corpus_entries.get(name)
     model, inputs = entry.build()
     again, inputs_again = entry.build()
     mine, theirs = model.state_dict(), again.state_dict()

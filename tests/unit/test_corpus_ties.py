@@ -1,4 +1,4 @@
-"""The corpus's comparison at near ties of a top-k router (``meshfold.tools.corpus.ties``): a program
+"""The corpus's comparison at near ties of a top-k router (``meshfold.tools.corpus.near_ties``): a program
 that broke a near tie the other way is equal once the single-device step resolves it so too, and a
 program that differs in any other way still differs."""
 
@@ -10,8 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-from meshfold.tools.corpus import cell, registry
-from meshfold.tools.corpus.ties import Ties
+from meshfold.tools.corpus import catalog as registry
+from meshfold.tools.corpus import cell
+from meshfold.tools.corpus.near_ties import Ties
 
 
 class _Router(nn.Module):

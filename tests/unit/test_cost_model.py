@@ -6,7 +6,8 @@ import math
 
 import pytest
 
-from meshfold.passes.cost import (
+from meshfold.passes.cost.opcost import attention_time, flops_efficiency
+from meshfold.sim import (
     Group,
     all_gather,
     all_reduce,
@@ -23,7 +24,6 @@ from meshfold.passes.cost import (
     preset,
     reduce_scatter,
 )
-from meshfold.passes.cost.opcost import attention_time, flops_efficiency
 
 LLAMA3_8B_HF = {
     "model_type": "llama",

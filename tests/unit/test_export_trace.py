@@ -1,4 +1,4 @@
-"""Dynamo's export trace (``meshfold.export_trace``): a capture with static sizes leaves out export's
+"""Dynamo's export trace (``meshfold.tracing.export_trace``): a capture with static sizes leaves out export's
 shape-constraint check, which builds every guard of the traced frame; one with symbolic sizes keeps it."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def test_a_static_capture_skips_the_constraint_check_and_gives_the_same_graph(mo
     without = capture(model, inputs)
     assert calls == []
     assert getattr(dynamo_export, CHECK).__name__ == "counted"  # NOTE: put back after the capture
-    monkeypatch.setattr("meshfold.export_trace._no_constraint_check", contextlib.nullcontext)
+    monkeypatch.setattr("meshfold.tracing.export_trace._no_constraint_check", contextlib.nullcontext)
     with_check = capture(model, inputs)
     assert calls == [1]
     assert str(with_check) == str(without)

@@ -1,6 +1,7 @@
-"""``meshfold.fold_scan``: a loop over chunks whose carried state each body updates linearly becomes one
+"""``meshfold.rewrites.fold_scan``: a loop over chunks whose carried state each body updates linearly becomes one
 ``meshfold.affine_scan`` at capture (computing the same), and any other loop is left as it is; the op's
-gradient; its steps split over ranks (``backends/scan.py``) give the same states and gradients."""
+gradient; its steps split over ranks (``backends/context_parallel/split_scans.py``) give the same states and
+gradients."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfold import capture
-from meshfold.ir.scan import affine_scan_backward, scan
+from meshfold.ir.dialects.scan import affine_scan_backward, scan
 from tests.models.test_capture import assert_graph_matches_eager
 
 SCAN_OPS = {"meshfold.affine_scan", "meshfold.affine_scan_backward"}
@@ -130,7 +131,7 @@ def test_a_malformed_scan_names_the_shapes_it_takes() -> None:
 def test_scan_and_causal_conv_kernels_return_the_strides_their_fakes_say() -> None:
     """A compiler plans the buffers after a custom op by its fake's strides: on inputs laid out
     transposed (Mamba's conv input is [B, L, C] transposed) the real kernels must agree."""
-    from meshfold.ir import conv, scan
+    from meshfold.ir.dialects import conv, scan
 
     x = torch.randn(2, 5, 3).transpose(1, 2)  # [B, C, L], not contiguous
     w, bias = torch.randn(3, 1, 4), torch.randn(3)

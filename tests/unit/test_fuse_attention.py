@@ -1,4 +1,4 @@
-"""``meshfold.fuse_attention``: attention written out as ``softmax(Q Kᵀ · scale + mask) V`` becomes one
+"""``meshfold.rewrites.fuse_attention``: attention written out as ``softmax(Q Kᵀ · scale + mask) V`` becomes one
 ``scaled_dot_product_attention`` at capture, and only where that computes the same."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""``meshfold.fuse_conv``: a causal convolution written as a padded ``conv1d`` cut back to the sequence
+"""``meshfold.rewrites.fuse_conv``: a causal convolution written as a padded ``conv1d`` cut back to the sequence
 becomes one ``meshfold.causal_conv1d`` at capture (computing the same), other convolutions stay as
-they are; the op's gradient; its sequence split over ranks (``backends/halo.py``) gives the same."""
+they are; the op's gradient; its sequence split over ranks (``backends/context_parallel/halo.py``) gives the same."""
 
 from __future__ import annotations
 

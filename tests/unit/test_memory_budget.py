@@ -12,12 +12,12 @@ import pytest
 import torch
 
 from meshfold import ir
-from meshfold.passes.cost.hardware import local_cluster
-from meshfold.passes.cost.memory import rank_memory
+from meshfold.passes.cost.liveness import rank_memory
 from meshfold.passes.memory.budget import Choice, carry_out, choices, decide
 from meshfold.passes.memory.policies import Saved
 from meshfold.passes.memory.rows import cheapest, freed_at
 from meshfold.session import CompileOptions, compile_model
+from meshfold.target.hardware import local_cluster
 from meshfold.tools.bench.eager_vs_dtensor import Config
 from meshfold.tools.bench.eager_vs_dtensor import build as build_bench
 from meshfold.tools.zoo import build
@@ -147,7 +147,7 @@ def test_a_budget_computes_the_routed_experts_in_smaller_pieces() -> None:
     the budget computes it in smaller pieces (``rows`` on the op, priced as the kernels that adds),
     the predicted peak meets the budget, and the report line says so. The same program with those ops
     back in 512-pair pieces is over the budget."""
-    from meshfold.ir.moe import EXPERTS_BACKWARD, ROWS, piece_rows, with_rows
+    from meshfold.ir.dialects.moe import EXPERTS_BACKWARD, ROWS, piece_rows, with_rows
     from meshfold.passes.memory import memory_line
 
     net, _ = build("mixtral-tiny")

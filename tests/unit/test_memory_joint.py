@@ -14,11 +14,11 @@ import torch
 
 from meshfold import ir
 from meshfold.ir.graph import local_nbytes
-from meshfold.passes.cost.hardware import parse_cluster
-from meshfold.passes.cost.memory import rank_memory
+from meshfold.passes.cost.liveness import rank_memory
 from meshfold.passes.memory.budget import choices, copy_windows, spill_prices
 from meshfold.passes.memory.offload import saved_activations
 from meshfold.session import CompileOptions, CompileResult, compile_model
+from meshfold.target.hardware import parse_cluster
 from meshfold.tools.zoo import build
 from tests.dist.cases import token_inputs
 

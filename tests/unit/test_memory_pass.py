@@ -9,7 +9,7 @@ import pytest
 
 from meshfold import ir
 from meshfold.passes.base import PassContext, PassError
-from meshfold.passes.cost.memory import rank_memory
+from meshfold.passes.cost.liveness import rank_memory
 from meshfold.passes.memory import Memory
 from meshfold.passes.memory.offload import offloaded, saved_activations
 from meshfold.passes.memory.policies import policy_values
@@ -173,9 +173,9 @@ def test_ops_reading_a_buffer_the_step_updates_are_not_recomputed() -> None:
     """BatchNorm reads the running statistics it updates: run again in the backward it would read the
     updated ones (and the step's in-place update of the buffer would invalidate what autograd saved),
     so under ``memory="full"`` its output is kept; the step's buffer updates stay the forward's."""
-    from meshfold.tools.corpus import registry
+    from meshfold.tools.corpus import entries as corpus_entries
 
-    net, inputs = registry.get("script-resnet-bn").build()
+    net, inputs = corpus_entries.get("script-resnet-bn").build()
     opts = CompileOptions.of(mesh=ir.Mesh(("dp",), (2,)), plan="ddp", memory="full")
     graph = compile_model(net, inputs, opts).graph
     buffers = {i.value for i in graph.inputs if i.kind == "buffer"}

@@ -1,4 +1,4 @@
-"""Meta results kept by what decides them (``meshfold.meta_results``): the layer record reuses each
+"""Meta results kept by what decides them (``meshfold.tracing.meta_results``): the layer record reuses each
 pure op's result shapes across the layers of a stack, and records exactly what running every meta
 kernel records."""
 
@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from meshfold import layer_runs
-from meshfold.fakes import fake_copies
-from meshfold.meta_results import MetaResults
+from meshfold.tracing import layer_runs
+from meshfold.tracing.fakes import fake_copies
+from meshfold.tracing.meta_results import MetaResults
 from tests.unit.test_solve_scale import _hf
 
 aten = torch.ops.aten

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from meshfold import CompileOptions, capture, compile_model, ir
-from meshfold.ir.moe import EXPERTS, EXPERTS_BACKWARD
+from meshfold.ir.dialects.moe import EXPERTS, EXPERTS_BACKWARD
 from meshfold.passes.sharding.opwork import op_flops
 
 
@@ -18,7 +18,7 @@ def test_auto_plan_splits_experts_by_expert() -> None:
     pytest.importorskip("transformers")
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from meshfold.tools.zoo.hf import _hf_loss_cls
+    from meshfold.tools.zoo.hf_zoo import _hf_loss_cls
 
     config = MixtralConfig(
         vocab_size=1024,

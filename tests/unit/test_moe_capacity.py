@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from meshfold.ir.moe import experts
+from meshfold.ir.dialects.moe import experts
 
 T, H, INTER, E, K = 16, 8, 6, 4, 2
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from meshfold import capture
-from meshfold.ir.moe import EXPERTS
+from meshfold.ir.dialects.moe import EXPERTS
 from tests.models.test_capture import assert_graph_matches_eager
 
 H, INTER, E, K, VOCAB = 16, 8, 4, 2, 32

@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from meshfold import ir
-from meshfold.ir.moe import EXPERTS, experts, experts_range
-from meshfold.moe import ExpertsSite, MoeSpec, find_experts
+from meshfold.ir.dialects.moe import EXPERTS, experts, experts_range
 from meshfold.passes import PassError
 from meshfold.passes.moe.spec import expert_overrides
 from meshfold.tools.zoo import build
+from meshfold.tracing.moe_layers import ExpertsSite, MoeSpec, find_experts
 
 T, H, INTER, E, K = 12, 8, 6, 4, 2
 
@@ -99,9 +99,9 @@ def test_one_ranks_share_traces_as_one_op_for_compilers() -> None:
     ``experts_range``'s share exactly, and each share's gradients sum to the whole's."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    from meshfold.backends.experts import EXPERTS_RANGE, EXPERTS_RANGE_BACKWARD
+    from meshfold.backends.experts.ranged import EXPERTS_RANGE, EXPERTS_RANGE_BACKWARD
     from meshfold.backends.local import moe_experts_backward_ranged, moe_experts_ranged
-    from meshfold.ir.moe import experts_range_backward
+    from meshfold.ir.dialects.moe import experts_range_backward
 
     hidden, idx, weights, gate_up, down = _inputs(5)
     gu = gate_up.view(E, 2, INTER, H)
@@ -207,7 +207,7 @@ def test_moe_without_foldable_experts_is_refused() -> None:
 def test_an_activation_named_nowhere_is_read_off_the_function() -> None:
     from torch import nn
 
-    from meshfold.moe import _act_of
+    from meshfold.tracing.moe_layers import _act_of
 
     assert _act_of(torch.nn.functional.silu) == "silu"
     assert _act_of(nn.GELU(approximate="tanh")) == "gelu_tanh" and _act_of(nn.GELU()) == "gelu"
@@ -236,11 +236,11 @@ def test_pieces_of_an_expert_equal_the_reference() -> None:
 def test_working_set_is_what_the_allocator_holds(
     tokens: int, hidden: int, inter: int, n: int, k: int, rows: int
 ) -> None:
-    """``ir.moe_memory.working_set`` plus the op's results against the CPU allocator's own peak while the
+    """``ir.dialects.moe_memory.working_set`` plus the op's results against the CPU allocator's own peak while the
     forward and the backward op run (more pairs per expert than ``rows``, so in pieces): within 1%."""
+    from meshfold.ir.dialects.moe import EXPERTS_BACKWARD, experts_range_backward, with_rows
+    from meshfold.ir.dialects.moe_memory import working_set
     from meshfold.ir.graph import local_nbytes
-    from meshfold.ir.moe import EXPERTS_BACKWARD, experts_range_backward, with_rows
-    from meshfold.ir.moe_memory import working_set
     from meshfold.tools.measure import peak_new_bytes
 
     grads = f"f32[{tokens}, {hidden}], f32[{tokens}, {k}], f32[{n}, 2, {inter}, {hidden}], f32[{n}, {hidden}, {inter}]"

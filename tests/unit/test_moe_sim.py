@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 
-from meshfold.passes.cost import (
+from meshfold.sim import (
     ConfigError,
     ModelSpec,
     ParallelConfig,
@@ -20,7 +20,7 @@ from meshfold.passes.cost import (
     search_configs,
     simulate,
 )
-from meshfold.passes.cost.simulate import layer_plan
+from meshfold.sim.simulate import layer_plan
 
 # NOTE: hand-countable: MHA 4 heads of 16, 4 SwiGLU experts of width 32, top-2, untied embeddings.
 TINY = ModelSpec("tiny", 2, 64, 4, 128, 256, num_experts=4, top_k=2, moe_ffn_hidden=32)

@@ -1,4 +1,4 @@
-"""The CUDA host tier of ``mem.offload`` / ``mem.reload`` (``backends/offload.py``): pinned host
+"""The CUDA host tier of ``mem.offload`` / ``mem.reload`` (``backends/host_tier.py``): pinned host
 memory filled and read on a copy stream. Runs only where a CUDA device is present."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor
 
 from meshfold.api import parallelize
-from meshfold.backends.offload import offload, reload
+from meshfold.backends.host_tier import offload, reload
 from meshfold.ir.asynchrony import starts
 from meshfold.ir.ops import RELOAD
-from meshfold.passes.cost.memory import rank_memory
+from meshfold.passes.cost.liveness import rank_memory
 from meshfold.tools.zoo.models import LlamaTiny
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -14,10 +14,10 @@ from meshfold.ir.asynchrony import starts as starts_of
 from meshfold.ir.graph import local_nbytes
 from meshfold.ir.ops import ALL_REDUCE, RELOAD, WAIT
 from meshfold.passes.cost.axis import axis_models
-from meshfold.passes.cost.hardware import device_cluster, parse_cluster
-from meshfold.passes.cost.memory import rank_memory
+from meshfold.passes.cost.liveness import rank_memory
 from meshfold.passes.schedule.timeline import Costs, replay, to_chrome_trace
 from meshfold.session import CompileOptions, compile_model
+from meshfold.target.hardware import device_cluster, parse_cluster
 from meshfold.tools.zoo import build
 
 HEADER = "graph @g mesh<dp=2> {\n  param %w : f32[64, 64] {dp: S(0)}\n  input %x : f32[32, 64] {dp: S(0)}\n"
@@ -347,9 +347,9 @@ def test_random_ops_keep_their_order_through_the_schedule() -> None:
     dropouts (independent branches the scheduler may otherwise interleave around ring attention's
     collectives) keep the order they were captured in, so each draws the single-device model's mask."""
     from meshfold.ir.ops import draws
-    from meshfold.tools.corpus import registry
+    from meshfold.tools.corpus import entries as corpus_entries
 
-    net, inputs = registry.get("gen-0-3").build()  # NOTE: parallel residual, dropout on both branches
+    net, inputs = corpus_entries.get("gen-0-3").build()  # NOTE: parallel residual, dropout on both branches
     opts = CompileOptions.of(mesh=ir.Mesh(("dp", "cp"), (2, 2)), plan="fsdp+cp", cp={"method": "ring"})
     result = compile_model(net, inputs, opts)
     captured = [op.prov.module for op in result.captured.ops if draws(op)]

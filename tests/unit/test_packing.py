@@ -1,12 +1,12 @@
 """``meshfold.packing``: variable-length sequences packed in one row for the ranks of a ``cp`` axis,
-and ``backends/ring_reach.py``: what ring attention makes of the mask such a row (or any) gives."""
+and ``backends/context_parallel/ring_reach.py``: what ring attention makes of the mask such a row (or any) gives."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from meshfold.backends.ring_reach import Reach, Route, canonical, decide, measure
+from meshfold.backends.context_parallel.ring_reach import Reach, Route, canonical, decide, measure
 from meshfold.packing import IGNORE, doc_mask, pack_sequences
 
 
@@ -103,7 +103,7 @@ def test_the_packed_row_trains_as_the_sequences_in_order() -> None:
     of the same sequences in order: the loss and every gradient."""
     pytest.importorskip("transformers")
     from meshfold.tools.zoo import build
-    from meshfold.tools.zoo.hf import PACKED_LENGTHS, PACKED_TOKENS
+    from meshfold.tools.zoo.hf_zoo import PACKED_LENGTHS, PACKED_TOKENS
 
     seqs = _sequences(*PACKED_LENGTHS)
     results = []

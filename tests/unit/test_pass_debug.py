@@ -444,9 +444,9 @@ def test_bad_moe_options_exit_2(
 
 
 def test_moe_spec_and_mapping_line() -> None:
-    from meshfold.moe import MoeSpec
     from meshfold.passes.sharding.plans import Plan
     from meshfold.tools.common import mapping_line, parse_moe
+    from meshfold.tracing.moe_layers import MoeSpec
 
     assert parse_moe("ep=4, etp=1") == MoeSpec(ep=4, etp=1)
     assert parse_moe("ep=2,dispatcher=allgather,hierarchical=false") == MoeSpec(ep=2, dispatcher="allgather")

@@ -151,14 +151,15 @@ def test_non_transformer_says_what_plan_needs(capsys: pytest.CaptureFixture[str]
 
 
 def _readme_plan_section() -> str:
-    text = (ROOT / "README.md").read_text()
-    return text[text.index("## Plan a cluster run") :].split("\n## ", 1)[0]
+    """The guide's opening section (docs/simulator.md, up to its first sub-heading)."""
+    text = (ROOT / "docs" / "simulator.md").read_text()
+    return text[text.index("# Plan a cluster run") :].split("\n## ", 1)[0]
 
 
 def test_readme_plan_commands_run_as_written(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Every command of the README's "Plan a cluster run" block, and every ``--fixed`` its text names
+    """Every command of the simulator guide's "Plan a cluster run" block, and every ``--fixed`` its text names
     (with the block's first command), runs; ``config.json`` is a Llama3-8B config."""
     import re
     import shlex
@@ -170,7 +171,7 @@ def test_readme_plan_commands_run_as_written(
     commands = [shlex.split(line) for line in block.strip().splitlines()]
     assert commands and all(c[:2] == ["meshfold", "plan"] for c in commands)
     fixed = re.findall(r'--fixed "([^"]+)"', section)
-    assert fixed, "the README names a --fixed example"
+    assert fixed, "the guide names a --fixed example"
     runs = [c[1:] for c in commands] + [[*commands[0][1:], "--fixed", f] for f in fixed]
     for argv in runs:
         assert main([*argv, "--json"]) == 0, (argv, capsys.readouterr().err)

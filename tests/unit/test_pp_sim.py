@@ -6,10 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from meshfold.passes.cost import ConfigError, ParallelConfig, TrainSpec, gpt, parse_cluster, preset, simulate
-from meshfold.passes.cost.search import candidates, search_configs
-from meshfold.passes.cost.simulate import pipeline_lower_bound, pipeline_time, stage_memories
 from meshfold.passes.stages import split_layers
+from meshfold.sim import ConfigError, ParallelConfig, TrainSpec, gpt, parse_cluster, preset, simulate
+from meshfold.sim.search import candidates, search_configs
+from meshfold.sim.simulate import pipeline_lower_bound, pipeline_time, stage_memories
 
 
 def test_llama3_405b_splits_126_layers_over_16_stages_like_the_paper() -> None:
@@ -63,7 +63,7 @@ def test_too_few_layers_for_the_chunks_is_a_clear_error() -> None:
 
 def test_the_split_is_the_shared_rule_on_the_simulators_times() -> None:
     """The stages a simulation reports are split_layers' on the layer, embedding and head times."""
-    from meshfold.passes.cost.simulate import _costed
+    from meshfold.sim.simulate import _costed
 
     model, cluster = gpt("g", 30, 4096, 32), parse_cluster("h100:8x4")
     cfg, train = ParallelConfig(dp=8, tp=1, pp=4), TrainSpec(4096, 64)

@@ -6,8 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from meshfold.passes.cost import calibration, parse_cluster, simulate
-from meshfold.passes.cost.calibration import FITTED, GOAL, RUNS, fit, halves, held_out_errors, scores
+from meshfold.sim import calibration, parse_cluster, simulate
+from meshfold.sim.calibration import FITTED, GOAL, RUNS, fit, halves, held_out_errors, scores
 
 
 def test_split_rule_alternates_by_size_and_covers_every_run() -> None:

@@ -6,8 +6,9 @@ from dataclasses import replace
 
 import pytest
 
-from meshfold.passes.cost import NodeGroup, ParallelConfig, TrainSpec, comm, parse_cluster, preset, simulate
-from meshfold.tools.bench.heterogeneous_network import MIXED, interleaved
+from meshfold.passes.cost import comm
+from meshfold.sim import NodeGroup, ParallelConfig, TrainSpec, parse_cluster, preset, simulate
+from meshfold.tools.bench.sim.heterogeneous_network import MIXED, interleaved
 
 # NOTE: InfiniBand NDR 400 Gb/s and RoCE 200 GbE per GPU (hardware.LINKS).
 IB_BW, ROCE_BW = 50e9 * 0.90, 25e9 * 0.85

@@ -14,8 +14,7 @@ import torch
 
 from meshfold import DEFAULT_PIPELINE, CompileOptions, capture, compile_model, ir
 from meshfold.backends.interpret import interpret, run_values
-from meshfold.ir.ops import PPERMUTE, WAIT
-from meshfold.ir.ring import (
+from meshfold.ir.dialects.ring import (
     LSE_MERGE,
     RING_STEP,
     inverse,
@@ -27,6 +26,7 @@ from meshfold.ir.ring import (
     summed,
     zigzag_order,
 )
+from meshfold.ir.ops import PPERMUTE, WAIT
 from meshfold.tools.zoo import build
 
 aten = torch.ops.aten
@@ -151,7 +151,7 @@ def test_ring_steps_hold_no_more_than_the_kernel() -> None:
     the backward's saved values to the zigzag split where their first step needs them, not a layer
     ahead. The bench's Llama-style model on one sequence of 1024 tokens, cp=2 (without the second
     rule the steps hold 1 MiB more at the backward's start)."""
-    from meshfold.passes.cost.memory import rank_memory
+    from meshfold.passes.cost.liveness import rank_memory
     from meshfold.tools.bench.eager_vs_dtensor import Config
     from meshfold.tools.bench.eager_vs_dtensor import build as build_llama
 

@@ -18,12 +18,12 @@ from meshfold import ir
 from meshfold.backends.interpret import run_values
 from meshfold.ir import Op, Partial, R, Shard, Value
 from meshfold.passes.sharding.rules import RuleError, rule_coverage, rule_table, strategies_for
-from meshfold.passes.sharding.rules.common import view_dim_map
 from meshfold.passes.sharding.rules.fallback import fallback_strategies
-from meshfold.passes.sharding.rules.registry import RuleTable
+from meshfold.passes.sharding.rules.operands import view_dim_map
+from meshfold.passes.sharding.rules.table import RuleTable
 from meshfold.passes.sharding.strategy import Einsum, Strategy, einsum_strategies
 from meshfold.tools.zoo import build
-from meshfold.tracer import capture
+from meshfold.tracing.tracer import capture
 from tests.sharding_sim import check_strategy, runnable
 
 aten = torch.ops.aten

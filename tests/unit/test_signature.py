@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from meshfold.signature import Signature
+from meshfold.runtime.signature import Signature
 
 
 def test_equal_calls_have_equal_digests_and_objects_are_keyed_by_type_not_address() -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from meshfold.passes.cost import (
+from meshfold.sim import (
     ConfigError,
     ParallelConfig,
     TrainSpec,
@@ -21,12 +21,12 @@ from meshfold.passes.cost import (
     simulate,
     to_chrome_trace,
 )
-from meshfold.passes.cost.calibration import RUNS, PublishedRun
-from meshfold.passes.cost.footprint import layer_activation_bytes
-from meshfold.passes.cost.layer import layer_cost
-from meshfold.passes.cost.model import ModelSpec
-from meshfold.passes.cost.simulate import layer_plan
-from meshfold.passes.cost.streams import LayerCost
+from meshfold.sim.calibration import RUNS, PublishedRun
+from meshfold.sim.footprint import layer_activation_bytes
+from meshfold.sim.layer import layer_cost
+from meshfold.sim.model import ModelSpec
+from meshfold.sim.simulate import layer_plan
+from meshfold.sim.streams import LayerCost
 
 GPT_16B = gpt("gpt-16b", 32, 6144, 48)
 NODE = parse_cluster("h100:8x1")

@@ -15,10 +15,10 @@ from meshfold.ir import Layout
 from meshfold.passes import PassContext, PassError, parse_pipeline
 from meshfold.passes.cost import comm
 from meshfold.passes.cost.axis import axis_models
-from meshfold.passes.cost.hardware import parse_cluster
 from meshfold.passes.sharding.batch import BatchSplit
+from meshfold.passes.sharding.ilp.solve import Problem, solve
 from meshfold.passes.sharding.plans import Plan
-from meshfold.passes.sharding.solve import Problem, solve
+from meshfold.target.hardware import parse_cluster
 
 
 class _MLP(nn.Module):

@@ -20,14 +20,14 @@ from scipy.sparse import csc_array
 from meshfold import capture, ir
 from meshfold.passes import PassContext, parse_pipeline
 from meshfold.passes.blocks import mirrored_blocks, mirrored_ops
-from meshfold.passes.cost.hardware import parse_cluster
-from meshfold.passes.sharding import milp
-from meshfold.passes.sharding.milp import Columns, MilpAnswer, solve_milp
+from meshfold.passes.sharding.ilp import milp
+from meshfold.passes.sharding.ilp.milp import Columns, MilpAnswer, solve_milp
+from meshfold.passes.sharding.ilp.problem import AxisStats
 from meshfold.passes.sharding.plans import Plan
-from meshfold.passes.sharding.problem import AxisStats
 from meshfold.session import CompileOptions, compile_model
+from meshfold.target.hardware import parse_cluster
 from meshfold.tools.zoo import build
-from meshfold.tools.zoo.hf import DEEPSEEK_V3_TINY, _hf_loss_cls
+from meshfold.tools.zoo.hf_zoo import DEEPSEEK_V3_TINY, _hf_loss_cls
 
 _SMALL = {"vocab_size": 512, "hidden_size": 64, "num_attention_heads": 4, "attn_implementation": "sdpa"}
 
@@ -128,7 +128,7 @@ def test_a_mirrored_layers_moves_taken_from_its_first_copy_give_the_same_program
     copy has the same consumers; the program, its optimum and the plan are what building them all
     gives."""
     pytest.importorskip("transformers")
-    from meshfold.passes.sharding.program import AxisProgram
+    from meshfold.passes.sharding.ilp.program import AxisProgram
 
     g = _cleaned("llama", 4)
     taken = []

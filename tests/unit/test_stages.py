@@ -1,5 +1,5 @@
 """Pipeline stages: the split rule (``passes.stages``), the pipeline options, and a captured program cut
-into stage programs (``meshfold.stages``). The multi-rank equivalence is in tests/dist/test_pipeline.py."""
+into stage programs (``meshfold.pp.stage_split``). The multi-rank equivalence is in tests/dist/test_pipeline.py."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ import pytest
 import torch
 from torch import nn
 
-from meshfold.ir.stage import STAGE_IN, STAGE_IN_GRAD
+from meshfold.ir.dialects.stage import STAGE_IN, STAGE_IN_GRAD
 from meshfold.passes import PassError
 from meshfold.passes.stages import SplitError, StageSplit, even_split, pipeline_step_s, split_layers
+from meshfold.pp.stage_plan import LayerCosts, candidates, pipeline_line, plan_pipeline, split_program
+from meshfold.pp.stage_split import Layers, PipelineSpec, stage_graphs
+from meshfold.pp.tied import tied_parameters
 from meshfold.session import CompileOptions, compile_model
-from meshfold.stage_plan import LayerCosts, candidates, pipeline_line, plan_pipeline, split_program
-from meshfold.stages import Layers, PipelineSpec, stage_graphs
-from meshfold.tied import tied_parameters
 from meshfold.tools.zoo import build
 from meshfold.tools.zoo.models import DecoderLayer, _small_init
 

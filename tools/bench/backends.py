@@ -35,7 +35,7 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
         from torch.distributed.device_mesh import init_device_mesh
 
         from meshfold.api import parallelize
-        from meshfold.passes.sharding.milp import forget
+        from meshfold.passes.sharding.ilp.milp import forget
 
         cfg = Config(**cfg_dict)
         mesh = init_device_mesh("cpu", tuple(opts["mesh"]), mesh_dim_names=("dp", "tp"))

@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from meshfold.ir.ring import first_step
+from meshfold.ir.dialects.ring import first_step
 from meshfold.session import DEFAULT_PIPELINE
 from meshfold.tools.bench.eager_vs_dtensor import Config, build, gloo_rank, spawn_ranks
 from meshfold.tools.measure import one_thread, peak_new_bytes, timed_steps, train_step
@@ -135,8 +135,8 @@ def memory(cfg: Config, worlds: tuple[int, ...]) -> None:
 
 def simulated() -> None:
     """Part 3: the simulator's view of a Llama3-8B shape at 128K tokens."""
-    from meshfold.passes.cost import ParallelConfig, TrainSpec, parse_cluster, preset, simulate
-    from meshfold.passes.cost.parallel import ConfigError
+    from meshfold.sim import ParallelConfig, TrainSpec, parse_cluster, preset, simulate
+    from meshfold.sim.parallel import ConfigError
 
     model, seq, batch = preset("llama3-8b"), 131072, 16
     print(f"\n== simulator: {model.name} at {seq} tokens per sequence, global batch {batch}, FSDP, full recompute")

@@ -48,8 +48,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from meshfold.tools.ranks import free_port
-from meshfold.tools.zoo.base import _shifted_ce, _small_init
 from meshfold.tools.zoo.models import LlamaAttention, LlamaMLP, RMSNorm, Rotary, _apply_rope
+from meshfold.tools.zoo.shared import _shifted_ce, _small_init
 
 LOSS_TOL = 1e-4
 WIRE_OPS = ("comm.all_gather", "comm.all_reduce", "comm.reduce_scatter", "comm.all_to_all")

@@ -9,10 +9,10 @@ way of a collective ``--calls`` times in a row, ``--rounds`` rounds, the ways in
 round so that drift in machine load hits them alike:
 
 - reduce-scatter (sum) of an operand of ``MiB`` per rank: ``reduce_scatter_tensor``, against
-  ``backends.comm.scatter_by_all_to_all`` (each rank's blocks sent to their ranks) and the sum of
+  ``backends.collectives.scatter_by_all_to_all`` (each rank's blocks sent to their ranks) and the sum of
   what arrives;
 - all-gather of ``MiB / group`` per rank: ``all_gather_into_tensor``, against the operand repeated
-  once per rank and sent by ``backends.comm.gather_by_all_to_all``.
+  once per rank and sent by ``backends.collectives.gather_by_all_to_all``.
 
 Measured: wall time per call (rank 0, the median round) and the CPU time per call of every rank's
 process (all threads: gloo's workers too), summed over the ranks. Both ways' results are compared
@@ -41,7 +41,7 @@ c10d = torch.ops._c10d_functional
 def _ways(x: torch.Tensor, n: int, group: str) -> dict[str, dict[str, Callable[[], torch.Tensor]]]:
     """For each collective, its ways: gloo's own call and the all-to-all meshfold sends, each
     returning its result once written."""
-    from meshfold.backends.comm import gather_by_all_to_all, scatter_by_all_to_all
+    from meshfold.backends.collectives import gather_by_all_to_all, scatter_by_all_to_all
 
     rows, part = x.shape[0] // n, x[: x.shape[0] // n].contiguous()
 

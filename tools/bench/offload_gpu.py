@@ -6,7 +6,7 @@
 One process, one NCCL rank (mesh ``dp=1``), the zoo's two-layer Llama-style model in fp32 at each
 ``--hidden`` (intermediate 4x). Per row: the eager model, then ``parallelize`` with every
 activation kept, ``memory="full"`` and ``memory="offload"`` (pinned host memory on a copy stream,
-``backends/offload.py``; planned for this GPU, so the overlap pass starts each reload ahead of its
+``backends/host_tier.py``; planned for this GPU, so the overlap pass starts each reload ahead of its
 reader), and ``offload-at-use``: the same planned as if the device had no copy engine (cluster
 ``cpu``), each reload issued where its reader is: the median step time (forward + backward, synchronized) of ``--steps``
 after three warm-ups, the allocator's peak above what was live before the step, and both as ratios

@@ -62,8 +62,8 @@ def batches(count: int, tokens: int, seed: int) -> list[list[torch.Tensor]]:
 def _model(cfg: Config) -> torch.nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from meshfold.tools.zoo.base import _seeded
-    from meshfold.tools.zoo.hf import _packed_cls
+    from meshfold.tools.zoo.hf_zoo import _packed_cls
+    from meshfold.tools.zoo.shared import _seeded
 
     config = LlamaConfig(
         vocab_size=cfg.vocab,
@@ -102,7 +102,7 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
         from torch.distributed.device_mesh import init_device_mesh
 
         from meshfold.api import parallelize
-        from meshfold.backends import p2p
+        from meshfold.backends.context_parallel import p2p
 
         cfg = Config(**cfg_dict)
         rows = _packings(cfg, opts, world)

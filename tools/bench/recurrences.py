@@ -37,7 +37,7 @@ from meshfold.tools.measure import one_thread, peak_new_bytes, timed_steps, trai
 
 def build(seq: int, hidden: int) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
     """``hf-mamba``'s model, ``hidden`` wide, on one seeded sequence of ``seq`` tokens."""
-    from meshfold.tools.zoo.hf import hf_mamba
+    from meshfold.tools.zoo.hf_zoo import hf_mamba
 
     model, _ = hf_mamba(hidden)
     ids = torch.randint(0, 256, (1, seq), generator=torch.Generator().manual_seed(0))

@@ -28,9 +28,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshfold.moe_lists import as_stacked
-from meshfold.tools.corpus import plans, registry
-from meshfold.tools.corpus.ties import BOUND, Ties
+from meshfold.rewrites.moe_lists import as_stacked
+from meshfold.tools.corpus import catalog as registry
+from meshfold.tools.corpus import columns as plans
+from meshfold.tools.corpus import entries as corpus_entries
+from meshfold.tools.corpus.near_ties import BOUND, Ties
 from meshfold.tools.pool_worker import device_mesh
 
 LR = 1e-3
@@ -61,10 +63,10 @@ def run(entry: str, column: str, steps: int = 3, verify: bool = False) -> dict[s
     module docstring says what each status means)."""
     from meshfold.api import parallelize
     from meshfold.passes.base import PassError, PassFailure
-    from meshfold.tracer import CaptureError
+    from meshfold.tracing.tracer import CaptureError
 
     warnings.filterwarnings("ignore")
-    e, col = registry.get(entry), plans.column(column)
+    e, col = corpus_entries.get(entry), plans.column(column)
     mesh = device_mesh(col.shape, col.names)
     net, inputs = e.build()
     ref, _ = e.build()
@@ -119,7 +121,7 @@ class _Compare:
     """Steps the single-device model beside ``train`` and reports the first difference.
 
     Where a step differs and the single-device forward made top-k decisions at near ties
-    (``meshfold.tools.corpus.ties``), the single-device step is run again with ties (the
+    (``meshfold.tools.corpus.near_ties``), the single-device step is run again with ties (the
     ``MAX_TIES`` nearest) resolved the other way, one at a time and then greedily up to
     ``MAX_FLIPS``; a run that the program then equals within every tolerance is the step's reference
     (the single-device model trains on from it), and the cell's message names the ties."""

@@ -42,11 +42,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, console: Any) -> int:
-    from meshfold.tools.corpus import matrix, plans, registry
+    from meshfold.tools.corpus import columns as plans
+    from meshfold.tools.corpus import entries as corpus_entries
+    from meshfold.tools.corpus import matrix
 
     if args.cell:
         name, _, col = args.cell.partition(":")
-        entry, column = registry.get(name), plans.column(col)
+        entry, column = corpus_entries.get(name), plans.column(col)
         cell = matrix.run_matrix([entry], [column], steps=args.steps, verify=args.verify, timeout=args.timeout)[0]
         console.print(f"{cell.key}: {cell.status} in {cell.seconds:.1f} s {cell.message}")
         if cell.log:
@@ -82,15 +84,16 @@ def run(args: argparse.Namespace, console: Any) -> int:
 
 def select(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
     """The entries and columns ``args`` name (``--slice ci``: the suite's slice)."""
-    from meshfold.tools.corpus import plans, registry
+    from meshfold.tools.corpus import columns as plans
+    from meshfold.tools.corpus import entries as corpus_entries
 
     if args.slice == "ci":
         from meshfold.tools.corpus.slice import CI_SLICE
 
         names = {e for e, _ in CI_SLICE}
         cols = {c for _, c in CI_SLICE}
-        return [registry.get(n) for n in sorted(names)], [c for c in plans.COLUMNS if c.name in cols]
-    entries = [e for e in registry.entries() if _picked(e.name, args.entry)]
+        return [corpus_entries.get(n) for n in sorted(names)], [c for c in plans.COLUMNS if c.name in cols]
+    entries = [e for e in corpus_entries.entries() if _picked(e.name, args.entry)]
     columns = [c for c in plans.COLUMNS if _picked(c.name, args.column) or c.family in args.column]
     if not entries or not columns:
         print("meshfold corpus: no entry or no column matches", file=sys.stderr)

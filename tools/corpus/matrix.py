@@ -21,8 +21,8 @@ from datetime import date
 from pathlib import Path
 from typing import Any
 
-from meshfold.tools.corpus.plans import COLUMNS, WORLD, Column
-from meshfold.tools.corpus.registry import Entry
+from meshfold.tools.corpus.catalog import Entry
+from meshfold.tools.corpus.columns import COLUMNS, WORLD, Column
 
 STATUSES = ("equal", "refused", "FAIL", "n/a", "skipped")
 MARKS = {"equal": "=", "refused": "R", "FAIL": "FAIL", "n/a": "·", "skipped": "-"}

@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshfold.tools.zoo import register
-from meshfold.tools.zoo.base import _seeded, _shifted_ce, _small_init, _token_inputs
+# NOTE: ``register`` adds an entry to the zoo's registry (``shared``); zoo/__init__ imports this module
 from meshfold.tools.zoo.models import DecoderLayer, LlamaMLP, RMSNorm, Rotary
+from meshfold.tools.zoo.shared import _seeded, _shifted_ce, _small_init, _token_inputs, register
 
 
 class LinearAttention(nn.Module):
@@ -94,7 +94,7 @@ class ChunkedDeltaRule(nn.Module):
     """One head of a gated delta rule run chunk by chunk, as HF's fallback for Qwen3-Next writes it: per
     chunk the new values less what the state already predicts, the output read from the state plus
     the chunk's own causal attention, then the state decayed by a gate and updated (a Python loop over
-    chunks; ``meshfold.fold_scan`` captures it as one recurrence). Value dim 6: no mesh axis of 4
+    chunks; ``meshfold.rewrites.fold_scan`` captures it as one recurrence). Value dim 6: no mesh axis of 4
     splits the state's columns."""
 
     def __init__(self, hidden: int, k: int = 8, v: int = 6, chunk: int = 4) -> None:

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshfold.tools.zoo import register
-from meshfold.tools.zoo.base import SEQ, _seeded, _shifted_ce, _small_init, _token_inputs
+# NOTE: ``register`` adds an entry to the zoo's registry (``shared``); zoo/__init__ imports this module
+from meshfold.tools.zoo.shared import SEQ, _seeded, _shifted_ce, _small_init, _token_inputs, register
 
 
 class MLP(nn.Module):
@@ -224,7 +224,7 @@ class StackedExperts(nn.Module):
     ``gate_up_proj [E, 2I, H]`` stacks each expert's gate rows over its up rows, ``down_proj [E, H, I]``.
     ``forward(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``: token ``t`` gets
     ``sum_j w[t, j] * down_e @ (silu(gate_e @ x_t) * (up_e @ x_t))`` with ``e = top_k_index[t, j]``,
-    which is ``ir.moe.experts``. Eagerly every expert runs on every token and the k chosen are
+    which is ``ir.dialects.moe.experts``. Eagerly every expert runs on every token and the k chosen are
     gathered, so all shapes are static and the module also captures as it is.
     """
 
@@ -232,7 +232,7 @@ class StackedExperts(nn.Module):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.randn(num_experts, 2 * intermediate, hidden) * 0.02)
         self.down_proj = nn.Parameter(torch.randn(num_experts, hidden, intermediate) * 0.02)
-        # NOTE: read by meshfold.moe's detection, as it reads a transformers experts module's config.
+        # NOTE: read by meshfold.tracing.moe_layers's detection, as it reads a transformers experts module's config.
         self.config = types.SimpleNamespace(hidden_act="silu")
 
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:

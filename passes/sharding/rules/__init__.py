@@ -9,26 +9,24 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Literal
 
-from meshfold.ir import Op, Partial, Placement, R, Shard, TensorType
+from meshfold.ir import Op, Partial, Placement, R, Shard, Target, TensorType, target_name
 from meshfold.passes.sharding.rules import (
     attention,
-    conv,
+    causal_conv,
     creation,
     embedding,
     indexing,
+    linear_recurrence,
     matmul,
-    moe,
     norm,
     pointwise,
     reduction,
-    ring,
-    scan,
+    routed_experts,
     shape,
-    softmax,
 )
-from meshfold.passes.sharding.rules.common import is_float
 from meshfold.passes.sharding.rules.fallback import dtensor_ops, fallback_strategies
-from meshfold.passes.sharding.rules.registry import RuleSet, RuleTable, rule_table
+from meshfold.passes.sharding.rules.operands import is_float
+from meshfold.passes.sharding.rules.table import RuleFn, RuleSet, RuleTable
 from meshfold.passes.sharding.strategy import Strategy, replicate_only
 
 # NOTE: every family module is listed here once; rule_table() reads this tuple.
@@ -38,16 +36,28 @@ FAMILIES: tuple[RuleSet, ...] = (
     reduction.RULES,
     shape.RULES,
     norm.RULES,
-    softmax.RULES,
     attention.RULES,
     embedding.RULES,
     indexing.RULES,
     creation.RULES,
-    moe.RULES,
-    scan.RULES,
-    conv.RULES,
-    ring.RULES,
+    routed_experts.RULES,
+    linear_recurrence.RULES,
+    causal_conv.RULES,
 )
+
+
+def rule_table() -> RuleTable:
+    """Build the table from every family module (a fresh dict each call)."""
+    rules: dict[Target, RuleFn] = {}
+    family: dict[Target, str] = {}
+    for rs in FAMILIES:
+        for t, fn in rs.rules.items():
+            if t in rules:
+                raise ValueError(f"{target_name(t)} has rules in both {family[t]} and {rs.family}")
+            rules[t] = fn
+            family[t] = rs.family
+    return RuleTable(rules, family)
+
 
 Source = Literal["rule", "dtensor", "replicate"]
 

@@ -9,10 +9,16 @@ sequence offsets and debug tensors that do not carry them are Replicate; non-ten
 
 One more strategy splits the sequence (``ring_strategy``): queries, keys, values, output, its
 log-sum-exp and every gradient split along their sequence dim, computed as ring attention over the
-axis's ranks (``backends/ring.py``: keys and values passed round the ring, block results merged by
+axis's ranks (``backends/context_parallel/ring_attention.py``: keys and values passed round the ring, block results
+merged by
 their log-sum-exp). Only the CPU flash kernel's pair has it (the one the ring runs block by block),
 and only without dropout; a mask splits by its query rows and keeps every key column (each block
 reads its part). Which axes may use it is ``passes.cp``'s to say.
+
+Ring attention's own steps (``meshfold.ring_step``, its backward and ``meshfold.lse_merge``; see
+``ir.dialects.ring``), which ``passes/cp/steps.py`` writes after the solve in place of a sequence-split
+attention, hold one layout on every operand and result, batch, heads or sequence split alike (the
+step's own ranks pass the keys by ``comm.ppermute``, not by a layout change).
 """
 
 from __future__ import annotations
@@ -25,8 +31,9 @@ import torch
 from torch._ops import OpOverload
 
 from meshfold.ir import Op, Partial, Placement, R, Shard, TensorType
+from meshfold.ir.dialects.ring import LSE_MERGE, RING_STEP, RING_STEP_BACKWARD
 from meshfold.passes.sharding.cost import nbytes
-from meshfold.passes.sharding.rules.common import (
+from meshfold.passes.sharding.rules.operands import (
     einsum_of,
     letters,
     op_arg,
@@ -34,7 +41,7 @@ from meshfold.passes.sharding.rules.common import (
     replicate_non_tensor_results,
     tensor_type_of,
 )
-from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.rules.table import RuleSet
 from meshfold.passes.sharding.strategy import Strategy, einsum_strategies
 
 aten = torch.ops.aten
@@ -162,3 +169,10 @@ def ring_strategy(op: Op) -> Strategy | None:
         kv += nbytes(t) if t is not None and name in ("key", "value") else 0.0
     backward = op.target == RING_KERNELS[1]
     return Strategy(tuple(ins), tuple(seq for _ in op.results), passed=kv * (2.0 if backward else 1.0))
+
+
+@RULES.rule(RING_STEP, RING_STEP_BACKWARD, LSE_MERGE)
+def ring_step(op: Op) -> list[Strategy]:
+    """Every tensor ``[batch, heads, seq, ...]`` held alike: whole, or split along dim 0, 1 or 2."""
+    ins, outs = len(op.operands), len(op.results)
+    return [Strategy((p,) * ins, (p,) * outs) for p in (R, Shard(0), Shard(1), Shard(2))]

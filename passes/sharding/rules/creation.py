@@ -13,10 +13,10 @@ from __future__ import annotations
 import torch
 
 from meshfold.ir import Partial, Placement, R, Shard
-from meshfold.ir.constant import CONSTANT
+from meshfold.ir.dialects.constant import CONSTANT
 from meshfold.ir.graph import Op
-from meshfold.passes.sharding.rules.common import einsum_of, letters, result_type, tensor_type_of
-from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.rules.operands import einsum_of, letters, result_type, tensor_type_of
+from meshfold.passes.sharding.rules.table import RuleSet
 from meshfold.passes.sharding.strategy import Strategy, einsum_strategies
 
 aten = torch.ops.aten

@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from meshfold.ir import Op, Partial, R, Shard
-from meshfold.passes.sharding.rules.common import einsum_of, letters, op_arg, tensor_type_of
-from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.rules.operands import einsum_of, letters, op_arg, tensor_type_of
+from meshfold.passes.sharding.rules.table import RuleSet
 from meshfold.passes.sharding.strategy import Strategy, einsum_strategies
 
 aten = torch.ops.aten

@@ -14,7 +14,7 @@ from meshfold.ir import Op, Partial, R, Shard, TensorType, Value
 from meshfold.ir.placement import ReduceOp
 from meshfold.ir.symbolic import Dim
 from meshfold.passes.sharding.cost import nbytes
-from meshfold.passes.sharding.rules.common import (
+from meshfold.passes.sharding.rules.operands import (
     einsum_of,
     int_arg,
     letters,
@@ -24,7 +24,7 @@ from meshfold.passes.sharding.rules.common import (
     tensor_type_of,
     with_partials,
 )
-from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.rules.table import RuleSet
 from meshfold.passes.sharding.strategy import Strategy, einsum_strategies, replicate_only
 
 aten = torch.ops.aten
@@ -212,7 +212,7 @@ def cumsum(op: Op) -> list[Strategy]:
     """``a _ -> a _`` along ``dim``: linear, so ``P(sum)``/``P(avg)`` pass. And the scanned dim split:
     each rank scans its part and adds the totals of the ranks before it, which one all-gather of
     every rank's total (its last row: the memory state of linear attention, LASP-2's) brings
-    (``backends/scan.py``)."""
+    (``backends/context_parallel/split_scans.py``)."""
     d, names = _along(op)
     g = list(names)
     if g:

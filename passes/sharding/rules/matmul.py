@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 
 from meshfold.ir import Op, Partial, Shard
-from meshfold.passes.sharding.rules.common import broadcast_groups, einsum_of, result_type, with_partials
-from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.rules.operands import broadcast_groups, einsum_of, result_type, with_partials
+from meshfold.passes.sharding.rules.table import RuleSet
 from meshfold.passes.sharding.strategy import Strategy, einsum_strategies
 
 aten = torch.ops.aten

@@ -1,9 +1,12 @@
-"""Normalizations over trailing dims: ``native_layer_norm`` and ``_fused_rms_norm`` with their
-backward forms.
+"""Normalizations: ``native_layer_norm`` and ``_fused_rms_norm`` over trailing dims, softmax and
+log-softmax along one dim, with their backward forms.
 
 The normalized (trailing) dims stay whole; the leading (batch) dims shard on the input, the
 statistics and the outputs alike. Parameter gradients sum over the batch, so a sharded batch dim
 makes them ``P(sum)``.
+
+The softmax dim needs every element (a normalizer over the whole dim), so it stays whole (``_``)
+and is never sharded; every other dim shards alike on all operands.
 """
 
 from __future__ import annotations
@@ -11,15 +14,18 @@ from __future__ import annotations
 import torch
 
 from meshfold.ir import Op, Value
-from meshfold.passes.sharding.rules.common import (
+from meshfold.passes.sharding.rules.operands import (
     einsum_of,
+    int_arg,
     letters,
+    norm_dim,
     op_arg,
     operand_names,
     replicate_non_tensor_results,
+    result_type,
     tensor_type_of,
 )
-from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.rules.table import RuleSet
 from meshfold.passes.sharding.strategy import Strategy, einsum_strategies, replicate_only
 
 aten = torch.ops.aten
@@ -74,3 +80,26 @@ def norm_backward(op: Op) -> list[Strategy]:
     grad_input, grad_weight, grad_bias): a sharded batch dim makes parameter gradients ``P(sum)``;
     linear in ``grad_out`` (every result then Partial); masked-off results are Replicate."""
     return _strategies(op, {"grad_out", "input", "mean", "rstd"}, grad_linear=True)
+
+
+def _softmax_spec(op: Op) -> list[str]:
+    t = result_type(op)
+    g = letters(t.rank)
+    if t.rank:
+        g[norm_dim(int_arg(op, "dim", -1), t.rank)] = "_"
+    return g
+
+
+@RULES.rule(aten._softmax.default, aten._log_softmax.default, aten._safe_softmax.default)
+def softmax(op: Op) -> list[Strategy]:
+    """``a _ -> a _`` for ``dim=1``: the softmax dim stays whole; not linear, so no Partial."""
+    g = _softmax_spec(op)
+    return einsum_strategies(einsum_of([g], [g]))
+
+
+@RULES.rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+def softmax_backward(op: Op) -> list[Strategy]:
+    """``a _, a _ -> a _`` (grad_output, output): softmax dim whole; linear in ``grad_output``
+    (``y * (g - sum(g * y))`` and ``g - exp(y) * sum(g)``), so its ``P(sum)``/``P(avg)`` pass."""
+    g = _softmax_spec(op)
+    return einsum_strategies(einsum_of([g, g], [g]), linear=(0,))

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 
 from meshfold.ir import Op
+from meshfold.ir.dialects.stage import MARKS
 from meshfold.ir.placement import ReduceOp
-from meshfold.ir.stage import MARKS
-from meshfold.passes.sharding.rules.common import broadcast_einsum, is_float, op_arg, tensor_type_of, with_partials
-from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.rules.operands import broadcast_einsum, is_float, op_arg, tensor_type_of, with_partials
+from meshfold.passes.sharding.rules.table import RuleSet
 from meshfold.passes.sharding.strategy import Strategy, einsum_strategies
 
 aten = torch.ops.aten

@@ -12,8 +12,8 @@ import torch
 
 from meshfold.ir import Op
 from meshfold.ir.placement import ReduceOp
-from meshfold.passes.sharding.rules.common import dims_arg, einsum_of, letters, op_arg, tensor_type_of, with_partials
-from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.rules.operands import dims_arg, einsum_of, letters, op_arg, tensor_type_of, with_partials
+from meshfold.passes.sharding.rules.table import RuleSet
 from meshfold.passes.sharding.strategy import Strategy, einsum_strategies
 
 aten = torch.ops.aten

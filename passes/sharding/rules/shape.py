@@ -11,7 +11,7 @@ import torch
 from meshfold.ir import Op, Shard
 from meshfold.ir.placement import ReduceOp
 from meshfold.passes.sharding.cost import nbytes
-from meshfold.passes.sharding.rules.common import (
+from meshfold.passes.sharding.rules.operands import (
     einsum_of,
     int_arg,
     letters,
@@ -23,7 +23,7 @@ from meshfold.passes.sharding.rules.common import (
     view_dim_map,
     with_partials,
 )
-from meshfold.passes.sharding.rules.registry import RuleSet
+from meshfold.passes.sharding.rules.table import RuleSet
 from meshfold.passes.sharding.strategy import Strategy, einsum_strategies, replicate_only
 
 aten = torch.ops.aten
@@ -251,7 +251,8 @@ def repeat(op: Op) -> list[Strategy]:
 @RULES.rule(aten.flip.default)
 def flip(op: Op) -> list[Strategy]:
     """``a _ -> a _`` for ``flip(dims=[1])``; and a flipped dim split: each rank flips its part and
-    swaps it with the rank mirroring it (``backends/scan.py``; a reversed running sum is a flip, a
+    swaps it with the rank mirroring it (``backends/context_parallel/split_scans.py``; a reversed running sum is a
+    flip, a
     running sum and a flip)."""
     names = _src(op)
     flipped = set(_dims(op_arg(op, "dims"), max(len(names), 1)))

@@ -55,8 +55,8 @@ from hypothesis import HealthCheck, Phase, Verbosity, given, settings
 from hypothesis import seed as hypothesis_seed
 from hypothesis import strategies as st
 
-from meshfold.tools.corpus.entries.blocks import VOCAB, WINDOW, GeneratedLM
-from meshfold.tools.corpus.registry import Built, Entry, register, seeded, tokens
+from meshfold.tools.corpus.catalog import Built, Entry, register, seeded, tokens
+from meshfold.tools.corpus.entries.real_blocks import VOCAB, WINDOW, GeneratedLM
 
 GENERATED_SEED = 0
 GENERATED = 10

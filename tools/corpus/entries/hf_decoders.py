@@ -3,7 +3,7 @@ and model classes and the fields that select the family's variant."""
 
 from __future__ import annotations
 
-from meshfold.tools.corpus.entries.hf import decoder
+from meshfold.tools.corpus.entries.hf_families import decoder
 
 decoder("hf-llama", "LlamaConfig", "LlamaForCausalLM", "RMSNorm, rotary, grouped-query attention, SwiGLU")
 decoder(

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from meshfold.tools.corpus.entries.hf import SCAN, cnn, decoder, encoder, moe, seq2seq
-from meshfold.tools.zoo.hf import DEEPSEEK_V3_TINY
+from meshfold.tools.corpus.entries.hf_families import SCAN, cnn, decoder, encoder, moe, seq2seq
+from meshfold.tools.zoo.hf_zoo import DEEPSEEK_V3_TINY
 
 # encoders (masked LM heads, labels = the inputs)
 encoder(

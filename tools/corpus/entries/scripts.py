@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshfold.tools.corpus.registry import Built, Entry, register, seeded
+from meshfold.tools.corpus.catalog import Built, Entry, register, seeded
 
 BATCH = 8
 CLASSES = 10

@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from meshfold.tools.corpus.registry import Built, Entry, register, seeded, tokens
+from meshfold.tools.corpus.catalog import Built, Entry, register, seeded, tokens
 
 VOCAB = 256
 DIM = 64

@@ -1,0 +1,1 @@
+"""Pipeline parallelism: a compiled program split into stages and run by ``torch.distributed.pipelining``."""

@@ -1,0 +1,1 @@
+"""The runtime: ``ParallelModule`` and the per-signature programs each rank runs."""

@@ -1,0 +1,1 @@
+"""The sharding solve: one integer program per mesh axis, handed to HiGHS."""

@@ -1,0 +1,1 @@
+"""Benches of the cluster simulator alone (no ranks): published runs, networks, MoE folding, plan speed."""
