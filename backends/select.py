@@ -1,23 +1,141 @@
-"""How a rank's lowered program runs, by backend name (``parallelize(..., backend=)``)."""
+"""The backend registry: how a rank's lowered program runs, by name (``parallelize(..., backend=)``).
+
+Every backend starts from the same lowering (``backends/eager.py`` through the lowering table,
+``backends/lowering/lowerings.py``) and is one registered :class:`Backend` subclass below: a name,
+a one-line description, and ``run``, which loads the backend's own module (and its heavy
+dependencies) only when it is called. ``backend_names()`` lists them; ``get_backend(name)`` returns
+one or raises ``PassError`` naming the available ones.
+"""
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, ClassVar
 
-from meshfold.backends.eager import Lowered, RankContext
-from meshfold.ir import Graph
+from meshfold.passes.base import PassError
+
+if TYPE_CHECKING:
+    import torch
+
+    from meshfold.backends.eager import Lowered, RankContext
+    from meshfold.ir import Graph
 
 
-def select(backend: str, graph: Graph, lowered: Lowered, rank: RankContext, device: str, what: str) -> Lowered:
-    """``lowered`` (from ``graph`` for ``rank``) as ``backend`` runs it: the eager modules (``"eager"``),
-    Inductor's compile of them (``"inductor"``), or their GE graphs under torchair on ``device``'s
-    tensors (``"ascend"``); ``what`` names the rank in errors. Each backend loads only when asked for."""
-    if backend == "inductor":
+class Backend:
+    """One way a rank's lowered program runs. A subclass sets ``name`` and ``description`` and
+    overrides :meth:`run`; ``trains = False`` marks a backend that only exports programs."""
+
+    name: ClassVar[str]
+    description: ClassVar[str]
+    trains: ClassVar[bool] = True
+
+    def run(self, graph: Graph, lowered: Lowered, rank: RankContext, device: str, what: str) -> Lowered:
+        """``lowered`` (from ``graph`` for ``rank``) as this backend runs it on ``device``'s tensors;
+        ``what`` names the rank in errors."""
+        raise NotImplementedError
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register(cls: type[Backend]) -> type[Backend]:
+    """``@register`` above a ``Backend`` subclass adds it to the registry under its ``name``."""
+    if cls.name in _BACKENDS:
+        raise ValueError(f"two backends named {cls.name!r}")
+    _BACKENDS[cls.name] = cls()
+    return cls
+
+
+@register
+class Eager(Backend):
+    name = "eager"
+    description = "the lowered fx modules run op by op (the default)"
+
+    def run(self, graph: Graph, lowered: Lowered, rank: RankContext, device: str, what: str) -> Lowered:
+        return lowered
+
+
+@register
+class Inductor(Backend):
+    name = "inductor"
+    description = "each module compiled by TorchInductor on its first call (C++ on CPU, Triton on CUDA)"
+
+    def run(self, graph: Graph, lowered: Lowered, rank: RankContext, device: str, what: str) -> Lowered:
         from meshfold.backends.inductor import compiled
 
         return compiled(lowered, what)
-    if backend == "ascend":
+
+
+@register
+class Ascend(Backend):
+    name = "ascend"
+    description = "each module as a GE graph in torchair's graph mode on Ascend NPUs"
+
+    def run(self, graph: Graph, lowered: Lowered, rank: RankContext, device: str, what: str) -> Lowered:
+        import torch
+
         from meshfold.backends.ascend import ge_lowered, graph_mode
 
         return graph_mode(ge_lowered(graph, lowered, rank, torch.device(device)), what)
-    return lowered
+
+
+@register
+class Onnx(Backend):
+    name = "onnx"
+    description = "export only: each rank's forward written as an ONNX model (meshfold export-onnx)"
+    trains = False
+
+    def run(self, graph: Graph, lowered: Lowered, rank: RankContext, device: str, what: str) -> Lowered:
+        raise PassError(
+            "backend 'onnx' only exports programs, it runs no training step: compile with backend='eager' and "
+            "write each rank's forward with pm.export_onnx(dir), or run `meshfold export-onnx`"
+        )
+
+    def export(
+        self,
+        lowered: Lowered,
+        state: Mapping[str, torch.Tensor],
+        inputs: Sequence[torch.Tensor],
+        path: Path,
+        *,
+        input_names: Sequence[str],
+        output_names: Sequence[str],
+        metadata: Mapping[str, str],
+    ) -> Path:
+        """Write ``lowered``'s forward as the ONNX model ``path`` (``backends/onnx.py``'s ``export_forward``)."""
+        from meshfold.backends.onnx import export_forward
+
+        return export_forward(
+            lowered, state, inputs, path, input_names=input_names, output_names=output_names, metadata=metadata
+        )
+
+
+def backend_names(*, training_only: bool = False) -> tuple[str, ...]:
+    """The registered backends' names, in registration order; ``training_only``: only those that run
+    a training step (not the export-only ones)."""
+    return tuple(n for n, b in _BACKENDS.items() if b.trains or not training_only)
+
+
+def get_backend(name: str) -> Backend:
+    """The backend registered as ``name``; ``PassError`` listing the available ones otherwise."""
+    found = _BACKENDS.get(name)
+    if found is None:
+        raise PassError(f"backend {name!r} is not available; backends: {', '.join(backend_names())}")
+    return found
+
+
+def get_onnx() -> Onnx:
+    """The ONNX exporter (``pm.export_onnx``, ``meshfold export-onnx``)."""
+    found = get_backend(Onnx.name)
+    assert isinstance(found, Onnx)
+    return found
+
+
+def select(backend: str, graph: Graph, lowered: Lowered, rank: RankContext, device: str, what: str) -> Lowered:
+    """``lowered`` (from ``graph`` for ``rank``) as the backend named ``backend`` runs it
+    (``get_backend(backend).run``); ``what`` names the rank in errors."""
+    return get_backend(backend).run(graph, lowered, rank, device, what)
+
+
+__all__ = ["Backend", "backend_names", "get_backend", "get_onnx", "register", "select"]

@@ -19,10 +19,11 @@ if TYPE_CHECKING:
     from meshfold.backends.watch import CollectiveError
     from meshfold.ir.dialects.moe import experts as moe_experts
     from meshfold.packing import PackedBatch, doc_mask, pack_sequences
+    from meshfold.passes.options import DEFAULT_PIPELINE, Options
     from meshfold.pp.pipelined import PipelinedModule
     from meshfold.runtime.crosscheck import VerificationError
     from meshfold.runtime.signature import CallMismatch
-    from meshfold.session import DEFAULT_PIPELINE, CompileOptions, CompileResult, compile_model
+    from meshfold.session import CompileResult, compile_model
     from meshfold.tracing.tracer import CaptureError, capture
 
 try:
@@ -39,8 +40,8 @@ _HOME = {
     "PackedBatch": ("meshfold.packing", "PackedBatch"),
     "PipelinedModule": ("meshfold.pp.pipelined", "PipelinedModule"),
     "doc_mask": ("meshfold.packing", "doc_mask"),
-    "DEFAULT_PIPELINE": ("meshfold.session", "DEFAULT_PIPELINE"),
-    "CompileOptions": ("meshfold.session", "CompileOptions"),
+    "DEFAULT_PIPELINE": ("meshfold.passes.options", "DEFAULT_PIPELINE"),
+    "Options": ("meshfold.passes.options", "Options"),
     "CompileResult": ("meshfold.session", "CompileResult"),
     "compile_model": ("meshfold.session", "compile_model"),
     "VerificationError": ("meshfold.runtime.crosscheck", "VerificationError"),
@@ -61,7 +62,7 @@ __all__ = [
     "CallMismatch",
     "CaptureError",
     "CollectiveError",
-    "CompileOptions",
+    "Options",
     "CompileResult",
     "PackedBatch",
     "PipelinedModule",

@@ -5,9 +5,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any, TypeVar
 
 import sympy
@@ -22,18 +21,20 @@ from meshfold.backends.select import select
 from meshfold.passes import PassError
 from meshfold.passes.base import quiet
 from meshfold.passes.memory import memory_line
+from meshfold.passes.options import Options, PlanSpec
 from meshfold.passes.schedule.timeline import predicted, to_chrome_trace, write_trace
 from meshfold.passes.sharding.ilp.problem import solve_report
+from meshfold.passes.stages import PP, PipelineSpec
 from meshfold.pp.stage_module import stage_lowering
-from meshfold.pp.stage_plan import pipeline_line, plan_pipeline
-from meshfold.pp.stage_split import PP, PipelineSpec, stage_graphs
+from meshfold.pp.stage_plan import PipelinePlan, pipeline_line
+from meshfold.pp.stage_split import stage_graphs
 from meshfold.pp.tied import tied_parameters
-from meshfold.runtime.groups import MeshGroups, as_timeout
+from meshfold.runtime.groups import MeshGroups
 from meshfold.runtime.parallel_module import ParallelModule
-from meshfold.runtime.programs import DEFAULT_CACHE, Program
+from meshfold.runtime.programs import Program
 from meshfold.runtime.signature import Signature
-from meshfold.session import DEFAULT_PIPELINE, CompileOptions, MemoryPolicy, PlanSpec, compile_model, progress
-from meshfold.target.hardware import Cluster, device_cluster
+from meshfold.session import check_backend, compile_model, progress
+from meshfold.target.hardware import device_cluster
 
 
 def ir_mesh(mesh: DeviceMesh) -> ir.Mesh:
@@ -51,21 +52,16 @@ def parallelize(
     model: nn.Module | None = None,
     mesh: DeviceMesh | None = None,
     example_inputs: Sequence[Any] | None = None,
-    plan: PlanSpec = "ddp",
-    *,
-    verify: bool = False,
-    pipeline: str = DEFAULT_PIPELINE,
-    cluster: str | Cluster | None = None,
-    memory: int | str | MemoryPolicy | None = None,
-    moe: Mapping[str, Any] | None = None,
-    cp: Mapping[str, Any] | str | None = None,
-    pp: Mapping[str, Any] | None = None,
-    backend: str = "eager",
-    cache_size: int = DEFAULT_CACHE,
-    timeout: float | timedelta | None = None,
-    trace: str | os.PathLike[str] | None = None,
+    plan: PlanSpec | None = None,
+    **options: Any,
 ) -> Any:
     """Compile ``model`` for ``mesh`` with ``plan`` and return this rank's ``ParallelModule``.
+
+    ``plan``: a preset (``"fsdp+tp"``), ``"auto"``, a ``Plan`` or a dict of per-parameter layouts;
+    None (the default, as for ``pass-debug`` and ``meshfold demo``): the preset the mesh's axis names
+    imply (``passes.sharding.plans.effective_plan``: ``dp`` is fsdp, ``tp`` tp, ``cp`` cp). Every
+    other keyword is a field of ``meshfold.Options`` (read and checked by ``Options.of``; an unknown
+    one is refused naming the nearest); the main ones:
 
     Everything that can be wrong with the request (mesh vs world size, unknown preset or axis,
     indivisible sizes) raises before any collective; a batch the data-parallel ranks do not divide
@@ -128,36 +124,25 @@ def parallelize(
     """
     if mesh is None:
         raise PassError("parallelize needs a mesh: parallelize(model, init_device_mesh(...), example_inputs, plan=...)")
-    if cluster is None and mesh.device_type == "cuda":  # NOTE: plan for the GPUs the ranks have
+    if options.get("cluster") is None and mesh.device_type == "cuda":  # NOTE: plan for the GPUs the ranks have
         per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
-        cluster = device_cluster(torch.cuda.get_device_name(), per_node, mesh.size())
-    options = CompileOptions.of(
-        mesh=ir_mesh(mesh),
-        plan=plan,
-        moe=moe,
-        cp=cp,
-        pp=pp,
-        cluster=cluster,
-        memory=memory,
-        pipeline=pipeline,
-        verify=verify,
-        backend=backend,
-    )
+        options["cluster"] = device_cluster(torch.cuda.get_device_name(), per_node, mesh.size())
+    opts = Options.of(mesh=ir_mesh(mesh), plan=plan, **options)
+    check_backend(opts.backend)
     if model is None:
-        return _decorator(mesh, options, example_inputs, cache_size, timeout, trace)
+        return _decorator(mesh, opts, example_inputs)
     if example_inputs is None:
         raise PassError("parallelize(model, mesh, example_inputs, plan=...) needs the example inputs")
-    if options.pp is not None:
-        return _pipelined(model, mesh, example_inputs, options, timeout)
-    return _compile(model, mesh, example_inputs, options, cache_size, timeout, trace)
+    if opts.pp is not None:
+        return _pipelined(model, mesh, example_inputs, opts)
+    return _compile(model, mesh, example_inputs, opts)
 
 
 def _pipelined(
     model: nn.Module,
     mesh: DeviceMesh,
     example_inputs: Sequence[Any],
-    options: CompileOptions,
-    timeout: float | timedelta | None,
+    options: Options,
 ) -> Any:
     """Compile one microbatch on the mesh's other axes, split it into stages, lower this rank's."""
     from meshfold.pp.pipelined import PipelinedModule, StageCheck, microbatch, stage_mesh  # NOTE: loads pipelining
@@ -167,15 +152,16 @@ def _pipelined(
     if not dist.is_initialized():
         raise PassError("parallelize needs torch.distributed initialized (run under torchrun or spawn ranks)")
     micro = microbatch(example_inputs, spec)  # NOTE: before stage_mesh, which may make groups (a collective)
-    full, sub = stage_mesh(mesh)
-    graph, rng_state, _, report = _compile_once(model, micro, options, first=True)
-    planned = plan_pipeline(graph, spec, options.cluster, options.memory)
-    spec, split = planned.spec, planned.split
-    graphs = stage_graphs(graph, split)
-    groups = MeshGroups.of(sub, as_timeout(timeout))
+    full, sub = stage_mesh(mesh, options.mesh)
+    compiled = _compile_once(model, micro, options, first=True)
+    graph, planned = compiled.graph, compiled.staged
+    assert planned is not None  # NOTE: compile_model plans the stages of a pp compile with gradients
+    spec = planned.spec
+    graphs = stage_graphs(graph, planned.split)
+    groups = MeshGroups.of(sub, options.timeout)
     rank = groups.rank_context(options.mesh, graph)  # NOTE: the same groups on every rank, whatever its stages
     rng = torch.Generator()  # NOTE: random ops draw alike on every rank, as in ``_compile``
-    rng.set_state(rng_state)
+    rng.set_state(compiled.rng_state)
     mine = spec.held(full.get_local_rank(PP))
     held = {s: (graphs[s], _stage_program(graphs[s], spec, rank, rng, options, full.device_type)) for s in mine}
     check = None
@@ -183,7 +169,7 @@ def _pipelined(
         recording = {s: stage_lowering(graphs[s], spec, rank, rng, record=True) for s in mine}
         check = StageCheck(graph, rank, recording)
     names = [i.name for i in graph.inputs if i.kind == "input"]
-    lines = (*report, pipeline_line(planned))
+    lines = (*compiled.report, pipeline_line(planned))
     return PipelinedModule(model, full, sub, planned, held, names, tied_parameters(graphs), lines, check)
 
 
@@ -191,10 +177,7 @@ def _compile(
     model: nn.Module,
     mesh: DeviceMesh,
     example_inputs: Sequence[Any],
-    options: CompileOptions,
-    cache_size: int = DEFAULT_CACHE,
-    timeout: float | timedelta | None = None,
-    trace: str | os.PathLike[str] | None = None,
+    options: Options,
 ) -> ParallelModule:
     if not dist.is_initialized():
         raise PassError("parallelize needs torch.distributed initialized (run under torchrun or spawn ranks)")
@@ -204,20 +187,21 @@ def _compile(
             f"the mesh has {mesh.size()} ranks {tuple(mesh.mesh.shape)} but the world has {world}; "
             f"build the mesh over all {world} ranks"
         )
-    if cache_size < 1:
-        raise PassError(f"cache_size must be at least 1 (programs a module keeps), not {cache_size}")
-    groups = MeshGroups.of(mesh, as_timeout(timeout))
+    groups = MeshGroups.of(mesh, options.timeout)
     # NOTE: the program's random ops draw from their own generator, seeded from rank 0's default
     # generator as it is now, so every rank draws alike whatever its own seed (backends/random.py)
     rng = torch.Generator()
-    compiled, rng_state, _, report = _compile_once(model, example_inputs, options, first=True)
-    if trace is not None and dist.get_rank() == 0:
-        write_trace(to_chrome_trace(predicted(compiled, options.cluster)), trace)
-    rng.set_state(rng_state)
-    first = _program(compiled, groups, options, Signature.of(example_inputs, model.training, grad=True), rng)
-    first.report = report
+    compiled = _compile_once(model, example_inputs, options, first=True)
+    if options.trace is not None and dist.get_rank() == 0:
+        write_trace(to_chrome_trace(predicted(compiled.graph, options.cluster)), options.trace)
+    rng.set_state(compiled.rng_state)
+    sig = Signature.of(example_inputs, model.training, grad=True)
+    first = _program(compiled.graph, groups, options, sig, rng)
+    first.report = compiled.report
     compiler = _Recompiler(_skeleton(model), groups, options, rng)
-    return ParallelModule(model, mesh, first, compiler, cache_size, shapes=compiler.shapes, rng=rng, world=groups.world)
+    return ParallelModule(
+        model, mesh, first, compiler, options.cache_size, shapes=compiler.shapes, rng=rng, world=groups.world
+    )
 
 
 @dataclass
@@ -227,7 +211,7 @@ class _Recompiler:
 
     shapes: nn.Module
     groups: MeshGroups
-    options: CompileOptions
+    options: Options
     rng: torch.Generator
 
     def compile(
@@ -239,18 +223,16 @@ class _Recompiler:
         was = self.shapes.training
         self.shapes.train(sig.training)
         try:
-            graph, _, guards, _ = _compile_once(self.shapes, inputs, opts, first=False)
+            compiled = _compile_once(self.shapes, inputs, opts, first=False)
         finally:
             self.shapes.train(was)
-        return graph, guards
+        return compiled.graph, compiled.guards
 
     def lower(self, graph: ir.Graph, sig: Signature) -> Program:
         return _program(graph, self.groups, dataclasses.replace(self.options, verify=False), sig, self.rng)
 
 
-def _program(
-    graph: ir.Graph, groups: MeshGroups, options: CompileOptions, sig: Signature, rng: torch.Generator
-) -> Program:
+def _program(graph: ir.Graph, groups: MeshGroups, options: Options, sig: Signature, rng: torch.Generator) -> Program:
     """Lower ``graph`` for this rank (collective where it needs process groups over several axes)."""
     assert options.mesh is not None
     # NOTE: every rank compiled the same graph, so all create the same groups in the same order
@@ -265,7 +247,7 @@ def _program(
     return Program(sig, graph, lowered, checked)
 
 
-def _backend(graph: ir.Graph, lowered: Lowered, rank: RankContext, options: CompileOptions, device: str) -> Lowered:
+def _backend(graph: ir.Graph, lowered: Lowered, rank: RankContext, options: Options, device: str) -> Lowered:
     """``lowered`` (from ``graph``) as ``options.backend`` runs it (``backends.select``)."""
     return select(
         options.backend, graph, lowered, rank, device, f"rank {dist.get_rank()} {rank.coordinate} of {rank.mesh}"
@@ -273,7 +255,7 @@ def _backend(graph: ir.Graph, lowered: Lowered, rank: RankContext, options: Comp
 
 
 def _stage_program(
-    graph: ir.Graph, spec: PipelineSpec, rank: RankContext, rng: torch.Generator, options: CompileOptions, device: str
+    graph: ir.Graph, spec: PipelineSpec, rank: RankContext, rng: torch.Generator, options: Options, device: str
 ) -> Lowered:
     """A stage's program for this rank, as ``options.backend`` runs it (``stage_module.stage_lowering``)."""
     return _backend(graph, stage_lowering(graph, spec, rank, rng), rank, options, device)
@@ -294,12 +276,21 @@ def _skeleton(model: nn.Module) -> nn.Module:
         return model
 
 
-def _compile_once(
-    model: nn.Module, example_inputs: Sequence[Any], options: CompileOptions, *, first: bool
-) -> tuple[ir.Graph, torch.Tensor, tuple[sympy.Basic, ...], tuple[str, ...]]:
-    """Compile on rank 0 only; every rank gets the graph as IR text, rank 0's generator state, the
-    guards of the graph's symbolic sizes and the plan report (``solve_report``, then the memory
-    pass's ``memory_line``).
+@dataclass(frozen=True)
+class _Compiled:
+    """What rank 0's compile gives every rank: the graph, rank 0's generator state, the guards of the
+    graph's symbolic sizes, the plan report (``solve_report``, then the memory pass's
+    ``memory_line``) and, for a pipeline, its stages (``CompileResult.staged``)."""
+
+    graph: ir.Graph
+    rng_state: torch.Tensor
+    guards: tuple[sympy.Basic, ...]
+    report: tuple[str, ...]
+    staged: PipelinePlan | None
+
+
+def _compile_once(model: nn.Module, example_inputs: Sequence[Any], options: Options, *, first: bool) -> _Compiled:
+    """Compile on rank 0 only; every rank gets the graph as IR text and the rest of ``_Compiled``.
 
     NOTE: one plan for all ranks by construction (whatever a rank's library versions or state),
     and the other ranks do not repeat the work. A failure
@@ -311,35 +302,30 @@ def _compile_once(
             result = compile_model(model, example_inputs, options)
             memory = memory_line(result.stats)
             report = (*solve_report(result.stats), *([memory] if memory else []))
-            payload[0] = ("ok", str(result.graph), rng_state, result.guards, report)
+            payload[0] = ("ok", str(result.graph), rng_state, result.guards, report, result.staged)
         except Exception as e:
-            payload[0] = ("error", f"{type(e).__name__}: {e}", None, (), ())
+            payload[0] = ("error", f"{type(e).__name__}: {e}", None, (), (), None)
             dist.broadcast_object_list(payload, src=0)
             if first:
                 raise
             raise PassError(f"{type(e).__name__}: {e}") from e
     dist.broadcast_object_list(payload, src=0)
-    kind, text, rng_state, guards, report = payload[0]
+    kind, text, rng_state, guards, report, staged = payload[0]
     if kind != "ok":
         raise PassError(text if not first else f"compilation failed on rank 0: {text}")
-    return ir.parse(text, positions=False), rng_state, tuple(guards), tuple(report)
+    return _Compiled(ir.parse(text, positions=False), rng_state, tuple(guards), tuple(report), staged)
 
 
 M = TypeVar("M", bound=nn.Module)
 
 
 def _decorator(
-    mesh: DeviceMesh,
-    options: CompileOptions,
-    example_inputs: Sequence[Any] | None,
-    cache_size: int,
-    timeout: float | timedelta | None,
-    trace: str | os.PathLike[str] | None = None,
+    mesh: DeviceMesh, options: Options, example_inputs: Sequence[Any] | None
 ) -> Callable[[type[M]], type[M]]:
     def deco(cls: type[M]) -> type[M]:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise PassError(f"@parallelize(...) decorates nn.Module subclasses, not {cls!r}")
-        return _parallel_class(cls, mesh, options, example_inputs, cache_size, timeout, trace)
+        return _parallel_class(cls, mesh, options, example_inputs)
 
     return deco
 
@@ -347,11 +333,8 @@ def _decorator(
 def _parallel_class(
     cls: type[M],
     mesh: DeviceMesh,
-    options: CompileOptions,
+    options: Options,
     example_inputs: Sequence[Any] | None,
-    cache_size: int,
-    timeout: float | timedelta | None,
-    trace: str | os.PathLike[str] | None = None,
 ) -> type[M]:
     """A subclass of ``cls`` whose instances build the model with ``cls``'s constructor, then hold
     its compiled form: the compiled module's parameters (DTensors) under the model's own FQNs."""
@@ -362,11 +345,11 @@ def _parallel_class(
         self._mf_model = [model]  # NOTE: a list, so the single-device model is not a submodule
         self._mf_compiled: list[ParallelModule] = []
         if example_inputs is not None:
-            _adopt(self, _compile(model, mesh, example_inputs, options, cache_size, timeout, trace))
+            _adopt(self, _compile(model, mesh, example_inputs, options))
 
     def forward(self: nn.Module, *inputs: Any) -> Any:
         if not self._mf_compiled:
-            _adopt(self, _compile(self._mf_model[0], mesh, inputs, options, cache_size, timeout, trace))
+            _adopt(self, _compile(self._mf_model[0], mesh, inputs, options))
         pm = self._mf_compiled[0]
         pm.train(self.training)  # NOTE: pm is held aside, not a child: eval() reaches it only here
         return pm(*inputs)

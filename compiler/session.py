@@ -1,10 +1,9 @@
 """The one compile path: options in, a captured and transformed graph out.
 
 ``parallelize``, ``pass-debug``, ``meshfold demo``'s dumps and the golden tests all call
-``compile_model``; nothing else parses and runs a pipeline for a model. ``CompileOptions.of`` is the
-only place a user's request is read and checked (mesh, plan, expert mapping, cluster, memory bound,
-pipeline, backend), so every front end refuses the same bad request with the same words, before
-anything is captured.
+``compile_model``; nothing else parses and runs a pipeline for a model. What it compiles for is an
+``Options`` (``meshfold.passes.options``), read and checked once by ``Options.of`` before anything
+is captured, and carried to every pass by the ``PassContext``.
 """
 
 from __future__ import annotations
@@ -18,164 +17,24 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Literal, get_args
+from typing import Any
 
 import sympy
 import torch
 from torch import nn
 
 from meshfold import ir
+from meshfold.backends.select import backend_names
 from meshfold.ir.symbolic import size_hints
-from meshfold.passes import JOINT, PassContext, PassError, PassPipeline, PassTiming, parse_size
-from meshfold.passes.cp import CpSpec
-from meshfold.passes.memory.policies import Saved
-from meshfold.passes.moe.spec import MoeSpec, check_spec
+from meshfold.passes import JOINT, PassContext, PassError, PassPipeline, PassTiming
+from meshfold.passes.options import Options
 from meshfold.passes.pipeline import Callback
-from meshfold.passes.sharding.plans import Plan, axis_roles, default_preset, sequence_axes
-from meshfold.pp.stage_plan import plan_pipeline
-from meshfold.pp.stage_split import AUTO, PP, PipelineSpec, marked_layers
-from meshfold.target.hardware import Cluster, parse_cluster
+from meshfold.pp.stage_plan import PipelinePlan, plan_pipeline
+from meshfold.pp.stage_split import marked_layers
+from meshfold.rewrites.capture_passes import AfterCapturePass, capture_pipeline
 from meshfold.tracing.tracer import capture
 
-# NOTE: grows with every pass that lands. Without a mesh, sharding and boxing leave the
-# single-device graph as it is; without an expert mapping, moe-fold does.
-DEFAULT_PIPELINE = "cleanup,moe-fold,sharding,boxing,bucket,memory,ring-steps,overlap,verify"
-MEMORY_POLICIES = ("full", "selective", "kv", "offload")
-"""What ``memory=`` takes besides a byte budget (and a per-value function, ``MemoryPolicy``)."""
-MemoryPolicy = Callable[[Saved], str]
-"""``parallelize(memory=fn)``: ``fn`` answers ``"save"``, ``"recompute"`` or ``"offload"`` for each
-activation the forward hands to the backward (JAX's checkpoint policies are the model)."""
-
-Backend = Literal["eager", "inductor", "ascend"]
-PlanSpec = str | Plan | Mapping[str, Any]
-"""A preset (``"fsdp+tp"``), a ``Plan``, or ``{fqn_glob: {axis: "S(d)"|"R"|"P"}}`` with an optional
-``"preset"`` key."""
-
 log = logging.getLogger("meshfold")
-
-
-@dataclass(frozen=True)
-class CompileOptions:
-    """What one compilation targets; build it with ``CompileOptions.of``, which checks it."""
-
-    mesh: ir.Mesh | None = None
-    plan: Plan | None = None
-    """None: the preset the mesh's axis names imply (``default_preset``)."""
-    moe: MoeSpec | None = None
-    cp: CpSpec | None = None
-    """How attention reads a sequence split over the plan's ``cp`` axes (None: ``CpSpec()``)."""
-    pp: PipelineSpec | None = None
-    """Pipeline stages over a ``pp`` mesh axis (``mesh`` is then the other axes; ``meshfold.pp.stage_split``)."""
-    cluster: Cluster | None = None
-    memory: int | None = None
-    """Bytes per rank: the sharding solve's bound and the budget the ``memory`` pass recomputes to meet."""
-    memory_policy: str | MemoryPolicy | None = None
-    """``"full"``, ``"selective"``, ``"kv"``: what the ``memory`` pass recomputes in the backward
-    (``passes.memory.policies``); ``"offload"``: every saved activation to the host tier and back;
-    a function of ``policies.Saved`` answering ``"save"``, ``"recompute"`` or ``"offload"`` per
-    value; None: as the budget needs."""
-    pipeline: str = DEFAULT_PIPELINE
-    verify: bool = False
-    backend: Backend = "eager"
-    dynamic: tuple[tuple[int, int], ...] = ()
-    """``(input index, dim)`` pairs captured as symbolic sizes: one graph for every value of them
-    (``CompileResult.guards`` says for which), priced at the example inputs' sizes."""
-    grad: bool = True
-    """False: a forward-only program (no tangents, no gradients, no backward collectives), for calls
-    under ``torch.no_grad()`` / ``inference_mode()``."""
-
-    @staticmethod
-    def of(
-        *,
-        mesh: ir.Mesh | str | None = None,
-        plan: PlanSpec | None = None,
-        moe: MoeSpec | Mapping[str, Any] | None = None,
-        cp: CpSpec | Mapping[str, Any] | str | None = None,
-        pp: PipelineSpec | Mapping[str, Any] | None = None,
-        cluster: Cluster | str | None = None,
-        memory: int | str | MemoryPolicy | None = None,
-        pipeline: str = DEFAULT_PIPELINE,
-        verify: bool = False,
-        backend: str = "eager",
-        grad: bool = True,
-    ) -> CompileOptions:
-        """Read every form a user may write (strings from the shell, dicts from Python) and check
-        them together; raises ``PassError`` naming what is wrong and what to write instead."""
-        the_mesh, plan, spec_pp = _pipeline_of(_mesh_of(mesh), plan, pp)
-        the_plan = to_plan(plan, the_mesh) if plan is not None else None
-        if the_plan is not None and the_mesh is None:
-            raise PassError(f"plan {the_plan.preset!r} lays values out on a mesh; give a mesh (e.g. dp=2,tp=2)")
-        spec = moe if isinstance(moe, MoeSpec) or moe is None else MoeSpec.of(moe)
-        if backend not in get_args(Backend):
-            raise PassError(f"backend {backend!r} is not available; backends: {', '.join(get_args(Backend))}")
-        options = CompileOptions(
-            mesh=the_mesh,
-            plan=the_plan,
-            moe=spec,
-            cp=None if cp is None else CpSpec.of(cp),
-            pp=spec_pp,
-            cluster=_cluster_of(cluster),
-            memory=_memory_bound(memory),
-            memory_policy=memory if callable(memory) or memory in MEMORY_POLICIES else None,
-            pipeline=str(PassPipeline.parse(pipeline)),
-            verify=verify,
-            backend=backend,  # type: ignore[arg-type]
-            grad=grad,
-        )
-        options.check_request()
-        return options
-
-    def effective_plan(self) -> Plan | None:
-        """The plan the sharding pass follows (None without a mesh)."""
-        if self.mesh is None:
-            return None
-        return self.plan if self.plan is not None else Plan.of(default_preset(self.mesh))
-
-    def check(self, initial: frozenset[str] = frozenset()) -> PassPipeline:
-        """The parsed pipeline, after checking the options against each other and the pass order
-        (``initial``: graph properties the input already has besides ``joint``)."""
-        passes = self.check_request()
-        passes.check(initial | {JOINT})
-        return passes
-
-    def check_request(self) -> PassPipeline:
-        """The parsed pipeline, after checking the options against each other (not the pass order,
-        which depends on the graph the pipeline starts from)."""
-        passes = PassPipeline.parse(self.pipeline)
-        names = [p.name for p in passes.passes]
-        plan = self.effective_plan()
-        if plan is not None and self.mesh is not None:
-            axis_roles(plan, self.mesh)  # NOTE: a bad preset or axis fails here, before the capture
-        if self.moe is not None:
-            if self.mesh is None or plan is None:
-                raise PassError("moe= maps the experts onto a mesh: give a mesh (e.g. dp=2,tp=2)")
-            check_spec(plan, self.moe, self.mesh)
-            if "moe-fold" not in names or ("sharding" in names and names.index("moe-fold") > names.index("sharding")):
-                raise PassError(f"moe= needs the moe-fold pass before sharding; pipeline: {passes}")
-        if self.cp is not None and (
-            plan is None or self.mesh is None or not sequence_axes(axis_roles(plan, self.mesh))
-        ):
-            raise PassError(
-                "cp= says how attention reads a sequence split over a cp mesh axis; use plan='cp' (or "
-                "'cp+tp', 'fsdp+cp') on a mesh with a 'cp' axis"
-            )
-        return passes
-
-    def context(self, status: Callable[[str], AbstractContextManager[object]] | None = None) -> PassContext:
-        """A fresh pass context for one compilation with these options."""
-        ctx = PassContext(
-            mesh=self.mesh,
-            plan=self.plan,
-            moe=self.moe,
-            cp=self.cp,
-            cluster=self.cluster,
-            memory=self.memory,
-            memory_policy=self.memory_policy,
-            pipelined=self.pp is not None,
-        )
-        if status is not None:
-            ctx.status = status
-        return ctx
 
 
 @dataclass(frozen=True)
@@ -185,23 +44,27 @@ class CompileResult:
     captured: ir.Graph
     graph: ir.Graph
     pipeline: PassPipeline
-    options: CompileOptions
+    options: Options
     timings: tuple[PassTiming, ...]
     diagnostics: tuple[str, ...]
     stats: Mapping[str, object] = field(default_factory=dict)
     guards: tuple[sympy.Basic, ...] = ()
     """With ``dynamic``: the conditions on the symbolic sizes under which the graph is the model's."""
+    staged: PipelinePlan | None = None
+    """With ``pp``: the schedule and the split of the layers into stages (``plan_pipeline``), made
+    once here for every rank."""
 
 
 def compile_model(
     source: nn.Module | ir.Graph,
     example_inputs: Sequence[Any] | None = None,
-    options: CompileOptions | str = CompileOptions(),
+    options: Options | str | None = None,
     *,
     callback: Callback | None = None,
     before: Callable[[ir.Graph], None] | None = None,
     assume: frozenset[str] = frozenset(),
     status: Callable[[str], AbstractContextManager[object]] | None = None,
+    after_capture: AfterCapturePass | None = None,
 ) -> CompileResult:
     """Capture ``source`` (a model called on ``example_inputs``) or take it as it is (an IR graph),
     then run the options' pipeline, calling ``before(graph)`` on the pipeline's input and
@@ -209,13 +72,17 @@ def compile_model(
 
     ``options`` may be a pipeline string (no mesh). ``assume``: graph properties taken as holding for
     an IR graph (``sharded`` for a graph that already carries layouts). ``status`` shows each long
-    stage (default: ``progress()``). The pipeline is checked before the capture starts.
+    stage (default: ``progress()``); ``after_capture(index, pass, text)`` is called after each capture
+    pass (``rewrites.capture_passes``) with the fx graph it left. The pipeline is checked before the
+    capture starts.
     """
-    opts = options if isinstance(options, CompileOptions) else CompileOptions.of(pipeline=options)
+    opts = options if isinstance(options, Options) else Options.of(pipeline=options)
+    check_backend(opts.backend)
+    capture_pipeline(opts.capture)  # NOTE: an unknown capture pass is refused before anything is traced
     passes = opts.check(assume)
     guards: list[sympy.Basic] = []
     hints: dict[str, int] = {}
-    ctx = opts.context(status if status is not None else progress())
+    ctx = PassContext(opts, status=status if status is not None else progress())
     if isinstance(source, ir.Graph):
         if opts.mesh is not None and source.mesh is not None and opts.mesh != source.mesh:
             raise PassError(f"the mesh {opts.mesh} differs from the {source.mesh} the graph declares; match it")
@@ -228,7 +95,14 @@ def compile_model(
         marks = marked_layers(source) if opts.pp is not None else contextlib.nullcontext()
         with ctx.status(f"capturing {type(source).__name__}"), marks:
             # NOTE: moe-fold applies the expert mapping
-            captured = capture(source, tuple(example_inputs), dynamic=opts.dynamic, guards=guards)
+            captured = capture(
+                source,
+                tuple(example_inputs),
+                dynamic=opts.dynamic,
+                guards=guards,
+                passes=opts.capture,
+                after_pass=after_capture,
+            )
         hints = _hints(captured, example_inputs, opts.dynamic)
     if not opts.grad:
         captured = forward_only(captured)
@@ -236,11 +110,18 @@ def compile_model(
         before(captured)
     with size_hints(hints):
         graph, timings = passes.run(ctx, captured, callback, initial=assume | {JOINT})
-        if opts.pp is not None and opts.grad:
-            ctx.stats["pp.plan"] = plan_pipeline(graph, opts.pp, opts.cluster, opts.memory)
+        staged = plan_pipeline(graph, opts.pp, opts.cluster, opts.memory) if opts.pp is not None and opts.grad else None
     return CompileResult(
-        captured, graph, passes, opts, tuple(timings), tuple(ctx.diagnostics), dict(ctx.stats), tuple(guards)
+        captured, graph, passes, opts, tuple(timings), tuple(ctx.diagnostics), dict(ctx.stats), tuple(guards), staged
     )
+
+
+def check_backend(name: str) -> None:
+    """Raise ``PassError`` unless ``name`` is a registered backend a training program runs on
+    (``backends.select``; onnx is export only: ``pm.export_onnx``)."""
+    trains = backend_names(training_only=True)
+    if name not in trains:
+        raise PassError(f"backend {name!r} is not available; backends: {', '.join(trains)}")
 
 
 def _hints(graph: ir.Graph, inputs: Sequence[Any], dynamic: Sequence[tuple[int, int]]) -> dict[str, int]:
@@ -265,63 +146,6 @@ def forward_only(graph: ir.Graph) -> ir.Graph:
         ops=tuple(op for op in graph.ops if op.prov.phase == "fwd"),
         outputs=tuple(o for o in graph.outputs if o.kind != "grad"),
     )
-
-
-def to_plan(plan: PlanSpec, mesh: ir.Mesh | None) -> Plan:
-    """A preset string, a ``Plan``, or a user dict ``{fqn_glob: {axis: "S(d)"|"R"|"P"}}`` with an
-    optional ``"preset"`` key (default: from the mesh's axis names, see ``default_preset``)."""
-    if isinstance(plan, Plan):
-        return plan
-    if isinstance(plan, str):
-        return Plan.of(plan)
-    entries = dict(plan)
-    preset = entries.pop("preset", None)
-    if preset is None:
-        if mesh is None:
-            raise PassError("a plan dict without a 'preset' needs a mesh to infer it from")
-        preset = default_preset(mesh)
-    for glob, axes in entries.items():
-        if not isinstance(axes, Mapping):
-            raise PassError(f"plan entry {glob!r} must map mesh axes to placements, e.g. {{'tp': 'S(0)'}}")
-    return Plan.of(str(preset), entries)
-
-
-def _pipeline_of(
-    mesh: ir.Mesh | None, plan: PlanSpec | None, pp: PipelineSpec | Mapping[str, Any] | None
-) -> tuple[ir.Mesh | None, PlanSpec | None, PipelineSpec | None]:
-    """A mesh with a ``pp`` axis pipelines the model over it: the passes see the other axes (a mesh of
-    ``pp`` alone: one ``dp`` rank), the plan without its ``pp`` part (``"pp+fsdp"`` -> ``"fsdp"``)."""
-    parts = plan.split("+") if isinstance(plan, str) else []
-    if mesh is None or PP not in mesh.names:
-        if pp is not None or PP in parts:
-            raise PassError(f"pipeline parallelism runs over a mesh axis named {PP!r}; add one (e.g. pp=2,dp=2)")
-        return mesh, plan, None
-    if "auto" in parts and not (isinstance(pp, Mapping) and "schedule" in pp) and not isinstance(pp, PipelineSpec):
-        pp = {**(pp or {}), "schedule": AUTO}  # NOTE: plan="pp+auto" chooses the schedule too
-    spec = PipelineSpec.of(pp, mesh.size(PP))
-    rest = [(n, s) for n, s in zip(mesh.names, mesh.sizes, strict=True) if n != PP] or [("dp", 1)]
-    others = ir.Mesh(tuple(n for n, _ in rest), tuple(s for _, s in rest))
-    if isinstance(plan, str):
-        plan = "+".join(p for p in parts if p != PP) or None
-    return others, plan, spec
-
-
-def _mesh_of(mesh: ir.Mesh | str | None) -> ir.Mesh | None:
-    if mesh is None or isinstance(mesh, ir.Mesh):
-        return mesh
-    try:
-        return ir.Mesh.parse(mesh)
-    except ValueError as e:
-        raise PassError(f"mesh {mesh!r} is malformed: {e}; write e.g. dp=2,tp=2") from None
-
-
-def _cluster_of(cluster: Cluster | str | None) -> Cluster | None:
-    if not isinstance(cluster, str):
-        return cluster
-    try:
-        return parse_cluster(cluster)
-    except ValueError as e:
-        raise PassError(f"cluster {cluster!r}: {e}") from None
 
 
 def progress() -> Callable[[str], AbstractContextManager[object]]:
@@ -371,17 +195,3 @@ def _logged(message: str) -> Iterator[None]:
     seconds = time.perf_counter() - start
     if seconds >= 1.0:
         log.info("%s: done in %.1f s", message, seconds)
-
-
-def _memory_bound(memory: int | str | MemoryPolicy | None) -> int | None:
-    """The byte bound ``memory=`` gives (None for a policy such as ``"full"``, or a function)."""
-    if callable(memory):
-        return None
-    if not isinstance(memory, str) or memory in MEMORY_POLICIES:
-        return None if isinstance(memory, str) else memory
-    try:
-        return parse_size(memory)
-    except PassError:
-        raise PassError(
-            f"memory={memory!r} is neither a size (e.g. 6GiB) nor a policy ({', '.join(MEMORY_POLICIES)})"
-        ) from None

@@ -10,14 +10,17 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from meshfold.passes.base import CLEAN, JOINT, VERIFIED, Pass, PassContext, PassError, PassFailure
+    from meshfold.passes.base import CLEAN, JOINT, VERIFIED, Pass, PassError, PassFailure
     from meshfold.passes.cleanup import Cleanup, eliminate_common_subexpressions, eliminate_dead_code
+    from meshfold.passes.context import PassContext
     from meshfold.passes.pipeline import PassPipeline, PassTiming, parse_pipeline, parse_size, pass_spelling
     from meshfold.passes.registry import default_registry
     from meshfold.passes.verify import Verify
 
 _HOME = {
-    "meshfold.passes.base": ("CLEAN", "JOINT", "VERIFIED", "Pass", "PassContext", "PassError", "PassFailure"),
+    "meshfold.passes.base": ("CLEAN", "JOINT", "VERIFIED", "Pass", "PassError", "PassFailure"),
+    "meshfold.passes.context": ("PassContext",),
+    "meshfold.passes.options": ("Options",),
     "meshfold.passes.cleanup": ("Cleanup", "eliminate_common_subexpressions", "eliminate_dead_code"),
     "meshfold.passes.pipeline": ("PassPipeline", "PassTiming", "parse_pipeline", "parse_size", "pass_spelling"),
     "meshfold.passes.registry": ("default_registry",),
@@ -39,6 +42,7 @@ __all__ = [
     "VERIFIED",
     "Cleanup",
     "Pass",
+    "Options",
     "PassContext",
     "PassError",
     "PassFailure",

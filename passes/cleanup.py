@@ -4,14 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from meshfold.ir import Graph, GraphBuilder, Op, PatternTable, Rewriter, Value, apply_patterns, is_pure, view_trait
 from meshfold.ir.graph import Arg, remap_op
 from meshfold.ir.ops import Target
-from meshfold.passes.base import CLEAN, JOINT, Pass, PassContext
+from meshfold.passes.base import CLEAN, JOINT, Pass
+
+if TYPE_CHECKING:
+    from meshfold.passes.context import PassContext
 
 aten = torch.ops.aten
 

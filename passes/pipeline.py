@@ -10,11 +10,14 @@ import time
 import typing
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, get_args, get_origin
+from typing import TYPE_CHECKING, Any, Literal, get_args, get_origin
 
 from meshfold.ir import Graph
-from meshfold.passes.base import JOINT, Pass, PassContext, PassError, PassFailure
+from meshfold.passes.base import JOINT, Pass, PassError, PassFailure
 from meshfold.passes.registry import default_registry
+
+if TYPE_CHECKING:
+    from meshfold.passes.context import PassContext
 
 Callback = Callable[[int, Pass, Graph], None]
 """Called as ``callback(index, pass_, graph_after)`` after each pass."""

@@ -20,11 +20,12 @@ def write_dumps(model_name: str, mesh: Any, plan: str, dump_dir: Path, moe: dict
     """Compile ``model_name`` for ``mesh`` in this process (the one compile path, as ``parallelize``
     does on rank 0) and dump every step (text, dot, html); ``moe`` is the expert mapping, as
     ``parallelize(..., moe=)`` takes it."""
-    from meshfold.session import CompileOptions, compile_model
+    from meshfold.passes.options import Options
+    from meshfold.session import compile_model
     from meshfold.tools.dumps import DumpWriter
     from meshfold.tools.zoo import build
 
-    options = CompileOptions.of(mesh=mesh, plan=plan, moe=moe)
+    options = Options.of(mesh=mesh, plan=plan, moe=moe)
     model, inputs = build(model_name)
     writer = DumpWriter(dump_dir, options.check(), title=f"{model_name} on {mesh}, plan {plan}")
     try:
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     from meshfold import CaptureError, ir
     from meshfold.passes import PassError
-    from meshfold.passes.sharding.plans import default_preset
+    from meshfold.passes.sharding.plans import effective_plan
     from meshfold.tools.common import CliError, show_progress
     from meshfold.tools.demo import run_demo
 
@@ -121,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.model not in _zoo_names():
             raise CliError(f"unknown model {args.model!r}; zoo models: {', '.join(_zoo_names())}")
         mesh = ir.Mesh.parse(args.mesh)
-        plan = args.plan or default_preset(mesh)
+        plan = args.plan or effective_plan(None, mesh).preset
         moe = _moe_option(args.moe, args.model, mesh)
         if args.command == "export-onnx":
             from meshfold.tools.export_onnx import run_export

@@ -22,7 +22,9 @@ from torch import nn
 
 from meshfold import ir
 from meshfold.ir.dialects.moe import EXPERTS, EXPERTS_BACKWARD
+from meshfold.passes.base import PassError
 from meshfold.passes.moe.spec import MoeSpec
+from meshfold.passes.options import key_values
 from meshfold.passes.sharding.plans import Plan, axis_roles
 
 _IR_SUFFIXES = (".mlir", ".ir", ".txt")
@@ -149,26 +151,11 @@ def parse_moe(text: str) -> MoeSpec:
 
 def moe_items(text: str, flag: str = "--moe", example: str = "ep=4,etp=1") -> dict[str, object]:
     """``ep=4,etp=1`` as ``{"ep": 4, "etp": 1}``: the ``moe=`` mapping (or another option's, named
-    ``flag``) exactly as written."""
-    spec: dict[str, object] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, eq, raw = item.partition("=")
-        if not eq or not key.strip() or not raw.strip():
-            raise CliError(f"{flag} {text!r}: write key=value pairs, e.g. {example}")
-        spec[key.strip()] = _moe_value(raw.strip())
-    if not spec:
-        raise CliError(f"{flag} {text!r} is empty; e.g. {example}")
-    return spec
-
-
-def _moe_value(raw: str) -> object:
-    """An int, float or boolean when ``raw`` spells one, else the string."""
-    for kind in (int, float):
-        try:
-            return kind(raw)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(raw.lower(), raw)
+    ``flag``) exactly as written (``passes.options.key_values``)."""
+    try:
+        return key_values(text, flag, example)
+    except PassError as e:
+        raise CliError(str(e)) from None
 
 
 def _axes_text(axes: Sequence[str]) -> str:

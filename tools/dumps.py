@@ -23,7 +23,7 @@ from meshfold.ir.printer import Namer, fmt_type
 from meshfold.passes import PassPipeline, pass_spelling
 
 # NOTE: only files matching this pattern, and index.html, are ever removed from a dump directory.
-_STEP_FILE = re.compile(r"^\d{2,}-[a-z0-9-]+\.(?:txt|dot|svg|html)$")
+_STEP_FILE = re.compile(r"^(?:capture-)?\d{2,}-[a-z0-9-]+\.(?:txt|dot|svg|html)$")
 _SVG_TIMEOUT_S = 60.0
 # NOTE: above _FAST_LAYOUT_OPS ops the .dot asks Graphviz for cheaper ranking and crossing minimization
 # (the defaults take minutes on a 500-op joint graph); above _SVG_MAX_OPS no SVG is rendered at all.
@@ -209,14 +209,28 @@ class DumpWriter:
         self.stems = [f"{0:0{width}d}-input"] + [f"{i:0{width}d}-{p.name}" for i, p in enumerate(pipeline.passes, 1)]
         self.spellings = ["input"] + [pass_spelling(p) for p in pipeline.passes]
         self.records: list[StepRecord] = []
+        self.captures: list[tuple[str, str]] = []
+        """(file name, capture pass) of each fx graph a capture pass left (``write_capture``)."""
         self._previous: str | None = None
+        self._prepared = False
 
     def _prepare(self) -> None:
-        """Create the directory and remove the step files an earlier run left in it."""
+        """Create the directory and remove the step files an earlier run left in it (once)."""
+        if self._prepared:
+            return
+        self._prepared = True
         self.directory.mkdir(parents=True, exist_ok=True)
         for path in sorted(self.directory.iterdir()):
             if path.is_file() and (_STEP_FILE.match(path.name) or path.name == "index.html"):
                 path.unlink()
+
+    def write_capture(self, index: int, name: str, text: str) -> Path:
+        """Write the fx graph capture pass ``index`` (``name``) left, before the IR existed."""
+        self._prepare()
+        path = self.directory / f"capture-{index + 1:02d}-{name}.txt"
+        path.write_text(text, encoding="utf-8")
+        self.captures.append((path.name, name))
+        return path
 
     def write_step(self, graph: Graph) -> StepRecord:
         """Write the next step's ``.txt``, ``.dot``, ``.svg`` (if possible) and ``.html``; return its record."""
@@ -281,6 +295,9 @@ class DumpWriter:
             previous = rec.total_ops
         missing = len(self.stems) - len(self.records)
         note = f'<p class="note">{missing} later steps were not reached.</p>' if missing else ""
+        if self.captures:
+            links = ", ".join(f'<a href="{f}"><code>{html.escape(n)}</code></a>' for f, n in self.captures)
+            note = f"<p>capture passes (dynamo's fx graph after each, before the IR): {links}</p>\n{note}"
         body = (
             f"<h1>pass-debug: {html.escape(self.title)}</h1>\n"
             f"<p>pipeline <code>{html.escape(str(self.pipeline))}</code></p>\n"

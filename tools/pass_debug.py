@@ -15,6 +15,7 @@ EDP axes), and of the mesh layout every experts op computes with.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -23,13 +24,15 @@ from rich.console import Console
 from rich.table import Table
 
 from meshfold import ir
-from meshfold.passes import Pass, PassError, PassFailure, PassPipeline, PassTiming, pass_spelling
+from meshfold.passes import Pass, PassError, PassFailure, PassPipeline, PassTiming, default_registry, pass_spelling
 from meshfold.passes.memory import memory_line
+from meshfold.passes.options import Options
 from meshfold.passes.schedule.timeline import predicted, to_chrome_trace, write_trace
 from meshfold.passes.sharding.ilp.problem import step_line
-from meshfold.pp.stage_plan import PipelinePlan, pipeline_line
-from meshfold.session import DEFAULT_PIPELINE, CompileOptions, compile_model, progress
-from meshfold.tools.common import CliError, load_source, moe_items, moe_tables, parse_mesh, parse_moe, show_progress
+from meshfold.pp.stage_plan import pipeline_line
+from meshfold.rewrites.capture_passes import CAPTURE_PASSES, CapturePass, capture_pipeline
+from meshfold.session import compile_model, progress
+from meshfold.tools.common import CliError, load_source, moe_tables, parse_mesh, parse_moe, show_progress
 from meshfold.tools.dumps import DumpWriter, phase_counts
 from meshfold.tracing.tracer import CaptureError
 
@@ -48,30 +51,13 @@ def _arg_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "model",
         metavar="MODEL",
+        nargs="?",
         help=f"a zoo model ({', '.join(zoo_names())}), module:factory, or a path to an IR text file",
     )
-    p.add_argument("-p", "--pipeline", default=DEFAULT_PIPELINE, help="pass pipeline")
-    p.add_argument("--mesh", metavar="MESH", help="device mesh, e.g. dp=2,tp=2 (an IR file may declare its own)")
-    p.add_argument("--plan", help="preset such as fsdp+tp, or auto; None: the one the mesh's axis names imply")
-    p.add_argument("--moe", metavar="SPEC", help="expert mapping for the routed experts, e.g. ep=4 or ep=2,etp=1")
-    p.add_argument(
-        "--cp",
-        metavar="METHOD",
-        help="how attention reads a sequence split over a cp axis: ring, tokenring, ulysses or auto; None: auto",
-    )
-    p.add_argument(
-        "--pp",
-        metavar="SPEC",
-        help="pipeline over a pp mesh axis, e.g. schedule=auto,microbatches=4 (schedules: gpipe, 1f1b, "
-        "interleaved, zero-bubble, or auto: the one the time model predicts fastest; virtual= stages per rank)",
-    )
-    p.add_argument("--cluster", help="cluster the plan is made for, e.g. h100:8x1; None: gloo ranks on this CPU")
-    p.add_argument(
-        "--memory",
-        help="bytes per device (e.g. 40GiB): the sharding solve's bound and the budget the memory pass recomputes "
-        "to meet; or full: every block recomputed in the backward; None: the cluster's bound, nothing recomputed",
-    )
-    p.add_argument("--backend", default="eager", help="backend the program is lowered for")
+    for f in Options.flags():
+        flag = f.metadata["flag"] or f"--{f.name.replace('_', '-')}"
+        names = ("-p", flag) if f.name == "pipeline" else (flag,)
+        p.add_argument(*names, dest=f.name, default=f.default, metavar=f.metadata["metavar"], help=f.metadata["help"])
     p.add_argument(
         "--assume",
         default="",
@@ -85,11 +71,9 @@ def _arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--verify", action="store_true", help="run the IR verifier on the input and after every pass")
     p.add_argument("--dump-dir", type=Path, metavar="DIR", help="write txt/dot/svg/html dumps of every step to DIR")
     p.add_argument(
-        "--trace",
-        type=Path,
-        metavar="FILE",
-        help="write the predicted timeline of the compiled program (rank 0, compute and comm streams) as a "
-        "Chrome/Perfetto trace to FILE",
+        "--list-passes",
+        action="store_true",
+        help="list the capture passes (on dynamo's graph) and the IR passes, with their options, and exit",
     )
     p.add_argument("--no-color", action="store_true", help="plain output without colour")
     return p
@@ -161,31 +145,50 @@ def _overlap_line(stats: Mapping[str, object]) -> str | None:
     )
 
 
-def options_from(args: argparse.Namespace, graph_mesh: ir.Mesh | None) -> CompileOptions:
-    """The ``CompileOptions`` the flags spell (``--mesh`` defaults to the mesh an IR file declares)."""
+def _passes_table() -> Table:
+    """Every pass a compile can run, in the order capture runs them: the capture passes on dynamo's
+    fx graph (``Options.capture``), then the IR passes a pipeline string names, with their options."""
+    table = Table(title="passes")
+    for column in ("stage", "pass", "options", "what it does"):
+        table.add_column(column)
+    for name, cls in CAPTURE_PASSES.items():
+        table.add_row("capture", name, "", _first_sentence(cls.__doc__))
+    for name, pcls in default_registry().items():
+        opts = ", ".join(f"{f.name.replace('_', '-')}={f.default}" for f in dataclasses.fields(pcls))
+        table.add_row("ir", name, opts, _first_sentence(pcls.__doc__))
+    return table
+
+
+def _first_sentence(doc: str | None) -> str:
+    text = " ".join((doc or "").replace("``", "").split())
+    return text.split(". ")[0].rstrip(".")
+
+
+def options_from(args: argparse.Namespace, graph_mesh: ir.Mesh | None) -> Options:
+    """The ``Options`` the flags spell (``--mesh`` defaults to the mesh an IR file declares)."""
     mesh = parse_mesh(args.mesh)
     if mesh is not None and graph_mesh is not None and mesh != graph_mesh:
         raise CliError(f"--mesh {mesh} differs from the {graph_mesh} the IR file declares; drop --mesh or match it")
-    return CompileOptions.of(
-        mesh=mesh if mesh is not None else graph_mesh,
-        plan=args.plan,
-        moe=moe_items(args.moe) if args.moe is not None else None,
-        cp=args.cp,
-        pp=moe_items(args.pp, "--pp", "schedule=1f1b,microbatches=4") if args.pp is not None else None,
-        cluster=args.cluster,
-        memory=args.memory,
-        pipeline=args.pipeline,
-        backend=args.backend,
-    )
+    flags = {f.name: getattr(args, f.name) for f in Options.flags()}
+    return Options.of(**{**flags, "mesh": mesh if mesh is not None else graph_mesh})
 
 
 def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
+    if args.list_passes:
+        out.print(_passes_table())
+        return 0
+    if args.model is None:
+        raise CliError("give a MODEL (a zoo name, module:factory or an IR file), or --list-passes")
     assume = frozenset(filter(None, (a.strip() for a in args.assume.split(","))))
     pipeline = PassPipeline.parse(args.pipeline)
     names = [p.name for p in pipeline.passes]
+    captures = [p.name for p in capture_pipeline(args.capture)]
     for name in args.print_after:
-        if name not in names:
-            raise CliError(f"--print-after {name}: pipeline {pipeline} has no pass named {name!r}")
+        if name not in names and name not in captures:
+            raise CliError(
+                f"--print-after {name}: pipeline {pipeline} and capture passes {','.join(captures)} have no pass "
+                f"named {name!r}"
+            )
     if args.dump_dir is not None and args.dump_dir.exists() and not args.dump_dir.is_dir():
         raise CliError(f"--dump-dir {args.dump_dir} exists and is not a directory; pass a directory path")
     if args.mesh is not None:
@@ -211,6 +214,14 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
             writer.write_step(graph)
         steps.append(("input", *phase_counts(graph)))
 
+    def after_capture(i: int, p: CapturePass, text: str) -> None:
+        where = f"capture pass {i + 1} of {len(captures)} ({p.name})"
+        if args.print_between_passes or p.name in args.print_after:
+            print(f"// ----- fx graph after {where} -----")
+            print(text, end="" if text.endswith("\n") else "\n", flush=True)
+        if writer is not None:
+            writer.write_capture(i, p.name, text)
+
     def after_pass(i: int, p: Pass, g: ir.Graph) -> None:
         where = f"pass {i + 1} of {n} ({pass_spelling(p)})"
         if args.verify:
@@ -224,7 +235,14 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
     try:
         try:
             result = compile_model(
-                source, inputs, options, callback=after_pass, before=before, assume=assume, status=progress()
+                source,
+                inputs,
+                options,
+                callback=after_pass,
+                before=before,
+                assume=assume,
+                status=progress(),
+                after_capture=after_capture,
             )
         except CaptureError as e:
             raise CliError(f"cannot capture {label}: {e}") from None
@@ -235,14 +253,14 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
             writer.write_index()
     if args.print_result:
         print(str(result.graph), end="", flush=True)
-    if args.trace is not None:
+    if result.options.trace is not None:
         if result.graph.mesh is None:
             raise CliError("--trace needs a compiled program: give --mesh (and a pipeline with sharding)")
         tl = predicted(result.graph, result.options.cluster)
-        write_trace(to_chrome_trace(tl), args.trace)
+        write_trace(to_chrome_trace(tl), result.options.trace)
         err.print(
-            f"trace: {args.trace} (predicted step {1e3 * tl.step:.3f} ms, communication {1e3 * tl.comm_total:.3f} ms, "
-            f"exposed {1e3 * tl.exposed_total:.3f} ms); open it in https://ui.perfetto.dev"
+            f"trace: {result.options.trace} (predicted step {1e3 * tl.step:.3f} ms, communication "
+            f"{1e3 * tl.comm_total:.3f} ms, exposed {1e3 * tl.exposed_total:.3f} ms); open it in https://ui.perfetto.dev"
         )
     if args.time_passes:
         err.print(_timing_table(result.timings, result.pipeline.passes))
@@ -255,8 +273,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
             out.print(table)
         attention = result.stats.get("cp.attention")
         cp = [str(x) for x in attention] if isinstance(attention, tuple) else []
-        planned = result.stats.get("pp.plan")
-        staged = pipeline_line(planned) if isinstance(planned, PipelinePlan) else None
+        staged = pipeline_line(result.staged) if result.staged is not None else None
         for line in (memory_line(result.stats), _overlap_line(result.stats), *cp, staged):
             if line:
                 out.print(line)

@@ -59,6 +59,20 @@ class Block:
 LAYOUTS = ("zigzag", "contiguous")
 
 
+@dataclass(frozen=True, eq=False)
+class RingCall:
+    """How one ring attention (or TokenRing) call runs, after its tensors: over ``group``, causal or
+    not, the softmax ``scale`` (None: the kernel's), the sequence ``layout`` the parts are held in,
+    the ``mask`` rows of this rank's queries, and the ``route`` of what travels (``ring_forward``)."""
+
+    group: dist.ProcessGroup
+    causal: bool = True
+    scale: float | None = None
+    layout: str = "zigzag"
+    mask: torch.Tensor | None = None
+    route: Route | None = None
+
+
 def chunks_of(rank: int, cp: int, layout: str = "zigzag") -> tuple[int, ...]:
     """The global chunks that ``rank`` holds: of ``2 * cp`` in the zigzag layout, of ``cp`` in the
     contiguous one."""
@@ -177,12 +191,7 @@ def ring_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    group: dist.ProcessGroup,
-    causal: bool = True,
-    scale: float | None = None,
-    layout: str = "zigzag",
-    mask: torch.Tensor | None = None,
-    route: Route | None = None,
+    ring: RingCall,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The forward of ring attention on this rank's part of ``(batch, heads, seq, dim)`` tensors in
     ``layout`` over ``group``: the output and its log-sum-exp ``(batch, heads, seq)``, as the flash
@@ -190,6 +199,7 @@ def ring_forward(
     rank's query rows (or one row for all) over every key column, as the kernel takes it.
     ``route`` (contiguous layout, with a mask): per rank, the columns of its keys other ranks' mask
     rows see and how far round the ring they must go; only those travel, only that far."""
+    group, causal, scale, layout, mask, route = ring.group, ring.causal, ring.scale, ring.layout, ring.mask, ring.route
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
     n = len(chunks_of(rank, cp, layout))
     outs: list[torch.Tensor | None] = [None] * n
@@ -219,15 +229,11 @@ def ring_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    group: dist.ProcessGroup,
-    causal: bool = True,
-    scale: float | None = None,
-    layout: str = "zigzag",
-    mask: torch.Tensor | None = None,
-    route: Route | None = None,
+    ring: RingCall,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The gradients of ``q``, ``k`` and ``v`` (this rank's parts) from the output's ``grad``, given the
     output and log-sum-exp ``ring_forward`` returned (with the same ``mask`` and ``route``)."""
+    group, causal, scale, layout, mask, route = ring.group, ring.causal, ring.scale, ring.layout, ring.mask, ring.route
     times, cp, rank = q.shape[1] // k.shape[1], dist.get_world_size(group), dist.get_rank(group)
     n = len(chunks_of(rank, cp, layout))
     outs, lses, grads = seq_parts(out, n), seq_parts(lse, n), seq_parts(grad.contiguous(), n)
@@ -303,14 +309,15 @@ class RingAttention(torch.autograd.Function):
         mask: torch.Tensor | None,
         route: Route | None,
     ) -> torch.Tensor:
-        out, lse = ring_forward(q, k, v, group, causal, scale, layout, mask, route)
+        ring = RingCall(group, causal, scale, layout, mask, route)
+        out, lse = ring_forward(q, k, v, ring)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.how = (group, causal, scale, layout, mask, route)
+        ctx.ring = ring
         return out
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        return (*ring_backward(grad, *ctx.saved_tensors, *ctx.how), None, None, None, None, None, None)
+        return (*ring_backward(grad, *ctx.saved_tensors, ctx.ring), None, None, None, None, None, None)
 
 
 def ring_attention(

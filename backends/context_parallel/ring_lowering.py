@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from meshfold.backends.context_parallel.ring_attention import ring_backward, ring_forward
+from meshfold.backends.context_parallel.ring_attention import RingCall, ring_backward, ring_forward
 from meshfold.backends.context_parallel.ring_reach import Reach, Route, canonical, reach
 from meshfold.backends.context_parallel.tokenring import tokenring_backward, tokenring_forward
 
@@ -137,10 +137,10 @@ def kernel_forward(
     forward = FORWARD[method]
     pg, layout, route, attn_mask = _prepared(group, is_causal, attn_mask)
     if layout == "contiguous":
-        return forward(query, key, value, pg, is_causal, scale, layout, attn_mask, route)
+        return forward(query, key, value, RingCall(pg, is_causal, scale, layout, attn_mask, route))
     q, k, v = (to_zigzag(t, pg) for t in (query, key, value))
     mask = None if attn_mask is None else to_zigzag(attn_mask, pg, attn_mask.dim() - 2)
-    out, lse = forward(q, k, v, pg, is_causal, scale, "zigzag", mask)
+    out, lse = forward(q, k, v, RingCall(pg, is_causal, scale, "zigzag", mask))
     return from_zigzag(out, pg), from_zigzag(lse, pg)
 
 
@@ -164,10 +164,11 @@ def kernel_backward(
     backward = BACKWARD[method]
     pg, layout, route, attn_mask = _prepared(group, is_causal, attn_mask)
     if layout == "contiguous":
-        return backward(grad_out, query, key, value, out, logsumexp, pg, is_causal, scale, layout, attn_mask, route)
+        ring = RingCall(pg, is_causal, scale, layout, attn_mask, route)
+        return backward(grad_out, query, key, value, out, logsumexp, ring)
     moved = [to_zigzag(t, pg) for t in (grad_out, query, key, value, out, logsumexp)]
     mask = None if attn_mask is None else to_zigzag(attn_mask, pg, attn_mask.dim() - 2)
-    grads = backward(*moved, pg, is_causal, scale, "zigzag", mask)
+    grads = backward(*moved, RingCall(pg, is_causal, scale, "zigzag", mask))
     dq, dk, dv = (from_zigzag(g, pg) for g in grads)
     return dq, dk, dv
 

@@ -31,6 +31,7 @@ from meshfold.backends.context_parallel import p2p
 from meshfold.backends.context_parallel.ring_attention import (
     SKIP,
     Block,
+    RingCall,
     chunks_of,
     hidden,
     mask_part,
@@ -104,15 +105,11 @@ def tokenring_forward(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    group: dist.ProcessGroup,
-    causal: bool = True,
-    scale: float | None = None,
-    layout: str = "zigzag",
-    mask: torch.Tensor | None = None,
-    route: Route | None = None,
+    ring: RingCall,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``ring.ring_forward``'s output and log-sum-exp, the queries travelling instead of the keys
     (with a ``route``, contiguous layout: only the rows that see the keys they meet)."""
+    group, causal, scale, layout, mask, route = ring.group, ring.causal, ring.scale, ring.layout, ring.mask, ring.route
     cp, r = dist.get_world_size(group), dist.get_rank(group)
     n, times = len(chunks_of(r, cp, layout)), q.shape[1] // k.shape[1]
     keys, values = seq_parts(repeated(k, times), n), seq_parts(repeated(v, times), n)
@@ -167,16 +164,12 @@ def tokenring_backward(
     v: torch.Tensor,
     out: torch.Tensor,
     lse: torch.Tensor,
-    group: dist.ProcessGroup,
-    causal: bool = True,
-    scale: float | None = None,
-    layout: str = "zigzag",
-    mask: torch.Tensor | None = None,
-    route: Route | None = None,
+    ring: RingCall,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``ring.ring_backward``'s gradients, the queries (with the output, its gradient and its
     log-sum-exp) travelling and the query gradients coming home (with a ``route``: for the rows
     that see the keys they meet)."""
+    group, causal, scale, layout, mask, route = ring.group, ring.causal, ring.scale, ring.layout, ring.mask, ring.route
     cp, r = dist.get_world_size(group), dist.get_rank(group)
     n, times = len(chunks_of(r, cp, layout)), q.shape[1] // k.shape[1]
     keys, values = seq_parts(repeated(k, times), n), seq_parts(repeated(v, times), n)

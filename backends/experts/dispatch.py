@@ -17,7 +17,7 @@ tokens are replicated) are left to the ranks that own it: the result is then ``P
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -29,10 +29,11 @@ Stage = tuple[str, int, int]
 """One hop of the exchange: (process group, its size, the stride of its digit in the peer slot)."""
 
 
-@dataclass(frozen=True)
-class Peers:
+class Peers(NamedTuple):
     """Who the tokens are exchanged with: the hops (one over a flat group, or, hierarchical, one
-    per mesh axis from the innermost out), this rank's slot, and each slot's experts ``[lo, lo + size)``."""
+    per mesh axis from the innermost out), this rank's slot, and each slot's experts ``[lo, lo + size)``.
+    A named tuple, as the exchange's first argument in a lowered fx graph: fx writes a named tuple
+    into the module's code as a call of its class (it has no spelling for a dataclass)."""
 
     stages: tuple[Stage, ...]
     me: int
@@ -169,10 +170,7 @@ def _padded(
 
 
 def exchange_forward(
-    stages: tuple[Stage, ...],
-    me: int,
-    los: tuple[int, ...],
-    size: int,
+    peers: Peers,
     hidden: torch.Tensor,
     idx: torch.Tensor,
     weights: torch.Tensor,
@@ -184,18 +182,15 @@ def exchange_forward(
     dispatcher: str = "alltoall",
     rows: int = 0,
 ) -> torch.Tensor:
-    """``moe_experts`` on this rank's tokens, its experts computed for the whole group's tokens.
-    ``stages``/``me``/``los``/``size`` describe the peers (see :class:`Peers`)."""
-    r = _route(Peers(tuple(stages), me, tuple(los), size), idx, weights, hidden, capacity, policy)
+    """``moe_experts`` on this rank's tokens, its experts computed for the whole group's tokens
+    (``peers``: who holds which of them)."""
+    r = _route(peers, idx, weights, hidden, capacity, policy)
     y = pair_outputs(r.local, r.floats, r.weights, w_gate_up, w_down, act, rows=rows)
     return torch.zeros_like(hidden).index_add_(0, r.tok, r.back(y))
 
 
 def exchange_backward(
-    stages: tuple[Stage, ...],
-    me: int,
-    los: tuple[int, ...],
-    size: int,
+    peers: Peers,
     grad: torch.Tensor,
     hidden: torch.Tensor,
     idx: torch.Tensor,
@@ -211,7 +206,7 @@ def exchange_backward(
     """Gradients of :func:`exchange_forward`: hidden and weights for this rank's tokens, the expert
     weights' for its own experts."""
     h = hidden.size(1)
-    r = _route(Peers(tuple(stages), me, tuple(los), size), idx, weights, torch.cat((hidden, grad), 1), capacity, policy)
+    r = _route(peers, idx, weights, torch.cat((hidden, grad), 1), capacity, policy)
     dx, dw, d_gate_up, d_down = pair_grads(
         r.local, r.floats[:, :h], r.weights, r.floats[:, h:], w_gate_up, w_down, act, rows=rows
     )
@@ -244,10 +239,8 @@ def moe_exchange(
     rows: int = 0,
 ) -> torch.Tensor:
     """:func:`exchange_forward` with its hops as three lists (the groups' names joined by commas)."""
-    stages = tuple(zip(groups.split(","), sizes, strides, strict=True))
-    return exchange_forward(
-        stages, me, tuple(los), size, hidden, idx, weights, w_gate_up, w_down, act, capacity, policy, dispatcher, rows
-    )
+    peers = _unflat(groups, sizes, strides, me, los, size)
+    return exchange_forward(peers, hidden, idx, weights, w_gate_up, w_down, act, capacity, policy, dispatcher, rows)
 
 
 @moe_exchange.register_fake
@@ -276,12 +269,8 @@ def moe_exchange_backward(
     rows: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`exchange_backward` with its hops as three lists (the groups' names joined by commas)."""
-    stages = tuple(zip(groups.split(","), sizes, strides, strict=True))
     return exchange_backward(
-        stages,
-        me,
-        tuple(los),
-        size,
+        _unflat(groups, sizes, strides, me, los, size),
         grad,
         hidden,
         idx,
@@ -309,7 +298,15 @@ EXCHANGE_OPS = {
 
 
 def flat_exchange_args(args: tuple[Any, ...]) -> tuple[Any, ...]:
-    """An exchange function's arguments as its custom op takes them."""
-    stages, rest = args[0], args[1:]
+    """An exchange function's arguments as its custom op takes them (the ``Peers`` flattened)."""
+    peers, rest = args[0], args[1:]
+    assert isinstance(peers, Peers)
+    stages = peers.stages
     groups = ",".join(str(g) for g, _, _ in stages)
-    return (groups, [int(n) for _, n, _ in stages], [int(s) for _, _, s in stages], rest[0], list(rest[1]), *rest[2:])
+    flat = (groups, [int(n) for _, n, _ in stages], [int(s) for _, _, s in stages], peers.me, list(peers.los))
+    return (*flat, peers.size, *rest)
+
+
+def _unflat(groups: str, sizes: list[int], strides: list[int], me: int, los: list[int], size: int) -> Peers:
+    """The ``Peers`` ``flat_exchange_args`` flattened."""
+    return Peers(tuple(zip(groups.split(","), sizes, strides, strict=True)), me, tuple(los), size)

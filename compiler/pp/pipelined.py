@@ -38,9 +38,9 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from meshfold import ir
 from meshfold.backends.eager import Lowered
 from meshfold.passes.base import PassError
+from meshfold.passes.stages import PP, PipelineSpec
 from meshfold.pp.stage_module import StageCheck, StageModule, StepTime, examples
 from meshfold.pp.stage_plan import PipelinePlan
-from meshfold.pp.stage_split import PP, PipelineSpec
 from meshfold.rewrites.moe_lists import stack_tensors
 from meshfold.runtime.crosscheck import Verifier
 from meshfold.runtime.groups import dtensor_placements
@@ -71,17 +71,16 @@ def microbatch(inputs: Sequence[Any], spec: PipelineSpec) -> list[Any]:
     return out
 
 
-def stage_mesh(mesh: DeviceMesh) -> tuple[DeviceMesh, DeviceMesh]:
-    """``mesh`` (with a ``pp`` axis) and the mesh of its other axes each stage's program runs on; a
-    mesh of ``pp`` alone gets a ``dp`` axis of one rank."""
+def stage_mesh(mesh: DeviceMesh, others: ir.Mesh) -> tuple[DeviceMesh, DeviceMesh]:
+    """``mesh`` (with a ``pp`` axis) and the mesh of ``others``, its other axes (``Options.mesh``,
+    which the options' reader made once), that each stage's program runs on; a mesh of ``pp`` alone
+    is given the ``dp`` axis of one rank its ``others`` name."""
     names = list(mesh.mesh_dim_names or ())
     if PP not in names:
         raise PassError(f"pipeline parallelism needs a mesh axis named {PP!r}; the mesh has {names}")
-    rest = tuple(n for n in names if n != PP)
-    if not rest:
-        mesh = init_device_mesh(mesh.device_type, (mesh.size(), 1), mesh_dim_names=(PP, "dp"))
-        rest = ("dp",)
-    return mesh, mesh[rest]
+    if not set(others.names) <= set(names):
+        mesh = init_device_mesh(mesh.device_type, (mesh.size(), *others.sizes), mesh_dim_names=(PP, *others.names))
+    return mesh, mesh[others.names]
 
 
 class PipelinedModule(nn.Module):

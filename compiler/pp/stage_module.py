@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from meshfold import ir
 from meshfold.backends.eager import Lowered, RankContext, lower
 from meshfold.backends.weights import lower_split
-from meshfold.pp.stage_split import PipelineSpec
+from meshfold.passes.stages import PipelineSpec
 from meshfold.runtime.groups import dtensor_placements
 
 if TYPE_CHECKING:

@@ -21,8 +21,17 @@ from meshfold.passes.cost.axis import axis_models
 from meshfold.passes.schedule.timeline import Costs
 from meshfold.passes.sharding.ilp.program import STATE_COPIES
 from meshfold.passes.sharding.opwork import op_flops
-from meshfold.passes.stages import SplitError, StageSplit, pipeline_step_s, split_layers, stage_sums
-from meshfold.pp.stage_split import AUTO, PP, Layers, PipelineSpec, is_mark, placement
+from meshfold.passes.stages import (
+    AUTO,
+    PP,
+    PipelineSpec,
+    SplitError,
+    StageSplit,
+    pipeline_step_s,
+    split_layers,
+    stage_sums,
+)
+from meshfold.pp.stage_split import Layers, is_mark, placement
 from meshfold.target.hardware import Cluster
 
 

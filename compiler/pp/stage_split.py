@@ -27,9 +27,8 @@ Each stage is then a program of its own (``stage_graphs``), lowered like any oth
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -44,90 +43,6 @@ from meshfold.passes.blocks import op_blocks
 from meshfold.passes.stages import StageSplit
 from meshfold.pp.tied import tied_parts
 from meshfold.tracing.layer_runs import numbered_layers
-
-PP = "pp"
-"""The mesh axis pipeline stages are laid along."""
-SCHEDULES = ("gpipe", "1f1b", "interleaved", "zero-bubble")
-"""The schedules ``torch.distributed.pipelining`` runs a pipeline by (``meshfold.pp.pipelined``)."""
-AUTO = "auto"
-"""``pp={"schedule": "auto"}``: the schedule and stages per rank the time model predicts fastest
-(``plan_pipeline``); what ``plan="auto"`` asks for when the pipeline's schedule is not given."""
-
-
-@dataclass(frozen=True)
-class PipelineSpec:
-    """How a model is pipelined: ``ranks`` along the ``pp`` axis, the ``schedule``, the ``microbatches``
-    one step runs, and the ``virtual`` stages each rank holds (more than one only when looped). A
-    ``schedule`` of ``AUTO`` (``virtual`` 0) is one ``plan_pipeline`` has yet to choose."""
-
-    ranks: int
-    schedule: str = "1f1b"
-    microbatches: int = 0
-    virtual: int = 1
-
-    @property
-    def stages(self) -> int:
-        return self.ranks * self.virtual
-
-    @property
-    def label(self) -> str:
-        """The schedule and, when more than one, the stages per rank: ``1f1b``, ``interleaved v2``."""
-        return f"{self.schedule} v{self.virtual}" if self.virtual > 1 else self.schedule
-
-    @staticmethod
-    def of(spec: Mapping[str, Any] | PipelineSpec | None, ranks: int) -> PipelineSpec:
-        """Read ``parallelize(pp={"schedule": ..., "microbatches": ..., "virtual": ...})``."""
-        if isinstance(spec, PipelineSpec):
-            return dataclasses.replace(spec, ranks=ranks)
-        given = dict(spec or {})
-        unknown = set(given) - {"schedule", "microbatches", "virtual"}
-        if unknown:
-            raise PassError(f"pp= takes schedule, microbatches and virtual; not {', '.join(sorted(unknown))}")
-        schedule = str(given.get("schedule", "1f1b"))
-        if schedule not in (*SCHEDULES, AUTO):
-            raise PassError(f"pp schedule {schedule!r} is not one of {', '.join(SCHEDULES)} or {AUTO}")
-        micro = int(given.get("microbatches", ranks))
-        if micro < 1:
-            raise PassError(f"pp microbatches={micro}: a step runs at least one microbatch")
-        if schedule == AUTO:
-            if "virtual" in given:
-                raise PassError("pp schedule auto chooses the stages per rank too; give a schedule with virtual=")
-            return PipelineSpec(ranks, AUTO, micro, 0)
-        looped = schedule in ("interleaved", "zero-bubble")
-        virtual = int(given.get("virtual", 2 if schedule == "interleaved" else 1))
-        if virtual < 1 or (virtual > 1 and not looped):
-            raise PassError(
-                f"pp virtual={virtual}: only the interleaved and zero-bubble schedules run several stages per rank "
-                "(virtual >= 2); the others run one"
-            )
-        if looped and micro % ranks:
-            raise PassError(
-                f"pp microbatches={micro}: the {schedule} schedule runs microbatches in rounds of the {ranks} "
-                f"pipeline ranks; give a multiple of {ranks}"
-            )
-        return PipelineSpec(ranks, schedule, micro, virtual)
-
-    def in_flight(self, stage: int) -> int:
-        """Microbatches whose activations ``stage`` holds at once under the schedule: all of them
-        under GPipe; under 1F1B the stages still to run their forward before its first backward
-        (``p - s``), and about that over the looped stages of interleaved schedules."""
-        if self.schedule == "gpipe":
-            return self.microbatches
-        return min(self.microbatches, self.stages - stage)
-
-    def bubble(self) -> float:
-        """The share of a step a rank idles under this schedule with every stage equally fast and
-        communication free: ``(p - 1) / (v m + p - 1)`` for ``p`` ranks, ``m`` microbatches and ``v``
-        stages per rank (GPipe and 1F1B alike; interleaving divides the ramp by ``v``). Zero bubble
-        (ZB-H1's analysis, a forward, an input-gradient and a weight-gradient step taking equal time):
-        the weights' steps fill two thirds of the ramp, ``(p - 1) / (3 v m + p - 1)``."""
-        p, m, v = self.ranks, self.microbatches, self.virtual
-        work = 3 * v * m if self.schedule == "zero-bubble" else v * m
-        return (p - 1) / (work + p - 1)
-
-    def held(self, rank: int) -> list[int]:
-        """The stages pipeline rank ``rank`` runs (looping: ``rank, rank + ranks, ...``)."""
-        return list(range(rank, self.stages, self.ranks))
 
 
 def layer_stack(model: nn.Module) -> str:
@@ -192,7 +107,7 @@ class Layers:
         marks = [b for op, b in zip(graph.ops, blocks, strict=True) if is_mark(op, STAGE_IN)]
         if not marks:
             raise PassError(
-                "this program has no stage marks: it was not captured for pipeline parallelism (CompileOptions pp=)"
+                "this program has no stage marks: it was not captured for pipeline parallelism (Options pp=)"
             )
         family = marks[0].rsplit(".", 1)[0]
         prefix = family + "."

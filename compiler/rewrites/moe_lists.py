@@ -23,6 +23,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from meshfold import ir
 from meshfold.ir.dialects.moe import experts
+from meshfold.rewrites.module_paths import module_path
 from meshfold.rewrites.moe_forms import combine_of, expert_body
 
 
@@ -90,8 +91,6 @@ def fold_expert_lists(
     knows runs as one experts op on stacked parameters (``options``: dispatcher, capacity factor,
     drop policy). Returns the new parameters' FQNs by ``gm`` attribute, and their stacks; warns for
     each expert list left as it is."""
-    from meshfold.tracing.capture_errors import module_path
-
     lists = expert_lists(model)
     for path, mod in model.named_modules():
         if path.rpartition(".")[2] == "experts" and isinstance(mod, nn.ModuleList) and path not in lists:
@@ -216,8 +215,6 @@ def _fold_one(
 
 def _fqn(weight: fx.Node) -> str:
     """The model FQN of an expert's linear weight, from the module stack of the linear using it."""
-    from meshfold.tracing.capture_errors import module_path
-
     user = next(iter(weight.users))
     stack = user.meta.get("nn_module_stack") or {}
     return f"{module_path(list(stack.values())[-1][0])}.weight"

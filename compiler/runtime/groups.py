@@ -20,17 +20,6 @@ from torch.distributed.tensor import Partial, Replicate, Shard
 
 from meshfold import ir
 from meshfold.backends.eager import RankContext, exchange_axes
-from meshfold.passes import PassError
-
-
-def as_timeout(timeout: float | timedelta | None) -> timedelta | None:
-    """Seconds or a ``timedelta``; raises ``PassError`` for a non-positive one."""
-    if timeout is None:
-        return None
-    td = timeout if isinstance(timeout, timedelta) else timedelta(seconds=float(timeout))
-    if td.total_seconds() <= 0:
-        raise PassError(f"timeout must be positive (seconds or a timedelta), not {timeout!r}")
-    return td
 
 
 @dataclass

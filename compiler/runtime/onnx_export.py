@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 from torch.utils._pytree import tree_leaves
 
-from meshfold.backends.onnx import DOMAIN, export_forward
+from meshfold.backends.onnx import DOMAIN
+from meshfold.backends.select import get_onnx
 
 if TYPE_CHECKING:
     from meshfold.runtime.parallel_module import ParallelModule
@@ -56,7 +57,7 @@ def export_onnx(pm: ParallelModule, directory: str | os.PathLike[str]) -> Path:
     for name in output_names:
         metadata[f"{DOMAIN}.layout.{name}"] = str(outputs[name.removeprefix("output")].layout)
     path = Path(directory) / f"rank{dist.get_rank()}.onnx"
-    return export_forward(
+    return get_onnx().export(
         low, state, inputs, path, input_names=input_names, output_names=output_names, metadata=metadata
     )
 

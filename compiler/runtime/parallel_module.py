@@ -26,10 +26,11 @@ from torch.utils._pytree import tree_unflatten
 
 from meshfold import ir
 from meshfold.backends.eager import Lowered
+from meshfold.passes.options import DEFAULT_CACHE
 from meshfold.rewrites.moe_lists import as_unstacked, stack_tensors
 from meshfold.runtime.crosscheck import Verifier
 from meshfold.runtime.groups import dtensor_placements
-from meshfold.runtime.programs import DEFAULT_CACHE, Compiler, Program, Programs
+from meshfold.runtime.programs import Compiler, Program, Programs
 from meshfold.runtime.signature import Signature, agree, arg_names, collective_device
 from meshfold.tracing.tracer import output_structure
 

@@ -21,11 +21,11 @@ import sympy
 
 from meshfold import ir
 from meshfold.backends.eager import Lowered, RankContext
+from meshfold.passes.options import DEFAULT_CACHE
 from meshfold.runtime.signature import CallMismatch, Signature
 
 log = logging.getLogger("meshfold")
 
-DEFAULT_CACHE = 8
 """Programs a module keeps by default (``parallelize(..., cache_size=)``)."""
 
 

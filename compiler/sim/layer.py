@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 from meshfold.passes.cost import comm, opcost
 from meshfold.passes.cost.comm import Group
-from meshfold.sim.context import attention_core
+from meshfold.sim.context_attention import attention_core
 from meshfold.sim.model import Matmul, ModelSpec
 from meshfold.sim.streams import LayerCost, Streams, weight_grad_s
 from meshfold.target.hardware import DTYPE_BYTES, Cluster

@@ -20,7 +20,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from meshfold.sim.context import METHODS
+from meshfold.sim.context_attention import METHODS
 from meshfold.sim.model import ModelSpec
 from meshfold.target.hardware import DTYPE_BYTES, Cluster
 

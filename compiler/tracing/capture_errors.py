@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from meshfold.rewrites.module_paths import module_path
+
 
 class CaptureError(RuntimeError):
     """The model uses a construct meshfold cannot capture; the message names it and its source line."""
@@ -131,28 +133,6 @@ def failing_node(e: BaseException) -> fx.Node | None:
                 return node
             tb = tb.tb_next
     return None
-
-
-_MODULE_PATH_CLEANUPS = (
-    (re.compile(r"getattr\((.*?), '([^']*)'\)"), r"\1.\2"),
-    (re.compile(r"\._modules\['([^']*)'\]"), r".\1"),
-    (re.compile(r"\['([^']*)'\]"), r".\1"),
-    (re.compile(r"\[(\d+)\]"), r".\1"),
-)
-
-
-def module_path(raw: str) -> str:
-    """``L['self'].layers[0]._modules['mlp']`` → ``layers.0.mlp``."""
-    s = raw
-    for _ in range(8):
-        before = s
-        for pat, rep in _MODULE_PATH_CLEANUPS:
-            s = pat.sub(rep, s)
-        if s == before:
-            break
-    s = re.sub(r"^L\.self\.?", "", s)
-    s = re.sub(r"^_export_root\.?", "", s)
-    return s.strip(".")
 
 
 _OPERATORS = {

@@ -29,15 +29,12 @@ from meshfold.ir import GraphBuilder, Provenance, Value, tensor_type
 from meshfold.ir.dialects.constant import CONSTANT, literal
 from meshfold.ir.types import type_of
 from meshfold.passes.pipeline import long_lived_heap
-from meshfold.rewrites.fold_scan import fold_scans
-from meshfold.rewrites.fuse_attention import fuse_attention
-from meshfold.rewrites.fuse_conv import fuse_causal_convs
-from meshfold.rewrites.moe_lists import fold_expert_lists
+from meshfold.rewrites.capture_passes import AfterCapturePass, CaptureState, capture_pipeline, run_capture_passes
+from meshfold.rewrites.module_paths import module_path
 from meshfold.tracing.capture_errors import (
     CaptureError,
     capture_error,
     in_place_parameter,
-    module_path,
     retried_without_grad,
     source_line,
 )
@@ -78,6 +75,8 @@ def capture(
     dynamic: Sequence[tuple[int, int]] = (),
     guards: list[sympy.Basic] | None = None,
     fold: bool = True,
+    passes: str | None = None,
+    after_pass: AfterCapturePass | None = None,
 ) -> ir.Graph:
     """Capture ``model(*example_inputs)`` and its backward as one joint ``ir.Graph``.
 
@@ -95,10 +94,15 @@ def capture(
     and shape arguments then hold sympy expressions of them, and ``guards`` (when given) receives
     the conditions on their values under which the graph is the model's (ranges, equalities).
 
+    ``passes``: the capture passes run on dynamo's graph (``rewrites.capture_passes``; None: all of
+    them, ``""``: none), ``after_pass(index, pass, text)`` called after each with the fx graph it left as
+    text (once, for the trace that is kept).
+
     ``fold``: runs of identical layers are traced once and the rest stamped (``meshfold.tracing.layer_runs``,
     ``meshfold.tracing.unroll``): the same graph as tracing every layer, in time that hardly grows with depth.
     """
     graph_name = name or _snake(type(model).__name__)
+    rewrites = capture_pipeline(passes)
     with (
         long_lived_heap(),
         fake_copies(model, example_inputs, dynamic) as (fake_mode, fake_inputs),
@@ -106,12 +110,13 @@ def capture(
     ):
 
         def traced(runs: list[Run]) -> ir.Graph:
+            state = CaptureState(model, fake_mode, op_options(moe))
+            shown: list[tuple[int, Any, str]] = []
             with reduced(model, runs):
                 gm = _dynamo_capture(model, fake_inputs, static=not dynamic)
-                stacked, stacks = fold_expert_lists(gm, model, fake_mode, op_options(moe))
-                for rewrite in (fuse_attention, fuse_causal_convs, fold_scans):
-                    rewrite(gm)
-                fqns = _flat_name_to_fqn(gm, model) | stacked
+                keep = None if after_pass is None else lambda i, p, g: shown.append((i, p, str(g.graph)))
+                run_capture_passes(rewrites, state, gm, keep)
+                fqns = _flat_name_to_fqn(gm, model) | state.stacked
             with contextlib.ExitStack() as stack:
                 with fake_mode:
                     try:
@@ -122,7 +127,10 @@ def capture(
                 graph = _Lifter(graph_name, fqns, _forward_arg_names(model, len(fake_inputs))).lift(joint.graph_module)
             if guards is not None and dynamic:
                 guards.extend(guards_of(fake_mode))
-            return _in_model_order(unroll(dataclasses.replace(graph, stacks=stacks), runs), model)
+            out = _in_model_order(unroll(dataclasses.replace(graph, stacks=state.stacks), runs), model)
+            for i, p, g in shown if after_pass is not None else ():
+                after_pass(i, p, g)
+            return out
 
         # NOTE: with symbolic sizes every layer is traced (the records compare concrete runs)
         runs = find_runs(model, fake_inputs) if fold and not dynamic else []

@@ -23,17 +23,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from meshfold.ir import Graph, Op, TensorType
 from meshfold.ir.dialects.conv import CONV
 from meshfold.ir.dialects.scan import SCAN
-from meshfold.passes.base import PassContext, PassError
+from meshfold.passes.base import PassError
 from meshfold.passes.sharding.cost import nbytes
 from meshfold.passes.sharding.plans import AUTO
 from meshfold.passes.sharding.rules.attention import RESULT_ROLES, RING_KERNELS, ring_blocker
 from meshfold.passes.sharding.rules.operands import operand_names, tensor_type_of
 from meshfold.passes.sharding.strategy import Strategy
+
+if TYPE_CHECKING:
+    from meshfold.passes.context import PassContext
 
 METHODS = ("auto", "ring", "tokenring", "ulysses")
 SEQUENCE = ("ring", "tokenring")
@@ -68,7 +71,7 @@ class CpSpec:
 
 def method_of(ctx: PassContext) -> str:
     """The method a compilation's context asks for (``CpSpec()``'s when it says none)."""
-    return (ctx.cp or CpSpec()).method
+    return (ctx.options.cp or CpSpec()).method
 
 
 def allows(op: Op, s: Strategy, role: str, method: str, earlier: Sequence[Strategy]) -> bool:

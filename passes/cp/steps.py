@@ -35,7 +35,7 @@ gradients come straight back; the key and value gradients stay.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -44,11 +44,14 @@ from meshfold.ir.dialects.ring import LSE_MERGE, RING_STEP, RING_STEP_BACKWARD, 
 from meshfold.ir.graph import fresh_name
 from meshfold.ir.ops import PPERMUTE
 from meshfold.ir.symbolic import divides
-from meshfold.passes.base import Pass, PassContext
+from meshfold.passes.base import Pass
 from meshfold.passes.cp import method_of
 from meshfold.passes.sharding.boxing import BOXED
 from meshfold.passes.sharding.rules.attention import RING_KERNELS
 from meshfold.passes.sharding.rules.operands import op_arg
+
+if TYPE_CHECKING:
+    from meshfold.passes.context import PassContext
 
 FORWARD, BACKWARD = RING_KERNELS[0], RING_KERNELS[1]
 _ADD = torch.ops.aten.add.Tensor

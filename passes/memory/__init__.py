@@ -30,12 +30,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from meshfold.ir import Graph, Value
 from meshfold.ir.graph import local_nbytes
 from meshfold.ir.ops import OFFLOAD, WAIT
-from meshfold.passes.base import Pass, PassContext, PassError
+from meshfold.passes.base import Pass, PassError
 from meshfold.passes.cost.axis import axis_models
 from meshfold.passes.cost.liveness import rank_memory, size_text
 from meshfold.passes.memory.budget import copy_windows, decide
@@ -45,6 +45,9 @@ from meshfold.passes.memory.recompute import overwritten_buffers, recomputable, 
 from meshfold.passes.schedule.overlap import SCHEDULED
 from meshfold.passes.schedule.timeline import Costs
 from meshfold.passes.sharding.boxing import BOXED
+
+if TYPE_CHECKING:
+    from meshfold.passes.context import PassContext
 
 Policy = Literal["auto", "keep", "full", "selective", "kv", "offload"]
 
@@ -64,18 +67,18 @@ class Memory(Pass):
     """Bytes per rank (0: the compilation's ``memory`` bound, if any)."""
 
     def apply(self, ctx: PassContext, graph: Graph) -> Graph:
-        asked = ctx.memory_policy if self.policy == "auto" else None
+        asked = ctx.options.memory_policy if self.policy == "auto" else None
         policy = asked if callable(asked) else self.policy if self.policy != "auto" else (asked or "auto")
-        budget = self.budget or ctx.memory or 0
+        budget = self.budget or ctx.options.memory or 0
         if graph.mesh is None or (policy in ("auto", "keep") and not budget):
             return graph
         if any(op.target == WAIT for op in graph.ops):
             raise PassError("the memory pass runs before overlap (it decides what overlap then schedules)")
         if callable(policy):
             return self._per_value(ctx, graph, policy)
-        before = rank_memory(graph, cluster=ctx.cluster)
+        before = rank_memory(graph, cluster=ctx.options.cluster)
         recomputed, moved, out, pieces = _decide(ctx, graph, policy, budget)
-        after = rank_memory(out, cluster=ctx.cluster)
+        after = rank_memory(out, cluster=ctx.options.cluster)
         if budget and after.peak > budget:
             how = f"under policy {policy}"
             if policy == "auto":
@@ -102,13 +105,13 @@ class Memory(Pass):
         """``PassContext.stats["memory"]``: the decision (blocks recomputed, values offloaded, routed
         experts computed in smaller pieces), the peaks and the time it adds."""
         assert graph.mesh is not None
-        costs = Costs(out, axis_models(graph.mesh, ctx.cluster))
+        costs = Costs(out, axis_models(graph.mesh, ctx.options.cluster))
         made = {r for op in graph.ops for r in op.results}
         added = sum(costs.compute(op) for op in out.ops if op.prov.phase == "bwd" and not set(op.results) <= made)
         sent = sum(local_nbytes(op.operands[0], graph.mesh) for op in out.ops if op.target == OFFLOAD)
         copy = sent / costs.models[0].cluster.device.host_bw
         # NOTE: a copy engine hides a phase's copies up to its compute seconds; a CPU rank's core copies
-        windows = copy_windows(graph, ctx.cluster) if costs.copy_engine else (0.0, 0.0)
+        windows = copy_windows(graph, ctx.options.cluster) if costs.copy_engine else (0.0, 0.0)
         ctx.stats["memory"] = {
             "policy": policy,
             "budget": budget,
@@ -148,7 +151,10 @@ class Memory(Pass):
         out = recompute(graph, again) if again else graph
         moved = [v for v in saved_activations(out, min_bytes=0) if v in away]
         out = offloaded(out, moved) if moved else out
-        peaks = (rank_memory(graph, cluster=ctx.cluster).peak, rank_memory(out, cluster=ctx.cluster).peak)
+        peaks = (
+            rank_memory(graph, cluster=ctx.options.cluster).peak,
+            rank_memory(out, cluster=ctx.options.cluster).peak,
+        )
         what = (sorted(v.name for v in again), sorted(v.name for v in moved))
         self._report(ctx, graph, out, f"per value ({_name(ask)})", 0, peaks, what)
         return out
@@ -163,7 +169,7 @@ def _decide(ctx: PassContext, graph: Graph, policy: str, budget: int) -> tuple[l
         moved = saved_activations(graph)
         return [], [v.name for v in moved], offloaded(graph, moved), []
     if policy == "auto":
-        d = decide(graph, budget, ctx.cluster)
+        d = decide(graph, budget, ctx.options.cluster)
         return d.recomputed, list(d.offloaded), d.graph, d.pieces
     parts = policy_values(graph, policy)
     values = set().union(*parts.values())

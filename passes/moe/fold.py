@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from meshfold import ir
 from meshfold.ir.dialects.moe import EXPERTS, EXPERTS_BACKWARD, capacity_of
-from meshfold.passes.base import JOINT, Pass, PassContext
+from meshfold.passes.base import JOINT, Pass
 from meshfold.passes.moe.spec import MoeSpec, check_spec, expert_overrides, experts_sites
-from meshfold.passes.sharding.plans import Plan, default_preset
+from meshfold.passes.sharding.plans import effective_plan
+
+if TYPE_CHECKING:
+    from meshfold.passes.context import PassContext
 
 EXPERTS_MAPPED = "experts-mapped"
 
@@ -33,11 +36,11 @@ class MoeFold(Pass):
     invalidates: ClassVar[frozenset[str]] = frozenset()
 
     def apply(self, ctx: PassContext, graph: ir.Graph) -> ir.Graph:
-        spec = ctx.moe
+        spec = ctx.options.moe
         if spec is None:
             return graph
         if ctx.mesh is not None:
-            check_spec(ctx.plan or Plan.of(default_preset(ctx.mesh)), spec, ctx.mesh)
+            check_spec(effective_plan(ctx.options.plan, ctx.mesh), spec, ctx.mesh)
             expert_overrides(spec, experts_sites(graph), ctx.mesh)  # NOTE: raises, naming the rule
         return with_spec(graph, spec)
 

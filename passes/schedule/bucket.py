@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from meshfold.ir import Graph, GraphBuilder, Op, TensorType, Value, is_view
 from meshfold.ir.graph import Provenance
@@ -35,10 +35,13 @@ from meshfold.ir.ops import (
     REDUCE_SCATTER,
     REDUCE_SCATTER_BUCKET,
 )
-from meshfold.passes.base import Pass, PassContext, PassError
+from meshfold.passes.base import Pass, PassError
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.sharding.boxing import BOXED
 from meshfold.passes.sharding.cost import nbytes
+
+if TYPE_CHECKING:
+    from meshfold.passes.context import PassContext
 
 BUCKETED = "bucketed"
 
@@ -60,7 +63,7 @@ class Bucket(Pass):
             return graph
         readers = _readers(graph)
         carried: dict[int, list[int]] = {}  # NOTE: member -> the views that move with it (``_way_out``)
-        groups = _groups(graph, readers, carried, self.mb * 2**20, ctx.pipelined)
+        groups = _groups(graph, readers, carried, self.mb * 2**20, (ctx.options.pp is not None))
         # NOTE: op index where a bucket is emitted -> (block, member indices)
         anchor = {m[0] if kind == "gather" else m[-1]: (block, m) for kind, block, m in groups if len(m) > 1}
         while True:

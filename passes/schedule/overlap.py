@@ -53,12 +53,12 @@ import heapq
 import itertools
 from collections import defaultdict
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from meshfold.ir import Graph, GraphBuilder, Op, Phase, Value, is_view
-from meshfold.ir.asynchrony import inflight
+from meshfold.ir.asynchrony import check_inflight, inflight
 from meshfold.ir.ops import PPERMUTE, RELOAD, WAIT, draws
-from meshfold.passes.base import Pass, PassContext, PassError
+from meshfold.passes.base import Pass, PassError
 from meshfold.passes.blocks import op_blocks
 from meshfold.passes.cost.axis import axis_models
 from meshfold.passes.cost.liveness import rank_memory, size_text
@@ -68,8 +68,12 @@ from meshfold.passes.schedule.timeline import Costs, replay
 from meshfold.passes.schedule.windows import just_in_time, passed_on
 from meshfold.passes.sharding.boxing import BOXED
 
+if TYPE_CHECKING:
+    from meshfold.passes.context import PassContext
+
 SCHEDULED = "scheduled"
-INFLIGHT_STAT = "overlap.max_inflight"
+"""Collectives start early and wait late, a rank never holding more bytes in flight than the pass's
+bound (``Overlap`` checks it as it ends)."""
 
 
 @dataclass(frozen=True)
@@ -101,15 +105,15 @@ class Overlap(Pass):
             )
         if graph.mesh is None or any(op.target == WAIT for op in graph.ops):
             return graph
-        costs = Costs(graph, axis_models(graph.mesh, ctx.cluster))  # NOTE: chunking keeps the mesh
+        costs = Costs(graph, axis_models(graph.mesh, ctx.options.cluster))  # NOTE: chunking keeps the mesh
         before = replay(graph, costs, events=False)
         graph = chunk_matmuls(nano_batch(graph, self.nano_batches), self.tp_chunks)
-        if ctx.memory is None:
+        if ctx.options.memory is None:
             out, cap = self._scheduled(graph, costs, self.max_inflight), self.max_inflight
         else:
-            out, cap = self._within(ctx, graph, costs, ctx.memory)
+            out, cap = self._within(ctx, graph, costs, ctx.options.memory)
         after = replay(out, costs, events=False)
-        ctx.stats[INFLIGHT_STAT] = float(cap)
+        check_inflight(out, float(cap))  # NOTE: what ``scheduled`` promises, checked where it is made
         ctx.stats["overlap"] = {
             "comm_s": after.comm_total,
             "exposed_s": after.exposed_total,
@@ -137,11 +141,11 @@ class Overlap(Pass):
         (``passes.cost.liveness``) stays under it, with the bytes in flight capped first at the
         headroom the unscheduled program leaves, then halved; the program unscheduled (its
         collectives waited where issued) when no cap fits."""
-        peak = rank_memory(graph, cluster=ctx.cluster).peak
+        peak = rank_memory(graph, cluster=ctx.options.cluster).peak
         cap = max(min(self.max_inflight, budget - peak), 1)
         for _ in range(8):
             out = self._scheduled(graph, costs, cap)
-            if rank_memory(out, cluster=ctx.cluster).peak <= budget:
+            if rank_memory(out, cluster=ctx.options.cluster).peak <= budget:
                 return out, cap
             cap = max(cap // 2, 1)
         if peak <= budget:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 from meshfold.ir import (
     Graph,
@@ -27,8 +27,11 @@ from meshfold.ir import (
 )
 from meshfold.ir.graph import remap_op
 from meshfold.ir.ops import REDISTRIBUTE, collective_for
-from meshfold.passes.base import Pass, PassContext
+from meshfold.passes.base import Pass
 from meshfold.passes.sharding.propagate import SHARDED
+
+if TYPE_CHECKING:
+    from meshfold.passes.context import PassContext
 
 BOXED = "boxed"
 

@@ -6,12 +6,17 @@ and between compute and communication matters there.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch.utils.flop_counter import flop_registry
 
-from meshfold.ir import Op, TensorType, Value
-from meshfold.ir.dialects.ring import step_area
+from meshfold.ir import Op, Target, TensorType, Value
+from meshfold.ir.dialects.constant import CONSTANT
+from meshfold.ir.dialects.conv import CONV, CONV_BACKWARD
+from meshfold.ir.dialects.moe import EXPERTS, EXPERTS_BACKWARD
+from meshfold.ir.dialects.ring import LSE_MERGE, RING_STEP, RING_STEP_BACKWARD, step_area
+from meshfold.ir.dialects.scan import SCAN, SCAN_BACKWARD
 from meshfold.ir.graph import Arg
 from meshfold.ir.symbolic import size_hint
 
@@ -52,18 +57,10 @@ def op_flops(op: Op) -> float:
             return float(fn(*[_shaped(a) for a in op.args], out_val=out, **{k: _shaped(v) for k, v in op.kwargs}))
         except (TypeError, ValueError, IndexError):
             return 0.0
+    own = OWN_FLOPS.get(op.target)
+    if own is not None:
+        return own(op)
     name = str(packet or "")
-    if name.startswith("meshfold.moe_experts"):
-        return _experts_flops(op, backward=name.endswith("backward"))
-    if name.startswith("meshfold.affine_scan"):
-        states = op.results[0].type if not name.endswith("backward") else op.operands[1].type
-        assert isinstance(states, TensorType)
-        # NOTE: a step is one k x k by k x v product, or (diagonal) k x v products
-        diagonal = True in op.args or dict(op.kwargs).get("diagonal") is True
-        fwd = 2.0 * size_hint(states.numel()) * (1 if diagonal else size_hint(states.shape[-2]))
-        return 3 * fwd if name.endswith("backward") else fwd
-    if name.startswith("meshfold.ring_step"):
-        return _ring_step_flops(op, backward=name.endswith("backward"))
     if "attention" in name:
         q, k = (v.type for v in op.operands[:2])
         assert isinstance(q, TensorType) and isinstance(k, TensorType)
@@ -72,6 +69,16 @@ def op_flops(op: Op) -> float:
         fwd = 4.0 * b * h * s * size_hint(k.shape[-2]) * d
         return fwd * 2.5 if "backward" in name else fwd
     return 0.0
+
+
+def _affine_scan_flops(op: Op, backward: bool) -> float:
+    """A linear recurrence: per step one k x k by k x v product (diagonal: k x v products); three
+    times that backward."""
+    states = op.operands[1].type if backward else op.results[0].type
+    assert isinstance(states, TensorType)
+    diagonal = True in op.args or dict(op.kwargs).get("diagonal") is True
+    fwd = 2.0 * size_hint(states.numel()) * (1 if diagonal else size_hint(states.shape[-2]))
+    return 3 * fwd if backward else fwd
 
 
 def _ring_step_flops(op: Op, backward: bool) -> float:
@@ -97,3 +104,18 @@ def _experts_flops(op: Op, backward: bool) -> float:
     h, inter = int(down.shape[1]), int(down.shape[2])
     fwd = 6.0 * tokens * k * h * inter
     return 2 * fwd if backward else fwd
+
+
+OWN_FLOPS: dict[Target, Callable[[Op], float]] = {
+    EXPERTS: lambda op: _experts_flops(op, backward=False),
+    EXPERTS_BACKWARD: lambda op: _experts_flops(op, backward=True),
+    SCAN: lambda op: _affine_scan_flops(op, backward=False),
+    SCAN_BACKWARD: lambda op: _affine_scan_flops(op, backward=True),
+    RING_STEP: lambda op: _ring_step_flops(op, backward=False),
+    RING_STEP_BACKWARD: lambda op: _ring_step_flops(op, backward=True),
+}
+"""FLOPs of our own ops (``ir.dialects``), which torch's formulas do not know."""
+
+MEMORY_BOUND: frozenset[Target] = frozenset({LSE_MERGE, CONSTANT, CONV, CONV_BACKWARD})
+"""Our ops priced by the bytes they read and write alone (``op_flops`` 0): a merge of two partial
+attention results, a literal, and the depthwise causal convolution (a few FLOPs per element)."""

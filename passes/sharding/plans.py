@@ -67,6 +67,13 @@ def default_preset(mesh: Mesh) -> str:
     return "+".join(by_axis[a] for a in mesh.names)
 
 
+def effective_plan(plan: Plan | None, mesh: Mesh) -> Plan:
+    """The plan a compilation for ``mesh`` follows: ``plan``, or when none is given the preset the
+    mesh's axis names imply (``default_preset``). ``parallelize``, ``pass-debug``, ``meshfold demo``
+    and the passes all default through here."""
+    return plan if plan is not None else Plan.of(default_preset(mesh))
+
+
 def mesh_presets(mesh: Mesh) -> list[str]:
     """Every preset the mesh's axis names allow, ``default_preset``'s first: a ``dp`` axis is fsdp or
     ddp (ddp alone beside an ``fsdp`` axis), ``fsdp`` is fsdp, ``tp`` is tp, ``cp`` is cp; none for

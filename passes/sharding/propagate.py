@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 import torch
 
@@ -32,7 +32,7 @@ from meshfold.ir import (
 from meshfold.ir.memo import Kept, by_identity
 from meshfold.ir.ops import REDISTRIBUTE, Target
 from meshfold.passes import cp
-from meshfold.passes.base import JOINT, Pass, PassContext, PassError
+from meshfold.passes.base import JOINT, Pass, PassError
 from meshfold.passes.blocks import mirrors, op_kinds
 from meshfold.passes.cost.axis import AxisModel, axis_models
 from meshfold.passes.moe.spec import plan_with_experts
@@ -44,7 +44,7 @@ from meshfold.passes.sharding.plans import (
     AUTO,
     Plan,
     Seeds,
-    default_preset,
+    effective_plan,
     mesh_presets,
     resolve,
     sequence_axes,
@@ -52,6 +52,9 @@ from meshfold.passes.sharding.plans import (
 from meshfold.passes.sharding.rebind import rebind
 from meshfold.passes.sharding.rules import RuleTable, rule_table, strategies_for
 from meshfold.passes.sharding.strategy import Strategy, fits_axis, keeps_pinned
+
+if TYPE_CHECKING:
+    from meshfold.passes.context import PassContext
 
 SHARDED = "sharded"
 
@@ -88,9 +91,9 @@ class Sharding(Pass):
         mesh = ctx.mesh
         if mesh is None:
             return graph
-        plan = ctx.plan if ctx.plan is not None else Plan.of(default_preset(mesh))
-        if ctx.moe is not None:
-            plan = plan_with_experts(plan, ctx.moe, graph, mesh)
+        plan = effective_plan(ctx.options.plan, mesh)
+        if ctx.options.moe is not None:
+            plan = plan_with_experts(plan, ctx.options.moe, graph, mesh)
         auto = plan.preset == AUTO
         if auto and self.mode != "solve":
             raise PassError("plan='auto' needs sharding{mode=solve}: the greedy choice cannot pick layouts")
@@ -104,7 +107,7 @@ class Sharding(Pass):
                 f"of them computes the whole of its part of it ({ways} times the work of a split batch), equal to one "
                 "device; a batch their ranks divide splits again"
             )
-        bound = ctx.memory if self.mode == "solve" else None
+        bound = ctx.options.memory if self.mode == "solve" else None
         return fitted(ctx, bound, lambda c, memory: self._laid_out(c, graph, plan, seeds, memory))
 
     def _laid_out(self, ctx: PassContext, graph: Graph, plan: Plan, seeds: Seeds, memory: int | None) -> Graph:
@@ -171,10 +174,10 @@ def _solved(
             s, op.operands, prop.pinned, earlier
         )
 
-    cluster = ctx.cluster
+    cluster = ctx.options.cluster
     memory = bound if bound is not None else (cluster.device.hbm_bytes if cluster is not None else None)
     models = axis_models(mesh, cluster)
-    spill = spill_prices(graph, mesh, cluster) if ctx.memory is not None and opts.spill else ()
+    spill = spill_prices(graph, mesh, cluster) if ctx.options.memory is not None and opts.spill else ()
     problem = Problem(graph, mesh, candidates, start, free, wants, models, valid, memory, spill)
     batch_axes = seeds.batch_axes()
     problem = replace(
@@ -265,7 +268,7 @@ class _Propagator:
 
     def run(self) -> Graph:
         self.b = GraphBuilder(self.graph.name, self.mesh)
-        self.models = axis_models(self.mesh, self.ctx.cluster)
+        self.models = axis_models(self.mesh, self.ctx.options.cluster)
         self.b.stacks = self.graph.stacks
         compute: dict[Value, Layout] = {}
         for i in self.graph.inputs:

@@ -65,7 +65,7 @@ def skewed_exchange(pad: bool) -> float:
     """The all-to-all on 2 ranks when every pair routes to rank 0's experts (rank 1 receives nothing),
     with a capacity: forward and backward against the one-device op on all tokens. Returns the
     largest difference."""
-    from meshfold.backends.experts.dispatch import exchange_backward, exchange_forward
+    from meshfold.backends.experts.dispatch import Peers, exchange_backward, exchange_forward
     from meshfold.ir.dialects.moe import capacity_of, experts_range, experts_range_backward
 
     rank = torch.distributed.get_rank()
@@ -82,11 +82,11 @@ def skewed_exchange(pad: bool) -> float:
     policy = "probs+pad" if pad else "probs"
     mine = slice(rank * tokens, (rank + 1) * tokens)
     ex = slice(rank * 2, rank * 2 + 2)
-    peers = (((group, 2, 1),), rank, (0, 2), 2)
+    peers = Peers(((group, 2, 1),), rank, (0, 2), 2)
     args = (hidden[mine], idx[mine], weights[mine], gate_up[ex], down[ex], "silu", cap, policy)
-    got = exchange_forward(*peers, *args)
+    got = exchange_forward(peers, *args)
     want = experts_range(0, hidden, idx, weights, gate_up, down, "silu", cap, policy)[mine]
-    d_got = exchange_backward(*peers, grad[mine], *args)
+    d_got = exchange_backward(peers, grad[mine], *args)
     d_all = experts_range_backward(0, grad, hidden, idx, weights, gate_up, down, "silu", cap, policy)
     d_want = (d_all[0][mine], d_all[1][mine], d_all[2][ex], d_all[3][ex])
     diffs = [float((got - want).abs().max())] + [float((a - b).abs().max()) for a, b in zip(d_got, d_want, strict=True)]
@@ -101,7 +101,7 @@ def exchange_working_set(
     ``n`` experts too, ``rows`` pairs computed at a time): the allocator's peak while each runs, and
     ``ir.dialects.moe_memory.working_set`` plus its results for the same op. Returns (measured, estimated)."""
     from meshfold import ir
-    from meshfold.backends.experts.dispatch import exchange_backward, exchange_forward
+    from meshfold.backends.experts.dispatch import Peers, exchange_backward, exchange_forward
     from meshfold.ir.dialects.moe import with_rows
     from meshfold.ir.dialects.moe_memory import working_set
     from meshfold.ir.graph import local_nbytes
@@ -138,10 +138,10 @@ def exchange_working_set(
     x, gy = torch.randn(mine, hidden, generator=g), torch.randn(mine, hidden, generator=g)
     w, idx = torch.randn(mine, n, generator=g).softmax(-1).topk(k)
     gu, wd = torch.randn(per, 2, inter, hidden, generator=g), torch.randn(per, hidden, inter, generator=g)
-    peers = (((group, world, 1),), rank, tuple(range(0, n, per)), per)
+    peers = Peers(((group, world, 1),), rank, tuple(range(0, n, per)), per)
     measured = [
-        settled_peak_new_bytes(lambda: exchange_forward(*peers, x, idx, w, gu, wd, "silu", rows=rows), runs=3),
-        settled_peak_new_bytes(lambda: exchange_backward(*peers, gy, x, idx, w, gu, wd, "silu", rows=rows), runs=3),
+        settled_peak_new_bytes(lambda: exchange_forward(peers, x, idx, w, gu, wd, "silu", rows=rows), runs=3),
+        settled_peak_new_bytes(lambda: exchange_backward(peers, gy, x, idx, w, gu, wd, "silu", rows=rows), runs=3),
     ]
     ops = [with_rows(op, rows) for op in graph.ops if op.target in (EXPERTS, EXPERTS_BACKWARD)]
     estimated = [working_set(op, graph.mesh) + sum(local_nbytes(r, graph.mesh) for r in op.results) for op in ops]

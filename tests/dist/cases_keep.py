@@ -18,7 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from meshfold.api import parallelize
-from meshfold.session import CompileOptions, compile_model
+from meshfold.passes.options import Options
+from meshfold.session import compile_model
 from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
 from tests.dist.cases import ATOL, EPS, LR, PARAM_ATOL, RTOL
@@ -289,7 +290,7 @@ def graph_digest(model: str, mesh: str, plan: str) -> tuple[str, int]:
     with its own process."""
     warnings.filterwarnings("ignore")
     net, inputs = build(model)
-    text = str(compile_model(net, inputs, CompileOptions.of(mesh=mesh, plan=plan)).graph)
+    text = str(compile_model(net, inputs, Options.of(mesh=mesh, plan=plan)).graph)
     return hashlib.sha256(text.encode()).hexdigest(), hash("meshfold")
 
 

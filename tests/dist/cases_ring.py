@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from meshfold.backends.context_parallel import p2p
 from meshfold.backends.context_parallel.ring_attention import (
+    RingCall,
     ring_attention,
     ring_forward,
     sequence_shard,
@@ -82,13 +83,14 @@ def ring_equals_attention(
             out.backward(grad)
         got = [out.detach(), *(p.grad for p in parts)]
         _, lse = ring_forward(
-            *(p.detach() for p in parts), group=group, causal=causal, layout=layout, mask=rows, route=route
+            *(p.detach() for p in parts), RingCall(group, causal=causal, layout=layout, mask=rows, route=route)
         )
     else:
         held = [p.detach() for p in parts]
         with mock.patch.object(p2p, "start", counted):
-            out, lse = tokenring_forward(*held, group, causal, None, layout, rows, route)
-            got = [out, *tokenring_backward(grad, *held, out, lse, group, causal, None, layout, rows, route)]
+            ring = RingCall(group, causal, None, layout, rows, route)
+            out, lse = tokenring_forward(*held, ring)
+            got = [out, *tokenring_backward(grad, *held, out, lse, ring)]
     whole = []
     for x in got:
         assert x is not None

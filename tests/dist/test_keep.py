@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from meshfold.session import CompileOptions, compile_model
+from meshfold.passes.options import Options
+from meshfold.session import compile_model
 from meshfold.tools.pool import RankFailure
 from meshfold.tools.zoo import build
 from tests.dist.conftest import RankPools
@@ -66,7 +67,7 @@ def test_compiled_graph_text_is_byte_identical_across_processes(rank_pools: Rank
     args = {"model": "llama-tiny", "mesh": "dp=2,tp=2", "plan": "fsdp+tp"}
     results = rank_pools.get(2).run(f"{CASES}:graph_digest", **args)
     net, inputs = build(args["model"])
-    here = compile_model(net, inputs, CompileOptions.of(mesh=args["mesh"], plan=args["plan"])).graph
+    here = compile_model(net, inputs, Options.of(mesh=args["mesh"], plan=args["plan"])).graph
     digests = {d for d, _ in results} | {hashlib.sha256(str(here).encode()).hexdigest()}
     assert len(digests) == 1
     if "PYTHONHASHSEED" not in os.environ:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import bisect
 
-from meshfold.session import DEFAULT_PIPELINE
+from meshfold.passes.options import DEFAULT_PIPELINE
 from tests.dist.conftest import RankPools
 
 WITHOUT = ",".join(p for p in DEFAULT_PIPELINE.split(",") if p != "overlap")

@@ -10,7 +10,8 @@ import pytest
 
 from meshfold.passes.base import PassFailure
 from meshfold.passes.cost.liveness import rank_memory
-from meshfold.session import CompileOptions, compile_model
+from meshfold.passes.options import Options
+from meshfold.session import compile_model
 from meshfold.tools.zoo import build
 from tests.dist.cases import mlp_recomputed_attention_offloaded, token_inputs
 from tests.dist.conftest import RankPools
@@ -69,8 +70,8 @@ def test_an_auto_plan_under_a_budget_equals_single_device(rank_pools: RankPools)
     net, inputs = build("llama-tiny")[0], token_inputs(tokens)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        keep = compile_model(net, inputs, CompileOptions.of(**auto)).graph
-        budget = int(0.3 * rank_memory(keep, cluster=CompileOptions.of(**auto).cluster).peak)
+        keep = compile_model(net, inputs, Options.of(**auto)).graph
+        budget = int(0.3 * rank_memory(keep, cluster=Options.of(**auto).cluster).peak)
     results = rank_pools.get(4).run(
         "tests.dist.cases:equivalence",
         model="llama-tiny",
@@ -102,9 +103,9 @@ def test_a_budget_below_every_choice_is_refused_before_anything_runs() -> None:
     net, inputs = build("mixtral-tiny")[0], token_inputs(BUDGETED["mixtral-tiny"])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        keep = rank_memory(compile_model(net, inputs, CompileOptions.of(**FSDP_TP)).graph).peak
+        keep = rank_memory(compile_model(net, inputs, Options.of(**FSDP_TP)).graph).peak
         with pytest.raises(PassFailure, match=REFUSED):
-            compile_model(net, inputs, CompileOptions.of(**FSDP_TP, memory=int(0.25 * keep)))
+            compile_model(net, inputs, Options.of(**FSDP_TP, memory=int(0.25 * keep)))
 
 
 # NOTE: (model, tokens, expert mapping, budgets as fractions of the keep peak, whether offloading is

@@ -25,7 +25,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, Phase, given, settings
 
-from meshfold import CompileOptions, compile_model, ir
+from meshfold import Options, compile_model, ir
 from meshfold.ir.ops import REDISTRIBUTE
 from meshfold.passes.sharding.plans import Plan
 from meshfold.tools.pool import RankPool
@@ -85,7 +85,7 @@ def prepare(kind: Kind, chain: Chain) -> Job:
         # NOTE: a param the chain never uses is not an input of its captured graph.
         names = {i.name for i in graph.inputs}
         plan = Plan.of("ddp+tp", {n: axes for n, axes in chain.layouts.items() if n in names})
-        boxed = compile_model(graph, None, CompileOptions.of(mesh=MESH, plan=plan, pipeline=kind.pipeline)).graph
+        boxed = compile_model(graph, None, Options.of(mesh=MESH, plan=plan, pipeline=kind.pipeline)).graph
     ir.verify(boxed, check_types=False)
     left = [op.describe() for op in boxed.ops if op.target == REDISTRIBUTE]
     assert not left, f"boxing left comm.redistribute ops: {left}"

@@ -4,9 +4,10 @@ gradient is all-reduced over one axis and then another, and never where a reader
 from __future__ import annotations
 
 from meshfold import ir
-from meshfold.passes.base import PassContext
+from meshfold.passes.context import PassContext
+from meshfold.passes.options import Options
 from meshfold.passes.schedule.bucket import Bucket
-from meshfold.session import CompileOptions, compile_model
+from meshfold.session import compile_model
 from meshfold.tools.zoo import build
 
 # NOTE: two parameters' gradients, partial over both axes, reduced over tp and then dp
@@ -66,7 +67,7 @@ def test_an_all_reduce_read_by_computation_stays_where_it_is() -> None:
 
 def test_data_parallel_gradients_are_bucketed_per_block() -> None:
     model, inputs = build("llama-tiny")
-    opts = CompileOptions.of(mesh="dp=2", plan="ddp", pipeline="cleanup,moe-fold,sharding,boxing,bucket,verify")
+    opts = Options.of(mesh="dp=2", plan="ddp", pipeline="cleanup,moe-fold,sharding,boxing,bucket,verify")
     g = compile_model(model, inputs, opts).graph
     buckets = [op for op in g.ops if op.name == "comm.all_reduce_bucket"]
     assert {op.prov.module for op in buckets} >= {"layers.0", "layers.1"}, [op.prov.module for op in buckets]

@@ -9,7 +9,7 @@ from functools import cache
 import pytest
 import torch
 
-from meshfold import DEFAULT_PIPELINE, CompileOptions, CompileResult, capture, compile_model, ir
+from meshfold import DEFAULT_PIPELINE, CompileResult, Options, capture, compile_model, ir
 from meshfold.backends.context_parallel.ring_lowering import kernel_backward, kernel_forward
 from meshfold.backends.eager import RankContext, lower
 from meshfold.ir.dialects.ring import RANK_ARG, RING_STEP, RING_STEP_BACKWARD, first_step
@@ -31,7 +31,7 @@ def _one_long_sequence() -> ir.Graph:
 def _compiled(method: str, mesh: str = "cp=4", pipeline: str | None = None) -> CompileResult:
     """``pipeline="kernel"``: without ``ring-steps`` (a sequence-split attention runs as one kernel)."""
     steps = DEFAULT_PIPELINE if pipeline is None else DEFAULT_PIPELINE.replace("ring-steps,", "")
-    options = CompileOptions.of(mesh=mesh, plan="cp", cp={"method": method}, pipeline=steps)
+    options = Options.of(mesh=mesh, plan="cp", cp={"method": method}, pipeline=steps)
     return compile_model(_one_long_sequence(), None, options)
 
 
@@ -49,7 +49,7 @@ def test_cp_spec_reads_every_form_and_refuses_unknown_ones() -> None:
     with pytest.raises(PassError, match="cp= takes the key 'method'; unknown: degree"):
         CpSpec.of({"degree": 2})
     with pytest.raises(PassError, match="cp= says how attention reads a sequence split over a cp mesh axis"):
-        CompileOptions.of(mesh="tp=2", plan="tp", cp="ring")
+        Options.of(mesh="tp=2", plan="tp", cp="ring")
 
 
 @pytest.mark.parametrize(
@@ -121,7 +121,7 @@ def test_ring_refuses_an_attention_it_cannot_split_by_name() -> None:
     kernel = "%_unsafe_view_4, 0.0, True)"
     assert text.count(kernel) == 1
     graph = ir.parse(text.replace(kernel, "%_unsafe_view_4, 0.1, True)"))
-    options = CompileOptions.of(mesh="cp=2", plan="cp", cp="ring")
+    options = Options.of(mesh="cp=2", plan="cp", cp="ring")
     with pytest.raises(PassError, match=r"scaled_dot_product.* at layers\.0\.self_attn .*dropout.*'ulysses'"):
         compile_model(graph, None, options)
 
@@ -165,7 +165,7 @@ def test_the_solve_keeps_a_long_sequence_split_through_convolutions_and_scans() 
     from meshfold.tools.bench.recurrences import build as mamba
 
     net, inputs = mamba(256, 32)
-    result = compile_model(capture(net, inputs), None, CompileOptions.of(mesh="cp=4", plan="cp"))
+    result = compile_model(capture(net, inputs), None, Options.of(mesh="cp=4", plan="cp"))
     graph = result.graph
     assert list(solve_report(result.stats)[-2:]) == [
         "context parallel on 'cp': causal convolutions 2 by sequence",
@@ -197,7 +197,7 @@ def test_a_convolution_split_finer_than_its_reach_is_refused_when_lowered() -> N
 
     net, inputs = mamba(8, 32)
     greedy = DEFAULT_PIPELINE.replace("sharding", "sharding{mode=greedy}")
-    options = CompileOptions.of(mesh="cp=4", plan="cp", pipeline=greedy)
+    options = Options.of(mesh="cp=4", plan="cp", pipeline=greedy)
     graph = compile_model(capture(net, inputs), None, options).graph
     assert graph.mesh is not None
     refusal = r"causal_conv1d at backbone.layers.0.mixer .*holds 2 positions.*back \(3\); use fewer ranks on cp"

@@ -16,7 +16,8 @@ from meshfold.passes.cost.liveness import rank_memory
 from meshfold.passes.memory.budget import Choice, carry_out, choices, decide
 from meshfold.passes.memory.policies import Saved
 from meshfold.passes.memory.rows import cheapest, freed_at
-from meshfold.session import CompileOptions, compile_model
+from meshfold.passes.options import Options
+from meshfold.session import compile_model
 from meshfold.target.hardware import local_cluster
 from meshfold.tools.bench.eager_vs_dtensor import Config
 from meshfold.tools.bench.eager_vs_dtensor import build as build_bench
@@ -29,7 +30,7 @@ def boxed() -> ir.Graph:
     """llama-tiny on 32 x 64 tokens, FSDP + TP over (2, 2), up to boxing (what the memory pass sees)."""
     net, _ = build("llama-tiny")
     ids = torch.randint(0, 256, (32, 64), generator=torch.Generator().manual_seed(0))
-    opts = CompileOptions.of(mesh="dp=2,tp=2", plan="fsdp+tp", pipeline="cleanup,moe-fold,sharding,boxing,bucket")
+    opts = Options.of(mesh="dp=2,tp=2", plan="fsdp+tp", pipeline="cleanup,moe-fold,sharding,boxing,bucket")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return compile_model(net, (ids, ids), opts).graph
@@ -79,7 +80,7 @@ def test_a_recompute_counts_what_it_makes_the_backward_hold() -> None:
     than counting only what it frees."""
     torch.manual_seed(0)
     net, (ids, _) = build_bench(Config(layers=2, hidden=64, batch=4, seq=64, intermediate=176, vocab=256))
-    opts = CompileOptions.of(mesh="dp=1", plan="ddp", pipeline="cleanup,moe-fold,sharding,boxing,bucket")
+    opts = Options.of(mesh="dp=1", plan="ddp", pipeline="cleanup,moe-fold,sharding,boxing,bucket")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         graph = compile_model(net, (ids, ids), opts).graph
@@ -127,7 +128,7 @@ def test_a_per_value_policy_decides_each_saved_activation() -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = compile_model(net, inputs, CompileOptions.of(mesh="dp=2,tp=2", plan="fsdp+tp", memory=every))
+        result = compile_model(net, inputs, Options.of(mesh="dp=2,tp=2", plan="fsdp+tp", memory=every))
     stats = result.stats["memory"]
     assert isinstance(stats, dict) and stats["policy"].startswith("per value (")
     mlp = {s.name for s in seen if ".mlp" in s.module and s.recomputable}
@@ -138,7 +139,7 @@ def test_a_per_value_policy_decides_each_saved_activation() -> None:
     assert all(f"{v}_rc" in names for v in mlp) and all(f"{v}_host" in names for v in stats["offloaded"])
     assert stats["peak_after"] < stats["peak_before"]
     with pytest.raises(Exception, match=r"answered 'later' for %.* answer one of save, recompute, offload"):
-        compile_model(net, inputs, CompileOptions.of(mesh="dp=2,tp=2", plan="fsdp+tp", memory=lambda s: "later"))
+        compile_model(net, inputs, Options.of(mesh="dp=2,tp=2", plan="fsdp+tp", memory=lambda s: "later"))
 
 
 def test_a_budget_computes_the_routed_experts_in_smaller_pieces() -> None:
@@ -155,9 +156,9 @@ def test_a_budget_computes_the_routed_experts_in_smaller_pieces() -> None:
     opts = dict(mesh="dp=2,tp=2", plan="fsdp+tp")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        keep = compile_model(net, (ids, ids), CompileOptions.of(**opts)).graph
+        keep = compile_model(net, (ids, ids), Options.of(**opts)).graph
         budget = int(0.5 * rank_memory(keep).peak)
-        result = compile_model(net, (ids, ids), CompileOptions.of(**opts, memory=budget))
+        result = compile_model(net, (ids, ids), Options.of(**opts, memory=budget))
     stats = result.stats["memory"]
     assert isinstance(stats, dict)
     pieces = [op for op in result.graph.ops if op.target == EXPERTS_BACKWARD and piece_rows(op) < ROWS]

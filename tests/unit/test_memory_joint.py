@@ -17,7 +17,8 @@ from meshfold.ir.graph import local_nbytes
 from meshfold.passes.cost.liveness import rank_memory
 from meshfold.passes.memory.budget import choices, copy_windows, spill_prices
 from meshfold.passes.memory.offload import saved_activations
-from meshfold.session import CompileOptions, CompileResult, compile_model
+from meshfold.passes.options import Options
+from meshfold.session import CompileResult, compile_model
 from meshfold.target.hardware import parse_cluster
 from meshfold.tools.zoo import build
 from tests.dist.cases import token_inputs
@@ -35,7 +36,7 @@ def model() -> tuple[Any, tuple[torch.Tensor, torch.Tensor]]:
 
 def _compile(model: Any, pipeline: str, memory: int | None = None) -> CompileResult:
     net, inputs = model
-    opts = CompileOptions.of(mesh=MESH, plan="auto", cluster=CLUSTER, pipeline=pipeline, memory=memory)
+    opts = Options.of(mesh=MESH, plan="auto", cluster=CLUSTER, pipeline=pipeline, memory=memory)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return compile_model(net, inputs, opts)

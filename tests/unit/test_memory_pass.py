@@ -8,14 +8,16 @@ from pathlib import Path
 import pytest
 
 from meshfold import ir
-from meshfold.passes.base import PassContext, PassError
+from meshfold.passes.base import PassError
+from meshfold.passes.context import PassContext
 from meshfold.passes.cost.liveness import rank_memory
 from meshfold.passes.memory import Memory
 from meshfold.passes.memory.offload import offloaded, saved_activations
 from meshfold.passes.memory.policies import policy_values
 from meshfold.passes.memory.recompute import recompute
+from meshfold.passes.options import Options
 from meshfold.passes.pipeline import PassPipeline
-from meshfold.session import CompileOptions, compile_model
+from meshfold.session import compile_model
 from meshfold.tools.zoo import build
 
 BLOCKS = Path(__file__).parents[1] / "golden" / "memory" / "full-blocks.ir"
@@ -106,14 +108,14 @@ def test_the_pass_runs_before_overlap() -> None:
 
 def test_memory_full_from_the_front_door() -> None:
     """``memory="full"`` is a policy, not a size; a misspelt one names what it takes."""
-    assert CompileOptions.of(memory="full").memory_policy == "full"
-    assert CompileOptions.of(memory="6GiB").memory == 6 * 2**30
+    assert Options.of(memory="full").memory_policy == "full"
+    assert Options.of(memory="6GiB").memory == 6 * 2**30
     with pytest.raises(PassError, match="full"):
-        CompileOptions.of(memory="fulll")
+        Options.of(memory="fulll")
     net, inputs = build("llama-tiny")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = compile_model(net, inputs, CompileOptions.of(mesh="dp=2,tp=2", plan="fsdp+tp", memory="full"))
+        result = compile_model(net, inputs, Options.of(mesh="dp=2,tp=2", plan="fsdp+tp", memory="full"))
     stats = result.stats["memory"]
     assert isinstance(stats, dict) and stats["policy"] == "full"
     assert stats["recomputed"] == ["layers.0", "layers.1"]
@@ -126,7 +128,7 @@ def test_selective_and_kv_recompute_parts_of_the_attention() -> None:
     net, inputs = build("llama-tiny")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        g = compile_model(net, inputs, CompileOptions.of(mesh="dp=2,tp=2", pipeline="cleanup,sharding,boxing")).graph
+        g = compile_model(net, inputs, Options.of(mesh="dp=2,tp=2", pipeline="cleanup,sharding,boxing")).graph
     made = {r: op for op in g.ops for r in op.results}
     selective = set().union(*policy_values(g, "selective").values())
     kv = set().union(*policy_values(g, "kv").values())
@@ -164,7 +166,7 @@ def test_offload_moves_saved_activations_to_the_host_tier_and_back() -> None:
     net, inputs = build("llama-tiny")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        result = compile_model(net, inputs, CompileOptions.of(mesh="dp=2,tp=2", plan="fsdp+tp", memory="offload"))
+        result = compile_model(net, inputs, Options.of(mesh="dp=2,tp=2", plan="fsdp+tp", memory="offload"))
     stats = result.stats["memory"]
     assert isinstance(stats, dict) and stats["offloaded"] and stats["peak_after"] < stats["peak_before"]
 
@@ -176,7 +178,7 @@ def test_ops_reading_a_buffer_the_step_updates_are_not_recomputed() -> None:
     from meshfold.tools.corpus import entries as corpus_entries
 
     net, inputs = corpus_entries.get("script-resnet-bn").build()
-    opts = CompileOptions.of(mesh=ir.Mesh(("dp",), (2,)), plan="ddp", memory="full")
+    opts = Options.of(mesh=ir.Mesh(("dp",), (2,)), plan="ddp", memory="full")
     graph = compile_model(net, inputs, opts).graph
     buffers = {i.value for i in graph.inputs if i.kind == "buffer"}
     assert any(op.prov.phase == "bwd" and op.prov.module for op in graph.ops if op.name.endswith("convolution"))

@@ -8,7 +8,7 @@ import warnings
 import pytest
 import torch
 
-from meshfold import CompileOptions, capture, compile_model, ir
+from meshfold import Options, capture, compile_model, ir
 from meshfold.ir.dialects.moe import EXPERTS, EXPERTS_BACKWARD
 from meshfold.passes.sharding.opwork import op_flops
 
@@ -41,9 +41,7 @@ def test_auto_plan_splits_experts_by_expert() -> None:
     # NOTE: 2048 tokens x top-2 x three 512x1024 GEMMs, twice that backward
     assert [op_flops(op) for op in experts] == [6.0 * 2048 * 2 * 512 * 1024, 12.0 * 2048 * 2 * 512 * 1024]
     pipeline = "cleanup,sharding,boxing,verify"
-    out = compile_model(
-        g, None, CompileOptions.of(mesh="ep=8", plan="auto", cluster="h100:8x1", pipeline=pipeline)
-    ).graph
+    out = compile_model(g, None, Options.of(mesh="ep=8", plan="auto", cluster="h100:8x1", pipeline=pipeline)).graph
     layouts = {i.name: i.value.layout for i in out.inputs}
     for name in ("model.layers.0.mlp.experts.gate_up_proj", "model.layers.0.mlp.experts.down_proj"):
         assert layouts[name].placement("ep") == ir.Shard(0), layouts[name]

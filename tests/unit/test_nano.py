@@ -8,7 +8,7 @@ import torch
 from meshfold import ir
 from meshfold.backends.interpret import run_values
 from meshfold.ir.asynchrony import starts
-from meshfold.passes.base import PassContext
+from meshfold.passes.context import PassContext
 from meshfold.passes.schedule.nano import nano_batch
 from meshfold.passes.schedule.overlap import Overlap
 

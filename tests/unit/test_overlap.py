@@ -15,8 +15,9 @@ from meshfold.ir.graph import local_nbytes
 from meshfold.ir.ops import ALL_REDUCE, RELOAD, WAIT
 from meshfold.passes.cost.axis import axis_models
 from meshfold.passes.cost.liveness import rank_memory
+from meshfold.passes.options import Options
 from meshfold.passes.schedule.timeline import Costs, replay, to_chrome_trace
-from meshfold.session import CompileOptions, compile_model
+from meshfold.session import compile_model
 from meshfold.target.hardware import device_cluster, parse_cluster
 from meshfold.tools.zoo import build
 
@@ -94,7 +95,7 @@ def _llama(
     pipeline: str, mesh: str = "dp=2,tp=2", plan: str = "fsdp+tp", cluster: str | None = None
 ) -> tuple[ir.Graph, dict[str, object]]:
     model, inputs = build("llama-tiny")
-    res = compile_model(model, inputs, CompileOptions.of(mesh=mesh, plan=plan, pipeline=pipeline, cluster=cluster))
+    res = compile_model(model, inputs, Options.of(mesh=mesh, plan=plan, pipeline=pipeline, cluster=cluster))
     return res.graph, dict(res.stats)
 
 
@@ -245,7 +246,7 @@ def test_tp_chunks_split_each_partial_gemm_and_its_all_reduce() -> None:
 def _offloaded_llama(cluster: str | None) -> ir.Graph:
     model, inputs = build("llama-tiny")
     return compile_model(
-        model, inputs, CompileOptions.of(mesh="dp=2,tp=2", plan="fsdp+tp", memory="offload", cluster=cluster)
+        model, inputs, Options.of(mesh="dp=2,tp=2", plan="fsdp+tp", memory="offload", cluster=cluster)
     ).graph
 
 
@@ -350,7 +351,7 @@ def test_random_ops_keep_their_order_through_the_schedule() -> None:
     from meshfold.tools.corpus import entries as corpus_entries
 
     net, inputs = corpus_entries.get("gen-0-3").build()  # NOTE: parallel residual, dropout on both branches
-    opts = CompileOptions.of(mesh=ir.Mesh(("dp", "cp"), (2, 2)), plan="fsdp+cp", cp={"method": "ring"})
+    opts = Options.of(mesh=ir.Mesh(("dp", "cp"), (2, 2)), plan="fsdp+cp", cp={"method": "ring"})
     result = compile_model(net, inputs, opts)
     captured = [op.prov.module for op in result.captured.ops if draws(op)]
     compiled = [op.prov.module for op in result.graph.ops if draws(op)]
@@ -376,16 +377,16 @@ def test_a_forward_op_reading_what_the_backward_made_is_scheduled_after_it() -> 
     backward value: the all-reduce is started after the GEMM that makes its operand (it was started at
     the forward's beginning, before %y existed, and the printer crashed on the result); the program
     verifies and its text reads back as itself."""
-    from meshfold.session import DEFAULT_PIPELINE
+    from meshfold.passes.options import DEFAULT_PIPELINE
 
     g = ir.parse(MM_IN_THE_BACKWARD)
     pipeline = DEFAULT_PIPELINE.removesuffix(",verify")
     assert pipeline.endswith("overlap")
-    out = compile_model(g, options=CompileOptions.of(mesh=g.mesh, pipeline=pipeline)).graph
+    out = compile_model(g, options=Options.of(mesh=g.mesh, pipeline=pipeline)).graph
     ir.verify(out)  # NOTE: every operand defined before the op that reads it, every wait after its start
     text = str(out)
     assert str(ir.parse(text)) == text
-    unscheduled = compile_model(g, options=CompileOptions.of(mesh=g.mesh, pipeline=pipeline.removesuffix(",overlap")))
+    unscheduled = compile_model(g, options=Options.of(mesh=g.mesh, pipeline=pipeline.removesuffix(",overlap")))
     assert sorted(op.name for op in out.ops if op.target != WAIT) == sorted(op.name for op in unscheduled.graph.ops)
     (reduce,) = (op for op in out.ops if op.name == "comm.all_reduce")
     assert reduce.prov.phase == "fwd" and [v.name for v in reduce.operands] == ["y"]
@@ -409,7 +410,7 @@ def test_readers_of_a_forward_op_that_reads_the_backward_follow_it() -> None:
         "  output out(0) = %y\n"
         "}\n"
     )
-    out = compile_model(g, options=CompileOptions.of(pipeline="overlap"), assume=frozenset({SHARDED, BOXED})).graph
+    out = compile_model(g, options=Options.of(pipeline="overlap"), assume=frozenset({SHARDED, BOXED})).graph
     ir.verify(out)
     assert [op.name for op in out.ops] == ["aten.neg", "aten.mm", "comm.all_reduce", "comm.wait", "aten.relu"]
     assert str(ir.parse(str(out))) == str(out)

@@ -429,7 +429,7 @@ def test_graphs_without_experts_get_no_moe_tables(ir_file: Path, capsys: pytest.
     [
         (["-p", "moe-fold,sharding,boxing", "--moe", "ep=2"], "give a mesh"),
         (["-p", "cleanup", "--mesh", "dp=2", "--moe", "ep=2"], "needs the moe-fold pass"),
-        (["-p", "sharding,moe-fold", "--mesh", "dp=2", "--moe", "ep=2"], "needs the moe-fold pass before sharding"),
+        (["-p", "sharding,moe-fold", "--mesh", "dp=2", "--moe", "ep=2"], "(moe-fold) requires ['joint']"),
         (["-p", "sharding", "--mesh", "dp=2", "--moe", "ep"], "key=value"),
         (["-p", "sharding", "--mesh", "dp=2", "--moe", "ep=2,speed=9"], "unknown keys ['speed']"),
         (["-p", "sharding", "--mesh", "dp=2,tp=2", "--moe", "ep=3"], "no such run of axes has 3 ranks"),
@@ -514,3 +514,30 @@ def test_print_after_overlap_of_an_output_the_backward_computes(
     err = capsys.readouterr().err
     assert "(verify) failed" in err and "operand %w of aten.mm is i64 where f32 is required" in err
     assert "Traceback" not in err
+
+
+def test_list_passes_names_every_capture_and_ir_pass(capsys: pytest.CaptureFixture[str]) -> None:
+    from meshfold.passes import default_registry
+    from meshfold.rewrites.capture_passes import CAPTURE_PASSES
+
+    assert main(["--list-passes", "--no-color"]) == 0
+    out = capsys.readouterr().out
+    missing = [n for n in (*CAPTURE_PASSES, *default_registry()) if n not in out]
+    assert not missing and len(CAPTURE_PASSES) == 4
+
+
+def test_capture_passes_are_chosen_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    """hf-llama-eager writes its attention out: one fused attention op per layer only with fuse-attention."""
+    from meshfold import Options, compile_model
+    from meshfold.tools.zoo import build
+
+    model, inputs = build("hf-llama-eager")
+
+    def fused(capture: str | None) -> int:
+        graph = compile_model(model, inputs, Options.of(capture=capture, pipeline="cleanup")).graph
+        return sum("scaled_dot_product" in str(op.target) for op in graph.ops if op.prov.phase == "fwd")
+
+    assert fused(None) == fused("fuse-attention") > 0
+    assert fused("fold-scans") == 0
+    assert main(["gpt2-tiny", "-p", "cleanup", "--capture", "fuse-attention,fuse-everything"]) == 2
+    assert "unknown capture pass 'fuse-everything'" in capsys.readouterr().err

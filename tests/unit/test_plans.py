@@ -9,7 +9,7 @@ from functools import cache
 import pytest
 import torch
 
-from meshfold import DEFAULT_PIPELINE, CompileOptions, capture, compile_model, ir
+from meshfold import DEFAULT_PIPELINE, Options, capture, compile_model, ir
 from meshfold.passes import PassContext, PassError, parse_pipeline
 from meshfold.passes.sharding.plans import Plan, default_preset, mesh_presets, resolve
 from meshfold.passes.sharding.tp import megatron_roles
@@ -25,7 +25,7 @@ def _compile(name: str, mesh: ir.Mesh, plan: str, mode: str = "greedy") -> ir.Gr
     """The default pipeline; ``mode=greedy`` shows what a preset means, layer by layer (the solve
     may trade any of it for fewer collectives where its cost model says so)."""
     pipeline = DEFAULT_PIPELINE.replace("sharding", f"sharding{{mode={mode}}}")
-    return compile_model(_captured(name), None, CompileOptions.of(mesh=mesh, plan=plan, pipeline=pipeline)).graph
+    return compile_model(_captured(name), None, Options.of(mesh=mesh, plan=plan, pipeline=pipeline)).graph
 
 
 def test_megatron_roles_from_dataflow() -> None:
@@ -122,7 +122,7 @@ def test_presets_split_the_batch_over_the_data_parallel_ranks() -> None:
     # NOTE: at llama-tiny's batch of 2 the time model alone would rather all-gather input_ids over
     # dp (one collective) than reduce-scatter every gradient; fsdp says every rank takes its part
     # of the batch, so the solve keeps the batch split and the gradients are reduce-scattered.
-    ctx = PassContext(mesh=ir.Mesh.parse("dp=2,tp=2"), plan=Plan.of("fsdp+tp"))
+    ctx = PassContext(Options(mesh=ir.Mesh.parse("dp=2,tp=2"), plan=Plan.of("fsdp+tp")))
     out, _ = parse_pipeline("cleanup,sharding,boxing").run(ctx, _captured("llama-tiny"))
     assert not ctx.diagnostics, ctx.diagnostics  # NOTE: the solve held; no fallback to the greedy choice
 
@@ -172,7 +172,7 @@ class _Odd(torch.nn.Module):
 @pytest.mark.parametrize("hidden", [30, 32])
 def test_a_preset_that_cannot_split_a_parameter_says_which_and_why(hidden: int) -> None:
     inputs = (torch.randn(8, 16), torch.randn(8, 16))
-    options = CompileOptions.of(mesh="tp=4", plan="tp", pipeline="cleanup,sharding{mode=greedy}")
+    options = Options.of(mesh="tp=4", plan="tp", pipeline="cleanup,sharding{mode=greedy}")
     with pytest.warns(UserWarning) if hidden == 30 else contextlib.nullcontext():
         result = compile_model(_Odd(hidden), inputs, options)
     said = [d for d in result.diagnostics if "does not divide" in d]

@@ -9,7 +9,8 @@ from torch import nn
 
 from meshfold import ir
 from meshfold.backends.random import RandomSite, is_random, random_site
-from meshfold.session import CompileOptions, compile_model
+from meshfold.passes.options import Options
+from meshfold.session import compile_model
 
 
 class _Drop(nn.Module):
@@ -22,7 +23,7 @@ class _Drop(nn.Module):
 
 
 def _compiled(model: nn.Module, x: torch.Tensor, mesh: str) -> ir.Graph:
-    options = CompileOptions.of(
+    options = Options.of(
         mesh=mesh, plan="tp" if mesh.startswith("tp") else "ddp", pipeline="cleanup,sharding,boxing,verify"
     )
     return compile_model(model, (x,), options).graph

@@ -12,7 +12,7 @@ from functools import cache
 import pytest
 import torch
 
-from meshfold import DEFAULT_PIPELINE, CompileOptions, capture, compile_model, ir
+from meshfold import DEFAULT_PIPELINE, Options, capture, compile_model, ir
 from meshfold.backends.interpret import interpret, run_values
 from meshfold.ir.dialects.ring import (
     LSE_MERGE,
@@ -91,7 +91,7 @@ def _llama() -> tuple[torch.nn.Module, torch.Tensor, ir.Graph]:
 @cache
 def _compiled(n: int, steps: bool, method: str = "ring") -> ir.Graph:
     pipeline = DEFAULT_PIPELINE if steps else DEFAULT_PIPELINE.replace("ring-steps,", "")
-    options = CompileOptions.of(mesh=f"cp={n}", plan="cp", cp={"method": method}, pipeline=pipeline)
+    options = Options.of(mesh=f"cp={n}", plan="cp", cp={"method": method}, pipeline=pipeline)
     return compile_model(_llama()[2], None, options).graph
 
 
@@ -158,7 +158,7 @@ def test_ring_steps_hold_no_more_than_the_kernel() -> None:
     model, inputs = build_llama(Config(hidden=64, layers=2, heads=4, kv_heads=2, batch=1, seq=1024))
     peaks = []
     for pipeline in (DEFAULT_PIPELINE, DEFAULT_PIPELINE.replace("ring-steps,", "")):
-        options = CompileOptions.of(mesh="cp=2", plan="cp", cp={"method": "ring"}, pipeline=pipeline)
+        options = Options.of(mesh="cp=2", plan="cp", cp={"method": "ring"}, pipeline=pipeline)
         graph = compile_model(model, inputs, options).graph
         peaks.append(rank_memory(graph).peak)
         assert any(op.target == RING_STEP for op in graph.ops) == (pipeline == DEFAULT_PIPELINE)

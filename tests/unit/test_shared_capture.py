@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import meshfold.session as session
-from meshfold.session import CompileOptions, compile_model
+from meshfold.passes.options import Options
+from meshfold.session import compile_model
 from meshfold.tools.zoo import build
 from tests.dist import captures
 
@@ -34,7 +35,7 @@ def counted(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, ...]]:
 def _compiled(net: torch.nn.Module, inputs: tuple[Any, ...], plan: str = "ddp") -> Any:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return compile_model(net, inputs, CompileOptions.of(mesh="dp=2", plan=plan))
+        return compile_model(net, inputs, Options.of(mesh="dp=2", plan=plan))
 
 
 def test_one_capture_per_model_inputs_and_mode(counted: list[tuple[Any, ...]]) -> None:

@@ -15,6 +15,7 @@ from meshfold.ir import Layout
 from meshfold.passes import PassContext, PassError, parse_pipeline
 from meshfold.passes.cost import comm
 from meshfold.passes.cost.axis import axis_models
+from meshfold.passes.options import Options
 from meshfold.passes.sharding.batch import BatchSplit
 from meshfold.passes.sharding.ilp.solve import Problem, solve
 from meshfold.passes.sharding.plans import Plan
@@ -38,10 +39,12 @@ def _auto_ctx(
         model = _MLP(d)
     g = capture(model, (torch.empty(tokens, d), torch.empty(tokens, d)))
     ctx = PassContext(
-        mesh=ir.Mesh.parse(mesh),
-        plan=Plan.of("auto"),
-        cluster=parse_cluster(cluster) if cluster else None,
-        memory=memory,
+        Options(
+            mesh=ir.Mesh.parse(mesh),
+            plan=Plan.of("auto"),
+            cluster=parse_cluster(cluster) if cluster else None,
+            memory=memory,
+        )
     )
     out, _ = parse_pipeline("cleanup,sharding,boxing,verify").run(ctx, g)
     return {i.name: i.value.layout for i in out.inputs}, ctx
@@ -125,7 +128,7 @@ def _stack_solve(share: bool, layers: int) -> tuple[dict[str, ir.Layout], tuple[
     with torch.device("meta"):
         model = _Stack(2048, layers)
     g = capture(model, (torch.empty(8192, 2048), torch.empty(8192, 2048)))
-    ctx = PassContext(mesh=ir.Mesh.parse("a=2,b=4"), plan=Plan.of("auto"), cluster=parse_cluster("h100:8x1"))
+    ctx = PassContext(Options(mesh=ir.Mesh.parse("a=2,b=4"), plan=Plan.of("auto"), cluster=parse_cluster("h100:8x1")))
     pipe = f"cleanup,sharding{{share-blocks={'true' if share else 'false'}}},boxing,verify"
     out, _ = parse_pipeline(pipe).run(ctx, g)
     stats = ctx.stats["sharding.solve"]
@@ -169,7 +172,7 @@ def test_each_axis_solve_is_announced_while_it_runs() -> None:
     with torch.device("meta"):
         model = _MLP(64)
     g = capture(model, (torch.empty(8, 64), torch.empty(8, 64)))
-    ctx = PassContext(mesh=ir.Mesh.parse("a=2,b=2"), plan=Plan.of("auto"), status=status)
+    ctx = PassContext(Options(mesh=ir.Mesh.parse("a=2,b=2"), plan=Plan.of("auto")), status=status)
     parse_pipeline("cleanup,sharding").run(ctx, g)
     solves = [m.split(",")[0] for m in shown if m.startswith("sharding solve")]
     assert solves == ["sharding solve: mesh axis 'a'", "sharding solve: mesh axis 'b'"]

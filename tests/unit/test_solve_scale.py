@@ -20,11 +20,12 @@ from scipy.sparse import csc_array
 from meshfold import capture, ir
 from meshfold.passes import PassContext, parse_pipeline
 from meshfold.passes.blocks import mirrored_blocks, mirrored_ops
+from meshfold.passes.options import Options
 from meshfold.passes.sharding.ilp import milp
 from meshfold.passes.sharding.ilp.milp import Columns, MilpAnswer, solve_milp
 from meshfold.passes.sharding.ilp.problem import AxisStats
 from meshfold.passes.sharding.plans import Plan
-from meshfold.session import CompileOptions, compile_model
+from meshfold.session import compile_model
 from meshfold.target.hardware import parse_cluster
 from meshfold.tools.zoo import build
 from meshfold.tools.zoo.hf_zoo import DEEPSEEK_V3_TINY, _hf_loss_cls
@@ -99,7 +100,7 @@ def test_real_models_decoder_layers_are_found_as_repeats(kind: str, reps: tuple[
 
 
 def _solve_stats(g: ir.Graph) -> tuple[tuple[AxisStats, ...], dict[str, ir.Layout]]:
-    ctx = PassContext(mesh=ir.Mesh.parse("dp=2,tp=2"), plan=Plan.of("auto"), cluster=parse_cluster("h100:8x1"))
+    ctx = PassContext(Options(mesh=ir.Mesh.parse("dp=2,tp=2"), plan=Plan.of("auto"), cluster=parse_cluster("h100:8x1")))
     out, _ = parse_pipeline("sharding").run(ctx, g)
     stats = ctx.stats["sharding.solve"]
     assert isinstance(stats, tuple)
@@ -234,7 +235,7 @@ def test_a_plan_stopped_early_warns_with_its_gap(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.setattr(Columns, "solve", stopped)
     model, inputs = build("mlp")
-    opts = CompileOptions.of(mesh="dp=2,tp=2", plan="auto", pipeline="cleanup,sharding")
+    opts = Options.of(mesh="dp=2,tp=2", plan="auto", pipeline="cleanup,sharding")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = compile_model(model, inputs, opts, status=lambda _m: nullcontext())
@@ -253,7 +254,7 @@ def test_a_plan_stopped_early_is_no_worse_than_any_preset_of_the_mesh(monkeypatc
     preset the mesh's axis names allow is priced as well and the cheapest plan of all is kept; a
     proven optimum needs none of that."""
     model, inputs = build("mlp")
-    opts = CompileOptions.of(mesh="dp=2,tp=2", plan="auto", cluster="h100:8x1", pipeline="cleanup,sharding")
+    opts = Options.of(mesh="dp=2,tp=2", plan="auto", cluster="h100:8x1", pipeline="cleanup,sharding")
 
     def compiled() -> dict[str, object]:
         with warnings.catch_warnings():
@@ -280,7 +281,7 @@ def test_auto_models_no_slower_than_the_preset_and_gives_the_same_plan_every_tim
     name: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model, inputs = build(name)
-    opts = CompileOptions.of(mesh="dp=2,tp=2", plan="auto", cluster="h100:8x1", pipeline="cleanup,sharding,boxing")
+    opts = Options.of(mesh="dp=2,tp=2", plan="auto", cluster="h100:8x1", pipeline="cleanup,sharding,boxing")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         first = compile_model(model, inputs, opts, status=lambda _m: nullcontext())

@@ -14,11 +14,12 @@ from torch import nn
 
 from meshfold.ir.dialects.stage import STAGE_IN, STAGE_IN_GRAD
 from meshfold.passes import PassError
-from meshfold.passes.stages import SplitError, StageSplit, even_split, pipeline_step_s, split_layers
+from meshfold.passes.options import Options
+from meshfold.passes.stages import PipelineSpec, SplitError, StageSplit, even_split, pipeline_step_s, split_layers
 from meshfold.pp.stage_plan import LayerCosts, candidates, pipeline_line, plan_pipeline, split_program
-from meshfold.pp.stage_split import Layers, PipelineSpec, stage_graphs
+from meshfold.pp.stage_split import Layers, stage_graphs
 from meshfold.pp.tied import tied_parameters
-from meshfold.session import CompileOptions, compile_model
+from meshfold.session import compile_model
 from meshfold.tools.zoo import build
 from meshfold.tools.zoo.models import DecoderLayer, _small_init
 
@@ -67,27 +68,27 @@ def test_a_stage_that_does_not_fit_is_never_chosen() -> None:
 
 
 def test_pipeline_options_take_the_pp_axis_off_the_mesh_and_the_plan() -> None:
-    opts = CompileOptions.of(mesh="pp=2,dp=2", plan="pp+fsdp", pp={"schedule": "1f1b", "microbatches": 4})
+    opts = Options.of(mesh="pp=2,dp=2", plan="pp+fsdp", pp={"schedule": "1f1b", "microbatches": 4})
     assert opts.mesh is not None and opts.mesh.names == ("dp",) and opts.pp == PipelineSpec(2, "1f1b", 4, 1)
     assert opts.plan is not None and opts.plan.preset == "fsdp"
-    alone = CompileOptions.of(mesh="pp=4", pp={"schedule": "interleaved", "microbatches": 8})
+    alone = Options.of(mesh="pp=4", pp={"schedule": "interleaved", "microbatches": 8})
     assert alone.mesh is not None and alone.mesh.names == ("dp",) and alone.mesh.sizes == (1,)
     assert alone.pp is not None and alone.pp.stages == 8 and alone.pp.held(1) == [1, 5]
     with pytest.raises(PassError, match="axis named 'pp'"):
-        CompileOptions.of(mesh="dp=2", plan="pp+fsdp")
+        Options.of(mesh="dp=2", plan="pp+fsdp")
     with pytest.raises(PassError, match="multiple of 4"):
-        CompileOptions.of(mesh="pp=4", pp={"schedule": "interleaved", "microbatches": 6})
+        Options.of(mesh="pp=4", pp={"schedule": "interleaved", "microbatches": 6})
     with pytest.raises(PassError, match="not one of"):
-        CompileOptions.of(mesh="pp=2", pp={"schedule": "zigzag"})
+        Options.of(mesh="pp=2", pp={"schedule": "zigzag"})
     with pytest.raises(PassError, match="only the interleaved"):
-        CompileOptions.of(mesh="pp=2", pp={"schedule": "1f1b", "virtual": 2})
+        Options.of(mesh="pp=2", pp={"schedule": "1f1b", "virtual": 2})
     # NOTE: plan="auto" chooses the schedule where none is given
-    auto = CompileOptions.of(mesh="pp=2,dp=2", plan="pp+auto", pp={"microbatches": 4})
+    auto = Options.of(mesh="pp=2,dp=2", plan="pp+auto", pp={"microbatches": 4})
     assert auto.pp == PipelineSpec(2, "auto", 4, 0) and auto.plan is not None and auto.plan.preset == "auto"
-    given = CompileOptions.of(mesh="pp=2,dp=2", plan="pp+auto", pp={"schedule": "gpipe"})
+    given = Options.of(mesh="pp=2,dp=2", plan="pp+auto", pp={"schedule": "gpipe"})
     assert given.pp == PipelineSpec(2, "gpipe", 2, 1)
     with pytest.raises(PassError, match="chooses the stages per rank too"):
-        CompileOptions.of(mesh="pp=2", pp={"schedule": "auto", "virtual": 2})
+        Options.of(mesh="pp=2", pp={"schedule": "auto", "virtual": 2})
 
 
 def test_the_step_model_has_the_schedules_bubbles() -> None:
@@ -118,7 +119,7 @@ def _llama(layers: int) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
 
 
 def _compiled(model: nn.Module, inputs: tuple[torch.Tensor, ...], stages: int) -> object:
-    opts = CompileOptions.of(mesh=f"pp={stages},dp=1", plan="pp+ddp", pp={"microbatches": stages})
+    opts = Options.of(mesh=f"pp={stages},dp=1", plan="pp+ddp", pp={"microbatches": stages})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return compile_model(model, inputs, opts, status=lambda _m: nullcontext())
@@ -131,7 +132,7 @@ def test_a_program_splits_into_stages_that_pass_on_the_hidden_states_alone() -> 
     layers = Layers.of(graph)
     assert layers.family == "layers" and layers.count == 5
     split = split_program(graph, PipelineSpec(2))
-    assert result.stats["pp.plan"].split == split  # type: ignore[attr-defined]
+    assert result.staged.split == split  # type: ignore[attr-defined]
     assert sum(split.counts) == 5 and split.counts[0] != split.counts[1]  # NOTE: uneven: 5 layers on 2 stages
     first, last = stage_graphs(graph, split)
     # NOTE: every parameter on exactly one stage, each stage returning its own parameters' gradients

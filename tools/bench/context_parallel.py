@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 from meshfold.ir.dialects.ring import first_step
-from meshfold.session import DEFAULT_PIPELINE
+from meshfold.passes.options import DEFAULT_PIPELINE
 from meshfold.tools.bench.eager_vs_dtensor import Config, build, gloo_rank, spawn_ranks
 from meshfold.tools.measure import one_thread, peak_new_bytes, timed_steps, train_step
 

@@ -294,7 +294,7 @@ def _report(cfg: Config, opts: dict[str, Any], r: dict[str, Any], ref: list[floa
 
 def main(argv: list[str] | None = None) -> int:
     """Parse options, spawn the ranks, run the single-device reference, print the figures."""
-    from meshfold.session import DEFAULT_PIPELINE
+    from meshfold.passes.options import DEFAULT_PIPELINE
 
     d = dataclasses.replace(Config(), layers=8, hidden=512, intermediate=0, seq=256, batch=8)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -94,7 +94,8 @@ def run_case(name: str) -> dict[str, Any]:
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
     from meshfold import capture
-    from meshfold.session import DEFAULT_PIPELINE, CompileOptions, compile_model
+    from meshfold.passes.options import DEFAULT_PIPELINE, Options
+    from meshfold.session import compile_model
 
     kind, layers = CASES[name]
     with FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=True):
@@ -105,7 +106,7 @@ def run_case(name: str) -> dict[str, Any]:
         warnings.simplefilter("ignore")
         graph = capture(model, (ids, ids))
         t1 = time.perf_counter()
-        opts = CompileOptions.of(mesh="dp=8,tp=8", plan="auto", cluster="h100:8x8", pipeline=DEFAULT_PIPELINE)
+        opts = Options.of(mesh="dp=8,tp=8", plan="auto", cluster="h100:8x8", pipeline=DEFAULT_PIPELINE)
         result = compile_model(graph, None, opts, status=lambda _m: nullcontext())
     t2 = time.perf_counter()
     stats = result.stats

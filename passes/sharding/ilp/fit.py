@@ -14,14 +14,16 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from meshfold.ir import Graph, Mesh
 from meshfold.ir.graph import local_nbytes
-from meshfold.passes.base import PassContext
 from meshfold.passes.cost.liveness import rank_memory
 from meshfold.passes.sharding.ilp.program import STATE_COPIES
 from meshfold.target.hardware import Cluster
+
+if TYPE_CHECKING:
+    from meshfold.passes.context import PassContext
 
 WORKING_SLACK = 0.02
 """A working set at most this share of the bound is left to the memory pass: no second solve."""
@@ -47,7 +49,7 @@ def fitted(ctx: PassContext, bound: int | None, lay_out: Callable[[PassContext, 
     if bound is None:
         return lay_out(ctx, None)
     out, trial = on_trial(ctx, lambda c: lay_out(c, bound))
-    work = working_set(out, ctx.cluster)
+    work = working_set(out, ctx.options.cluster)
     if work <= WORKING_SLACK * bound:
         trial.commit(ctx)
         return out

@@ -25,15 +25,19 @@ from __future__ import annotations
 import math
 from collections.abc import Hashable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 from meshfold.ir import Graph, Layout, Mesh, Placement, Value
 from meshfold.passes import cp
-from meshfold.passes.base import PassContext, PassError
+from meshfold.passes.base import PassError
 from meshfold.passes.sharding.ilp.block_ties import Ties
 from meshfold.passes.sharding.ilp.problem import AxisStart, AxisStats, Problem, Solution
 from meshfold.passes.sharding.ilp.program import AxisProgram
 from meshfold.passes.sharding.plans import AUTO, Plan, resolve, sequence_axes
 from meshfold.passes.sharding.strategy import Strategy
+
+if TYPE_CHECKING:
+    from meshfold.passes.context import PassContext
 
 __all__ = ["AxisStats", "Problem", "Solution", "preset_plan", "report", "seeded", "solve"]
 
