@@ -20,7 +20,7 @@ from meshfold.backends.eager import Lowered, RankContext, lower
 from meshfold.backends.select import select
 from meshfold.passes import PassError
 from meshfold.passes.base import quiet
-from meshfold.passes.memory import memory_line
+from meshfold.passes.memory.activations import memory_line
 from meshfold.passes.options import Options, PlanSpec
 from meshfold.passes.schedule.timeline import predicted, to_chrome_trace, write_trace
 from meshfold.passes.sharding.ilp.problem import solve_report
@@ -32,7 +32,7 @@ from meshfold.pp.tied import tied_parameters
 from meshfold.runtime.groups import MeshGroups
 from meshfold.runtime.parallel_module import ParallelModule
 from meshfold.runtime.programs import Program
-from meshfold.runtime.signature import Signature
+from meshfold.runtime.signature import Signature, under_autocast
 from meshfold.session import check_backend, compile_model, progress
 from meshfold.target.hardware import device_cluster
 
@@ -223,7 +223,8 @@ class _Recompiler:
         was = self.shapes.training
         self.shapes.train(sig.training)
         try:
-            compiled = _compile_once(self.shapes, inputs, opts, first=False)
+            with under_autocast(sig.autocast):  # NOTE: capture records autocast's casts as the call has them
+                compiled = _compile_once(self.shapes, inputs, opts, first=False)
         finally:
             self.shapes.train(was)
         return compiled.graph, compiled.guards

@@ -5,7 +5,7 @@ from __future__ import annotations
 from meshfold.passes.base import Pass
 from meshfold.passes.cleanup import Cleanup
 from meshfold.passes.cp.steps import RingSteps
-from meshfold.passes.memory import Memory
+from meshfold.passes.memory.activations import Memory
 from meshfold.passes.moe.fold import MoeFold
 from meshfold.passes.schedule.bucket import Bucket
 from meshfold.passes.schedule.overlap import Overlap

@@ -25,10 +25,10 @@ from rich.table import Table
 
 from meshfold import ir
 from meshfold.passes import Pass, PassError, PassFailure, PassPipeline, PassTiming, default_registry, pass_spelling
-from meshfold.passes.memory import memory_line
+from meshfold.passes.memory.activations import memory_line
 from meshfold.passes.options import Options
 from meshfold.passes.schedule.timeline import predicted, to_chrome_trace, write_trace
-from meshfold.passes.sharding.ilp.problem import step_line
+from meshfold.passes.sharding.ilp.problem import attention_lines, step_line
 from meshfold.pp.stage_plan import pipeline_line
 from meshfold.rewrites.capture_passes import CAPTURE_PASSES, CapturePass, capture_pipeline
 from meshfold.session import compile_model, progress
@@ -271,8 +271,7 @@ def _run(args: argparse.Namespace, out: Console, err: Console) -> int:
         plan = result.options.effective_plan() if "sharding" in names else None
         for table in moe_tables(result.graph, plan, mesh, result.options.moe):
             out.print(table)
-        attention = result.stats.get("cp.attention")
-        cp = [str(x) for x in attention] if isinstance(attention, tuple) else []
+        cp = attention_lines(result.stats)
         staged = pipeline_line(result.staged) if result.staged is not None else None
         for line in (memory_line(result.stats), _overlap_line(result.stats), *cp, staged):
             if line:

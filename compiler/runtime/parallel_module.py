@@ -31,7 +31,7 @@ from meshfold.rewrites.moe_lists import as_unstacked, stack_tensors
 from meshfold.runtime.crosscheck import Verifier
 from meshfold.runtime.groups import dtensor_placements
 from meshfold.runtime.programs import Compiler, Program, Programs
-from meshfold.runtime.signature import Signature, agree, arg_names, collective_device
+from meshfold.runtime.signature import Signature, agree, arg_names, autocast_off, collective_device
 from meshfold.tracing.tracer import output_structure
 
 
@@ -42,7 +42,8 @@ class _Step(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, runner: ParallelModule, program: Program, low: Lowered, *tensors: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:
-        outs = low.forward(*tensors)
+        with autocast_off():  # NOTE: a program compiled under autocast holds its casts as ops
+            outs = low.forward(*tensors)
         k = len(low.fwd_outputs)
         end = k + low.n_saved
         if runner._mf_verifier is not None:
@@ -75,7 +76,8 @@ class _Step(torch.autograd.Function):
             if g is not None:
                 reached.add(t)
             tangents.append(g if g is not None else torch.zeros(shape, dtype=dtype))
-        outs = low.backward(*ctx.saved_tensors, *tangents)
+        with autocast_off():
+            outs = low.backward(*ctx.saved_tensors, *tangents)
         n = len(low.bwd_outputs)
         verifier = runner._mf_verifier
         if verifier is not None:
@@ -214,7 +216,11 @@ class ParallelModule(nn.Module):
                 dt = distribute_tensor(x, self._mf_mesh, dtensor_placements(layout), src_data_rank=None)
                 tensors.append(dt.to_local())
         # NOTE: a forward-only program (no grad) runs outside autograd: nothing is saved, no backward exists
-        results = _Step.apply(self, program, low, *tensors) if sig.grad else low.forward(*tensors)
+        if sig.grad:
+            results = _Step.apply(self, program, low, *tensors)
+        else:
+            with autocast_off():
+                results = low.forward(*tensors)
         outs: list[torch.Tensor] = []
         with torch.no_grad():
             for r, (kind, name) in zip(results, low.fwd_outputs, strict=True):

@@ -91,7 +91,8 @@ class Template:
         """Each symbol's value for a call of ``sig``, when the template covers it: the same call but
         for the symbolic sizes, and every guard holds for them."""
         base = self.signature
-        if (sig.training, sig.grad) != (base.training, base.grad) or len(sig.inputs) != len(base.inputs):
+        same_mode = (sig.training, sig.grad, sig.autocast) == (base.training, base.grad, base.autocast)
+        if not same_mode or len(sig.inputs) != len(base.inputs):
             return None
         user = iter(i.value.type for i in self.graph.inputs if i.kind == "input")
         found: dict[str, int] = {}

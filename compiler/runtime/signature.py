@@ -13,6 +13,7 @@ every rank raises the same ``CallMismatch`` before any collective of the program
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import inspect
 from collections.abc import Sequence
@@ -40,16 +41,20 @@ class Signature:
     """Per positional input: ``("tensor", shape, dtype, device type, requires_grad)`` or ``("value", repr)``."""
     training: bool
     grad: bool
+    autocast: tuple[tuple[str, str], ...] = ()
+    """``(device type, dtype)`` of every device ``torch.autocast`` is on for: a program captured under
+    it has autocast's casts in its graph, and runs with autocast off."""
 
     @staticmethod
     def of(inputs: Sequence[Any], training: bool, grad: bool | None = None) -> Signature:
+        """The call's signature, in the grad and autocast state it is made in (``grad``: given)."""
         specs = tuple(
             ("tensor", tuple(x.shape), x.dtype, x.device.type, x.requires_grad)
             if isinstance(x, torch.Tensor)
             else ("value", _value_text(x))
             for x in inputs
         )
-        return Signature(specs, training, torch.is_grad_enabled() if grad is None else grad)
+        return Signature(specs, training, torch.is_grad_enabled() if grad is None else grad, autocast_state())
 
     def digest(self) -> int:
         """A 62-bit hash, equal on every rank for equal signatures (unlike ``hash``, which is salted)."""
@@ -57,7 +62,8 @@ class Signature:
         return int.from_bytes(raw, "little") >> 2
 
     def mode(self) -> str:
-        return f"{'train' if self.training else 'eval'}{'' if self.grad else ', no grad'}"
+        casts = "".join(f", autocast {d} {ir.dtype_name(getattr(torch, t))}" for d, t in self.autocast)
+        return f"{'train' if self.training else 'eval'}{'' if self.grad else ', no grad'}{casts}"
 
     def describe(self, names: Sequence[str] = ()) -> str:
         parts = []
@@ -89,6 +95,37 @@ class Signature:
         if len(self.inputs) != len(other.inputs):
             return f"the call has {len(self.inputs)} inputs; the program was compiled for {len(other.inputs)}"
         return f"the module is in {self.mode()} mode; the program was compiled in {other.mode()} mode"
+
+
+AUTOCAST_DEVICES = ("cpu", "cuda")
+"""The device types whose ``torch.autocast`` state a call's signature records."""
+
+
+def autocast_state() -> tuple[tuple[str, str], ...]:
+    """``(device type, dtype name)`` for each device type autocast is on for now."""
+    return tuple(
+        (d, str(torch.get_autocast_dtype(d)).removeprefix("torch."))
+        for d in AUTOCAST_DEVICES
+        if torch.is_autocast_enabled(d)
+    )
+
+
+def under_autocast(state: tuple[tuple[str, str], ...]) -> contextlib.ExitStack:
+    """A context in which autocast is on exactly for ``state``'s devices (with its dtypes), off for the
+    others: what a program of that signature is captured in."""
+    stack = contextlib.ExitStack()
+    on = dict(state)
+    for d in AUTOCAST_DEVICES:
+        if d in on:
+            stack.enter_context(torch.autocast(d, dtype=getattr(torch, on[d])))
+        elif torch.is_autocast_enabled(d):
+            stack.enter_context(torch.autocast(d, enabled=False))
+    return stack
+
+
+def autocast_off() -> contextlib.ExitStack:
+    """A context with autocast off on every device: what a program runs in (its casts are its own ops)."""
+    return under_autocast(())
 
 
 def _value_text(x: object) -> str:

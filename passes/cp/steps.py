@@ -100,8 +100,7 @@ def _report(ctx: PassContext, sizes: dict[str, int], rings: dict[Op, str], metho
                 f"context parallel on {axis!r}: {n} {kind} as {sizes[axis]} steps each, their {what} "
                 "passed by comm.ppermute ops the overlap pass schedules"
             )
-    before = ctx.stats.get("cp.attention")
-    ctx.stats["cp.attention"] = (*(before if isinstance(before, tuple) else ()), *lines)
+    ctx.stats["cp.ring_steps"] = tuple(lines)
 
 
 def ring_axis(graph: Graph, op: Op) -> str | None:

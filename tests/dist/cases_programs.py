@@ -146,3 +146,57 @@ def modes_and_seeds(steps: int = 3, backend: str = "eager") -> dict[str, Any]:
     )
     said["programs"] = pm.programs()
     return said
+
+
+class _Mlp(nn.Module):
+    """Two linears and a GELU with an MSE loss: under autocast the linears run in bf16, the loss in fp32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(16, 64)
+        self.down = nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.mse_loss(self.down(nn.functional.gelu(self.up(x))), y)
+
+
+def autocast_calls() -> dict[str, Any]:
+    """A module compiled outside autocast, called under ``torch.autocast("cpu", bfloat16)``: a
+    program of its own for that state, equal to the single-device model under the same autocast;
+    called outside it again, the first program, equal to the fp32 model.
+
+    Bounds: with the batch split (fsdp on dp), every row's forward is the single-device row's, so the
+    loss agrees to fp32 rounding. A weight gradient is a sum over the batch: each rank's bf16 matmul
+    rounds its part once (half an ulp, 2^-9 relative) where one device rounds the whole sum once, so
+    the two differ by at most 2^-9 (sum of |parts| + |sum|); with the parts' magnitudes below the
+    largest gradient element times the ranks, 2^-9 * (4 + 1) < 2^-6 of the largest element."""
+    warnings.filterwarnings("ignore")
+    mesh = device_mesh((4,), ("dp",))
+    torch.manual_seed(0)
+    net, ref = _Mlp(), _Mlp()
+    ref.load_state_dict(net.state_dict())
+    x, y = torch.randn(8, 16), torch.randn(8, 16)
+    pm = parallelize(net, mesh, (x, y))  # NOTE: the mesh's default plan: fsdp on dp
+    said: dict[str, Any] = {}
+
+    def step(cast: bool) -> tuple[float, float]:
+        for p in [*pm.parameters(), *ref.parameters()]:
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast):
+            got, want = pm(x, y), ref(x, y)
+        torch.testing.assert_close(got.detach(), want.detach(), rtol=RTOL, atol=ATOL)
+        got.backward()
+        want.backward()
+        bound = 2.0**-6 if cast else ATOL
+        for (name, p), q in zip(pm.named_parameters(), ref.parameters(), strict=True):
+            assert q.grad is not None
+            worst = float((p.grad.full_tensor() - q.grad).abs().max())
+            assert worst <= bound * float(q.grad.abs().max()) + ATOL, (name, worst, float(q.grad.abs().max()))
+        return float(got), float(want)
+
+    plain = step(False)
+    cast = step(True)
+    said["autocast changes the loss"] = abs(cast[0] - plain[0]) > 1e-6
+    said["again without autocast"] = step(False) == plain
+    said["programs"] = [text for text, _ in pm.programs()]
+    return said

@@ -29,3 +29,14 @@ def test_modes_no_grad_and_per_rank_seeds(rank_pools: RankPools) -> None:
     assert all(r == said for r in results), results
     assert said["backward collectives without grad"] == [0, 0]
     assert len(said["programs"]) == 4
+
+
+def test_a_call_under_autocast_gets_a_program_of_its_own(rank_pools: RankPools) -> None:
+    results = rank_pools.get(4).run("tests.dist.cases_programs:autocast_calls")
+    said = results[0]
+    assert all(r == said for r in results), results
+    assert said["autocast changes the loss"] and said["again without autocast"]
+    assert sorted(said["programs"]) == [
+        "(x: f32[8, 16], y: f32[8, 16]) in train mode",
+        "(x: f32[8, 16], y: f32[8, 16]) in train, autocast cpu bf16 mode",
+    ]

@@ -149,7 +149,7 @@ def test_a_budget_computes_the_routed_experts_in_smaller_pieces() -> None:
     the predicted peak meets the budget, and the report line says so. The same program with those ops
     back in 512-pair pieces is over the budget."""
     from meshfold.ir.dialects.moe import EXPERTS_BACKWARD, ROWS, piece_rows, with_rows
-    from meshfold.passes.memory import memory_line
+    from meshfold.passes.memory.activations import memory_line
 
     net, _ = build("mixtral-tiny")
     ids = torch.randint(0, 256, (64, 64), generator=torch.Generator().manual_seed(0))

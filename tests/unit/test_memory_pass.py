@@ -11,7 +11,7 @@ from meshfold import ir
 from meshfold.passes.base import PassError
 from meshfold.passes.context import PassContext
 from meshfold.passes.cost.liveness import rank_memory
-from meshfold.passes.memory import Memory
+from meshfold.passes.memory.activations import Memory
 from meshfold.passes.memory.offload import offloaded, saved_activations
 from meshfold.passes.memory.policies import policy_values
 from meshfold.passes.memory.recompute import recompute

@@ -126,3 +126,27 @@ def test_a_preset_with_experts_solves_without_falling_back(dispatcher: str) -> N
     options = Options.of(mesh="dp=2,tp=2", plan="fsdp+tp", moe={"ep": 4, "dispatcher": dispatcher})
     result = compile_model(model, inputs, options)
     assert not [d for d in result.diagnostics if "fall back" in d], result.diagnostics
+
+
+def test_every_option_a_shell_can_spell_is_a_pass_debug_flag_with_its_default() -> None:
+    """pass-debug's option flags are generated from ``Options``: a new field is a new flag."""
+    import dataclasses
+
+    from meshfold.tools.pass_debug import _arg_parser
+
+    actions = {a.dest: a for a in _arg_parser()._actions}
+    flagged = {f.name: f for f in Options.flags()}
+    assert {n: actions[n].default for n in flagged} == {n: f.default for n, f in flagged.items()}
+    assert all(actions[n].help == f.metadata["help"] for n, f in flagged.items())
+    # NOTE: set from Python only: a function (memory_policy, through memory=), the runtime's knobs, and
+    # what the front door derives per call
+    python_only = {f.name for f in dataclasses.fields(Options)} - set(flagged)
+    assert python_only == {"memory_policy", "verify", "cache_size", "timeout", "dynamic", "grad"}
+
+
+def test_an_unknown_option_is_refused_naming_the_nearest() -> None:
+    with pytest.raises(PassError, match="unknown option memroy='6GiB'; did you mean 'memory'"):
+        Options.of(mesh="dp=2", memroy="6GiB")
+    with pytest.raises(PassError, match="timeout must be positive"):
+        Options.of(timeout=0)
+    assert Options.of(mesh="dp=2,tp=2").effective_plan() == Plan.of("fsdp+tp")

@@ -147,12 +147,21 @@ def step_line(stats: Mapping[str, object]) -> str | None:
     return line
 
 
+def attention_lines(stats: Mapping[str, object]) -> tuple[str, ...]:
+    """How attention reads a split sequence, from a compile's ``PassContext.stats``: the sharding
+    pass's choice per attention (``passes.cp.describe``), then the ring steps ``ring-steps`` wrote out."""
+    lines: list[str] = []
+    for key in ("cp.attention", "cp.ring_steps"):
+        got = stats.get(key)
+        lines += [str(x) for x in got] if isinstance(got, tuple) else []
+    return tuple(lines)
+
+
 def solve_report(stats: Mapping[str, object]) -> tuple[str, ...]:
     """The sharding solve of a compile in lines: each mesh axis's program and how far HiGHS got
     (optimal or stopped at the node limit, and the gap), then ``step_line``; then how attention reads
-    a split sequence (``passes.cp.describe``); empty if none of it ran."""
-    attention = stats.get("cp.attention")
-    cp = tuple(str(x) for x in attention) if isinstance(attention, tuple) else ()
+    a split sequence (``attention_lines``); empty if none of it ran."""
+    cp = attention_lines(stats)
     axes = stats.get("sharding.solve")
     if not isinstance(axes, tuple):
         return cp
