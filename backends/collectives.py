@@ -30,7 +30,7 @@ from dataclasses import dataclass, replace
 import torch
 import torch.fx as fx
 
-from meshfold.backends.wire import as_complex, as_real, complex_operands
+from meshfold.backends.wire import as_bytes, as_complex, as_real, complex_operands, float8_operands, from_bytes
 from meshfold.ir import Mesh, Op, OpDef, TensorType
 from meshfold.ir.ops import (
     ALL_GATHER,
@@ -96,7 +96,16 @@ def issue(
     which = complex_operands(op)
     if size == 1:
         return Issued(None, results=tuple(xs))  # NOTE: every layout change on a one-rank axis is the identity
-    if not any(which) or target in (SHARD, PARTIAL):  # NOTE: those two stay on this rank: any dtype
+    if target in (SHARD, PARTIAL):  # NOTE: those two stay on this rank: any dtype
+        return _issued(g, op, xs, size, group, coord, local, gloo)
+    bytes8 = float8_operands(op)
+    if any(bytes8):
+        dtypes = [v.type.dtype if b else None for v, b in zip(op.operands, bytes8, strict=True)]  # type: ignore[union-attr]
+        inner = _issued(g, op, as_bytes(g, xs, bytes8), size, group, coord, local, gloo)
+        done = inner.finish
+        assert done is not None
+        return replace(inner, finish=lambda g, out: from_bytes(g, done(g, out), dtypes))
+    if not any(which):
         return _issued(g, op, xs, size, group, coord, local, gloo)
     real, sent = as_real(g, xs, local, which)
     inner = _issued(g, op, real, size, group, coord, sent, gloo)

@@ -139,3 +139,30 @@ def select(backend: str, graph: Graph, lowered: Lowered, rank: RankContext, devi
 
 
 __all__ = ["Backend", "backend_names", "get_backend", "get_onnx", "register", "select"]
+
+
+def check_float8(graph: Graph, device: torch.device) -> None:
+    """Raise ``PassError`` naming the first float8 matmul (``aten._scaled_mm``, what torchao's
+    ``Float8Linear`` captures as) when this host cannot run one on ``device`` (``float8_refusal``)."""
+    import torch
+
+    op = next((op for op in graph.ops if op.target == torch.ops.aten._scaled_mm.default), None)
+    why = None if op is None else float8_refusal(device)
+    if op is not None and why is not None:
+        raise PassError(
+            f"{op.describe()}: this host cannot run float8 matmuls on {device.type} ({why}); run on a device "
+            "with float8 support (e.g. an H100), or train without torchao's float8 conversion"
+        )
+
+
+def float8_refusal(device: torch.device) -> str | None:
+    """Why a tiny float8 matmul does not run on ``device`` here, or None when it does."""
+    import torch
+
+    try:
+        a = torch.ones(16, 16, device=device).to(torch.float8_e4m3fn)
+        one = torch.ones((), device=device)
+        torch._scaled_mm(a, a.t(), one, one, out_dtype=torch.float32)
+    except (RuntimeError, NotImplementedError) as e:
+        return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return None

@@ -49,3 +49,23 @@ def as_real(
 def as_complex(g: fx.Graph, outs: Sequence[fx.Node], which: Sequence[bool]) -> list[fx.Node]:
     """A comm op's results, those of its complex operands (``which``) viewed as complex again."""
     return [g.call_function(aten.view_as_complex.default, (o,)) if c else o for o, c in zip(outs, which, strict=True)]
+
+
+def float8_operands(op: Op) -> list[bool]:
+    """For each operand of the comm op ``op``: whether it is float8, which no collective takes (gloo
+    refuses the dtype): such values cross as their bytes (``uint8`` views of the same shape), which a
+    collective that only moves values (a gather, an all-to-all, a permute) moves unchanged."""
+    return [
+        isinstance(v.type, TensorType) and v.type.dtype.is_floating_point and v.type.dtype.itemsize == 1
+        for v in op.operands
+    ]
+
+
+def as_bytes(g: fx.Graph, xs: Sequence[fx.Node], which: Sequence[bool]) -> list[fx.Node]:
+    """The operands ``which`` says (``float8_operands``) viewed as ``uint8``."""
+    return [g.call_function(aten.view.dtype, (x, torch.uint8)) if b else x for x, b in zip(xs, which, strict=True)]
+
+
+def from_bytes(g: fx.Graph, outs: Sequence[fx.Node], dtypes: Sequence[torch.dtype | None]) -> list[fx.Node]:
+    """A comm op's results, those of its float8 operands viewed as their ``dtypes`` again."""
+    return [o if d is None else g.call_function(aten.view.dtype, (o, d)) for o, d in zip(outs, dtypes, strict=True)]

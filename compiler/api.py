@@ -17,11 +17,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshfold import ir
 from meshfold.backends.eager import Lowered, RankContext, lower
-from meshfold.backends.select import select
+from meshfold.backends.select import check_float8, select
 from meshfold.passes import PassError
 from meshfold.passes.base import quiet
 from meshfold.passes.memory.activations import memory_line
 from meshfold.passes.options import Options, PlanSpec
+from meshfold.passes.precision import MASTER
 from meshfold.passes.schedule.timeline import predicted, to_chrome_trace, write_trace
 from meshfold.passes.sharding.ilp.problem import solve_report
 from meshfold.passes.stages import PP, PipelineSpec
@@ -129,6 +130,8 @@ def parallelize(
         options["cluster"] = device_cluster(torch.cuda.get_device_name(), per_node, mesh.size())
     opts = Options.of(mesh=ir_mesh(mesh), plan=plan, **options)
     check_backend(opts.backend)
+    if opts.precision is not None:
+        check_precision(opts, model)
     if model is None:
         return _decorator(mesh, opts, example_inputs)
     if example_inputs is None:
@@ -173,6 +176,21 @@ def _pipelined(
     return PipelinedModule(model, full, sub, planned, held, names, tied_parameters(graphs), lines, check)
 
 
+def check_precision(options: Options, model: nn.Module | None) -> None:
+    """Raise ``PassError`` unless ``options.precision`` can hold ``model``'s parameters as fp32 master
+    weights (every rank checks the same model, before any collective); a policy does not yet combine
+    with a pipeline or with ``verify``."""
+    if options.pp is not None or options.verify:
+        what = "a pp axis" if options.pp is not None else "verify=True"
+        raise PassError(f"precision= does not combine with {what} yet; drop one of them")
+    for name, p in [] if model is None else model.named_parameters():
+        if p.is_floating_point() and p.dtype != MASTER:
+            raise PassError(
+                f"precision= keeps the parameters as fp32 master weights, but {name} is {p.dtype}; "
+                "call model.float() first (the policy casts them for compute), or drop precision="
+            )
+
+
 def _compile(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -181,6 +199,8 @@ def _compile(
 ) -> ParallelModule:
     if not dist.is_initialized():
         raise PassError("parallelize needs torch.distributed initialized (run under torchrun or spawn ranks)")
+    if options.precision is not None:
+        check_precision(options, model)
     world = dist.get_world_size()
     if mesh.size() != world:
         raise PassError(
@@ -301,6 +321,7 @@ def _compile_once(model: nn.Module, example_inputs: Sequence[Any], options: Opti
         try:
             rng_state = torch.get_rng_state()
             result = compile_model(model, example_inputs, options)
+            check_float8(result.graph, _device_of(example_inputs))
             memory = memory_line(result.stats)
             report = (*solve_report(result.stats), *([memory] if memory else []))
             payload[0] = ("ok", str(result.graph), rng_state, result.guards, report, result.staged)
@@ -315,6 +336,11 @@ def _compile_once(model: nn.Module, example_inputs: Sequence[Any], options: Opti
     if kind != "ok":
         raise PassError(text if not first else f"compilation failed on rank 0: {text}")
     return _Compiled(ir.parse(text, positions=False), rng_state, tuple(guards), tuple(report), staged)
+
+
+def _device_of(inputs: Sequence[Any]) -> torch.device:
+    """Where a program runs: its first tensor input's device (CPU for a call with none)."""
+    return next((x.device for x in inputs if isinstance(x, torch.Tensor)), torch.device("cpu"))
 
 
 M = TypeVar("M", bound=nn.Module)

@@ -102,6 +102,7 @@ def compile_model(
                 guards=guards,
                 passes=opts.capture,
                 after_pass=after_capture,
+                precision=opts.precision,
             )
         hints = _hints(captured, example_inputs, opts.dynamic)
     if not opts.grad:

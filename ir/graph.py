@@ -343,6 +343,14 @@ class GraphBuilder:
         self._inputs.append(GraphInput(kind, v))
         return v
 
+    def keep_input(self, i: GraphInput) -> None:
+        """An input of the graph being rewritten, kept as it is (ops reading its value need no remap)."""
+        self._inputs.append(i)
+
+    @property
+    def inputs(self) -> tuple[GraphInput, ...]:
+        return tuple(self._inputs)
+
     def add_op(
         self,
         target: Target,

@@ -28,6 +28,8 @@ def reduce_refusal(reduce: str, dtype: torch.dtype) -> str | None:
         return "a mean of integers or bools is no integer or bool; sum them and divide in floating point"
     if reduce == "sum" and dtype == torch.bool:
         return "a sum of bools is no bool; sum them as integers, or reduce with max (any)"
+    if dtype.is_floating_point and dtype.itemsize == 1:
+        return "collectives do not reduce float8 values (nor NCCL nor gloo); reduce them in bf16 or fp32"
     return None
 
 

@@ -54,3 +54,26 @@ class Pass:
     def properties_after(self, before: frozenset[str]) -> frozenset[str]:
         kept = frozenset() if "*" in self.invalidates else before - self.invalidates
         return kept | self.ensures
+
+
+def key_values(text: str, what: str, example: str) -> dict[str, object]:
+    """``ep=4,etp=1`` as ``{"ep": 4, "etp": 1}`` (an int, float or boolean where the value spells
+    one): how the shell writes a mapping option (``moe``, ``pp``); ``what`` names it in errors."""
+    spec: dict[str, object] = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, eq, raw = item.partition("=")
+        if not eq or not key.strip() or not raw.strip():
+            raise PassError(f"{what} {text!r}: write key=value pairs, e.g. {example}")
+        spec[key.strip()] = _value(raw.strip())
+    if not spec:
+        raise PassError(f"{what} {text!r} is empty; e.g. {example}")
+    return spec
+
+
+def _value(raw: str) -> object:
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return {"true": True, "false": False}.get(raw.lower(), raw)

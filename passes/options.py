@@ -18,18 +18,19 @@ from pathlib import Path
 from typing import Any
 
 from meshfold.ir import Mesh
-from meshfold.passes.base import JOINT, PassError
+from meshfold.passes.base import JOINT, PassError, key_values
 from meshfold.passes.cp import CpSpec
 from meshfold.passes.memory.policies import Saved
 from meshfold.passes.moe.spec import MoeSpec, check_spec
 from meshfold.passes.pipeline import PassPipeline, parse_size
+from meshfold.passes.precision import Precision
 from meshfold.passes.sharding.plans import Plan, axis_roles, effective_plan, sequence_axes
 from meshfold.passes.stages import AUTO, PP, PipelineSpec
 from meshfold.target.hardware import Cluster, parse_cluster
 
 # NOTE: grows with every pass that lands. Without a mesh, sharding and boxing leave the
 # single-device graph as it is; without an expert mapping, moe-fold does.
-DEFAULT_PIPELINE = "cleanup,moe-fold,sharding,boxing,bucket,memory,ring-steps,overlap,verify"
+DEFAULT_PIPELINE = "cleanup,moe-fold,sharding,boxing,precision,bucket,memory,ring-steps,overlap,verify"
 DEFAULT_CACHE = 8
 """Programs a module keeps (one per call signature: shapes, mode, grad), least recently used first out."""
 MEMORY_POLICIES = ("full", "selective", "kv", "offload")
@@ -98,6 +99,15 @@ class Options:
             "what the memory pass recomputes or offloads (set by memory=: a policy name or a function of "
             "passes.memory.policies.Saved answering save, recompute or offload per value)",
             flag=None,
+        ),
+    )
+    precision: Precision | None = field(
+        default=None,
+        metadata=_help(
+            "mixed precision in FSDP2's terms: bf16 (bf16 parameters for compute and all-gathers, fp32 gradient "
+            "reduction), bf16-reduce, fp16, or param=bf16,reduce=fp32,output=fp32 (also a torch "
+            "MixedPrecisionPolicy); parameters and their gradients stay fp32; None: compute in the model's dtypes",
+            metavar="POLICY",
         ),
     )
     capture: str | None = field(
@@ -170,6 +180,7 @@ class Options:
             cluster=_cluster_of(given.pop("cluster", None)),
             memory=_memory_bound(memory),
             memory_policy=memory if callable(memory) or memory in MEMORY_POLICIES else None,
+            precision=Precision.of(given.pop("precision", None)),
             pipeline=str(PassPipeline.parse(given.pop("pipeline", DEFAULT_PIPELINE))),
             trace=Path(given.pop("trace")) if "trace" in given else None,
             timeout=_timeout_of(timeout),
@@ -209,6 +220,8 @@ class Options:
             check_spec(plan, self.moe, self.mesh)
             if "moe-fold" not in [p.name for p in passes.passes]:
                 raise PassError(f"moe= needs the moe-fold pass, which applies it; pipeline {passes} has none")
+        if self.precision is not None and "precision" not in [p.name for p in passes.passes]:
+            raise PassError(f"precision= needs the precision pass, which places its casts; pipeline {passes} has none")
         if self.cp is not None and (
             plan is None or self.mesh is None or not sequence_axes(axis_roles(plan, self.mesh))
         ):
@@ -217,29 +230,6 @@ class Options:
                 "'cp+tp', 'fsdp+cp') on a mesh with a 'cp' axis"
             )
         return passes
-
-
-def key_values(text: str, what: str, example: str) -> dict[str, object]:
-    """``ep=4,etp=1`` as ``{"ep": 4, "etp": 1}`` (an int, float or boolean where the value spells
-    one): how the shell writes a mapping option (``moe``, ``pp``); ``what`` names it in errors."""
-    spec: dict[str, object] = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, eq, raw = item.partition("=")
-        if not eq or not key.strip() or not raw.strip():
-            raise PassError(f"{what} {text!r}: write key=value pairs, e.g. {example}")
-        spec[key.strip()] = _value(raw.strip())
-    if not spec:
-        raise PassError(f"{what} {text!r} is empty; e.g. {example}")
-    return spec
-
-
-def _value(raw: str) -> object:
-    for kind in (int, float):
-        try:
-            return kind(raw)
-        except ValueError:
-            pass
-    return {"true": True, "false": False}.get(raw.lower(), raw)
 
 
 def to_plan(plan: PlanSpec, mesh: Mesh | None) -> Plan:

@@ -7,13 +7,25 @@ from meshfold.passes.cleanup import Cleanup
 from meshfold.passes.cp.steps import RingSteps
 from meshfold.passes.memory.activations import Memory
 from meshfold.passes.moe.fold import MoeFold
+from meshfold.passes.precision import Casts
 from meshfold.passes.schedule.bucket import Bucket
 from meshfold.passes.schedule.overlap import Overlap
 from meshfold.passes.sharding.boxing import Boxing
 from meshfold.passes.sharding.propagate import Sharding
 from meshfold.passes.verify import Verify
 
-_PASSES: tuple[type[Pass], ...] = (Cleanup, MoeFold, Sharding, Boxing, Bucket, Memory, RingSteps, Overlap, Verify)
+_PASSES: tuple[type[Pass], ...] = (
+    Cleanup,
+    MoeFold,
+    Sharding,
+    Boxing,
+    Casts,
+    Bucket,
+    Memory,
+    RingSteps,
+    Overlap,
+    Verify,
+)
 
 
 def default_registry() -> dict[str, type[Pass]]:

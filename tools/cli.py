@@ -16,16 +16,23 @@ from meshfold.tools import plan_cli
 # commands that need them.
 
 
-def write_dumps(model_name: str, mesh: Any, plan: str, dump_dir: Path, moe: dict[str, Any] | None = None) -> Path:
+def write_dumps(
+    model_name: str,
+    mesh: Any,
+    plan: str,
+    dump_dir: Path,
+    moe: dict[str, Any] | None = None,
+    precision: str | None = None,
+) -> Path:
     """Compile ``model_name`` for ``mesh`` in this process (the one compile path, as ``parallelize``
-    does on rank 0) and dump every step (text, dot, html); ``moe`` is the expert mapping, as
-    ``parallelize(..., moe=)`` takes it."""
+    does on rank 0) and dump every step (text, dot, html); ``moe`` is the expert mapping and
+    ``precision`` the mixed-precision policy, as ``parallelize`` takes them."""
     from meshfold.passes.options import Options
     from meshfold.session import compile_model
     from meshfold.tools.dumps import DumpWriter
     from meshfold.tools.zoo import build
 
-    options = Options.of(mesh=mesh, plan=plan, moe=moe)
+    options = Options.of(mesh=mesh, plan=plan, moe=moe, precision=precision)
     model, inputs = build(model_name)
     writer = DumpWriter(dump_dir, options.check(), title=f"{model_name} on {mesh}, plan {plan}")
     try:
@@ -67,6 +74,11 @@ def main(argv: list[str] | None = None) -> int:
         default="eager",
         choices=("eager", "inductor"),
         help="how each rank's program runs: op by op, or compiled by Inductor (C++ kernels on CPU)",
+    )
+    d.add_argument(
+        "--precision",
+        default=None,
+        help="mixed precision policy, e.g. bf16 (bf16 compute and all-gathers, fp32 gradient reduction)",
     )
     d.add_argument(
         "--moe",
@@ -128,9 +140,12 @@ def main(argv: list[str] | None = None) -> int:
             from meshfold.tools.export_onnx import run_export
 
             return run_export(args.model, args.mesh, plan, args.out, moe)
-        index = write_dumps(args.model, mesh, plan, args.dump_dir, moe)
+        precision = getattr(args, "precision", None)
+        index = write_dumps(args.model, mesh, plan, args.dump_dir, moe, precision)
         console.print(f"pass dumps: {index.resolve()}")
-        return run_demo(args.model, args.mesh, plan, args.steps, args.dump_dir, moe=moe, backend=args.backend)
+        return run_demo(
+            args.model, args.mesh, plan, args.steps, args.dump_dir, moe=moe, backend=args.backend, precision=precision
+        )
     except (PassError, CaptureError, ValueError, CliError) as e:
         print(f"meshfold: {e}", file=sys.stderr)
         return 2

@@ -40,9 +40,13 @@ def guards_of(mode: FakeTensorMode) -> list[sympy.Basic]:
 
 @contextlib.contextmanager
 def fake_copies(
-    model: nn.Module, inputs: Sequence[Any], dynamic: Sequence[tuple[int, int]] = ()
+    model: nn.Module,
+    inputs: Sequence[Any],
+    dynamic: Sequence[tuple[int, int]] = (),
+    param_dtype: torch.dtype | None = None,
 ) -> Iterator[tuple[FakeTensorMode, list[Any]]]:
     """Fake versions of ``inputs`` in the fake mode the model's tensors already live in (or a new one).
+    ``param_dtype``: floating parameters are faked in it (a mixed-precision policy's compute dtype).
 
     NOTE: real and meta parameters are swapped for fake ones for the duration of the capture and
     restored afterwards, so a model with 70B parameters on ``meta`` is never materialized.
@@ -62,6 +66,9 @@ def fake_copies(
                         continue
                     if id(t) not in fakes:
                         fake = _fake_of(mode, t, device)
+                        if is_param and param_dtype is not None and fake.is_floating_point():
+                            with mode:
+                                fake = fake.to(param_dtype)
                         fakes[id(t)] = nn.Parameter(fake, requires_grad=t.requires_grad) if is_param else fake
                     store[key] = fakes[id(t)]
                     swapped.append((mod, key, is_param, t))
@@ -100,3 +107,29 @@ def _existing_fake_mode(model: nn.Module, inputs: Sequence[Any]) -> FakeTensorMo
         if isinstance(t, FakeTensor):
             return t.fake_mode
     return None
+
+
+@contextlib.contextmanager
+def cast_at_the_edges(model: nn.Module, inputs: torch.dtype | None, outputs: torch.dtype | None) -> Iterator[None]:
+    """For a capture, the forward's floating tensor arguments cast to ``inputs`` and its floating
+    tensor results to ``outputs`` (None: as they are), by hooks on ``model`` that dynamo traces: the
+    casts are ops of the graph, as FSDP2's ``cast_forward_inputs`` and ``output_dtype`` make them."""
+
+    def cast(dtype: torch.dtype) -> Any:
+        def one(x: Any) -> Any:
+            return x.to(dtype) if isinstance(x, torch.Tensor) and x.is_floating_point() else x
+
+        return lambda tree: torch.utils._pytree.tree_map(one, tree)
+
+    hooks = []
+    if inputs is not None:
+        into = cast(inputs)
+        hooks.append(model.register_forward_pre_hook(lambda _m, a, kw: (into(a), into(kw)), with_kwargs=True))
+    if outputs is not None:
+        out = cast(outputs)
+        hooks.append(model.register_forward_hook(lambda _m, _a, result: out(result)))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()

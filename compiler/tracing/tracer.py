@@ -29,6 +29,7 @@ from meshfold.ir import GraphBuilder, Provenance, Value, tensor_type
 from meshfold.ir.dialects.constant import CONSTANT, literal
 from meshfold.ir.types import type_of
 from meshfold.passes.pipeline import long_lived_heap
+from meshfold.passes.precision import Precision
 from meshfold.rewrites.capture_passes import AfterCapturePass, CaptureState, capture_pipeline, run_capture_passes
 from meshfold.rewrites.module_paths import module_path
 from meshfold.tracing.capture_errors import (
@@ -39,7 +40,7 @@ from meshfold.tracing.capture_errors import (
     source_line,
 )
 from meshfold.tracing.export_trace import dynamo_trace
-from meshfold.tracing.fakes import fake_copies, guards_of
+from meshfold.tracing.fakes import cast_at_the_edges, fake_copies, guards_of
 from meshfold.tracing.layer_runs import Run, find_runs, reduced
 from meshfold.tracing.moe_layers import MoeSpec, experts_as_ops, op_options
 from meshfold.tracing.unroll import Unfoldable, unroll
@@ -77,6 +78,7 @@ def capture(
     fold: bool = True,
     passes: str | None = None,
     after_pass: AfterCapturePass | None = None,
+    precision: Precision | None = None,
 ) -> ir.Graph:
     """Capture ``model(*example_inputs)`` and its backward as one joint ``ir.Graph``.
 
@@ -98,15 +100,25 @@ def capture(
     them, ``""``: none), ``after_pass(index, pass, text)`` called after each with the fx graph it left as
     text (once, for the trace that is kept).
 
+    ``precision``: the floating parameters are captured in its ``param`` dtype, the forward's floating
+    inputs and outputs cast as it says (``fakes.cast_at_the_edges``); the ``precision`` pass then
+    makes the parameters fp32 master weights again (``meshfold.passes.precision``).
+
     ``fold``: runs of identical layers are traced once and the rest stamped (``meshfold.tracing.layer_runs``,
     ``meshfold.tracing.unroll``): the same graph as tracing every layer, in time that hardly grows with depth.
     """
     graph_name = name or _snake(type(model).__name__)
     rewrites = capture_pipeline(passes)
+    param_dtype = None if precision is None else precision.param
     with (
         long_lived_heap(),
-        fake_copies(model, example_inputs, dynamic) as (fake_mode, fake_inputs),
+        fake_copies(model, example_inputs, dynamic, param_dtype) as (fake_mode, fake_inputs),
         experts_as_ops(model, moe),
+        cast_at_the_edges(
+            model,
+            param_dtype if precision is not None and precision.cast_inputs else None,
+            None if precision is None else precision.output,
+        ),
     ):
 
         def traced(runs: list[Run]) -> ir.Graph:

@@ -37,6 +37,7 @@ from meshfold.ir.ops import (
 )
 from meshfold.passes.base import Pass, PassError
 from meshfold.passes.blocks import op_blocks
+from meshfold.passes.precision import CAST
 from meshfold.passes.sharding.boxing import BOXED
 from meshfold.passes.sharding.cost import nbytes
 
@@ -63,7 +64,8 @@ class Bucket(Pass):
             return graph
         readers = _readers(graph)
         carried: dict[int, list[int]] = {}  # NOTE: member -> the views that move with it (``_way_out``)
-        groups = _groups(graph, readers, carried, self.mb * 2**20, (ctx.options.pp is not None))
+        casts: dict[int, int] = {}  # NOTE: gather member -> the cast of a parameter it reads (``_cast_input``)
+        groups = _groups(graph, readers, carried, self.mb * 2**20, (ctx.options.pp is not None), casts)
         # NOTE: op index where a bucket is emitted -> (block, member indices)
         anchor = {m[0] if kind == "gather" else m[-1]: (block, m) for kind, block, m in groups if len(m) > 1}
         while True:
@@ -74,10 +76,15 @@ class Bucket(Pass):
             for at in late:
                 del anchor[at]
         after = {at: sorted(v for k in m for v in carried.get(k, ())) for at, (_, m) in anchor.items()}
-        skip = {k for _, m in anchor.values() for k in m} | {v for vs in after.values() for v in vs}
+        before = {at: [casts[k] for k in m if k in casts] for at, (_, m) in anchor.items()}
+        skip = {k for _, m in anchor.values() for k in m} | {
+            v for vs in [*after.values(), *before.values()] for v in vs
+        }
         b = GraphBuilder.like(graph)
         for k, op in enumerate(graph.ops):
             if k in anchor:
+                for c in before[k]:
+                    b.append(graph.ops[c])
                 b.append(_merged([graph.ops[m] for m in anchor[k][1]], anchor[k][0]))
                 for v in after[k]:
                     b.append(graph.ops[v])
@@ -118,7 +125,12 @@ def _read_before(
 
 
 def _groups(
-    graph: Graph, readers: dict[Value, list[int]], carried: dict[int, list[int]], cap: float, pipelined: bool = False
+    graph: Graph,
+    readers: dict[Value, list[int]],
+    carried: dict[int, list[int]],
+    cap: float,
+    pipelined: bool = False,
+    casts: dict[int, int] | None = None,
 ) -> list[tuple[str, str, list[int]]]:
     """(kind, block, op indices in program order) of every bucket. A gradient's reduce-scatter on
     its way out belongs to the block that computed the gradient (``op_blocks``). ``pipelined``: ops of
@@ -126,8 +138,10 @@ def _groups(
     different pipeline stages run them). An all-reduce read only by other all-reduces (a gradient
     reduced over one axis, then another) may join a bucket too: ``Bucket.apply`` keeps that bucket
     only where its readers come after it. ``carried`` gets, for each reduction joining a bucket, the
-    views that take its result to the outputs (``_way_out``)."""
+    views that take its result to the outputs (``_way_out``). ``casts`` gets, for each all-gather of a
+    parameter's cast (the ``precision`` pass's), the index of that cast: it moves with the bucket."""
     inputs = {i.value for i in graph.inputs}
+    made_at = {r: k for k, op in enumerate(graph.ops) for r in op.results}
     keyed: dict[tuple[object, ...], list[int]] = defaultdict(list)
     blocks = op_blocks(graph)
     made = graph.producers() if pipelined else {}
@@ -139,7 +153,10 @@ def _groups(
         if pipelined and not block:
             source = made[x].prov.module if x in made else op.prov.module
             block = op.prov.module or source
-        if op.target == ALL_GATHER and x in inputs:
+        cast = _cast_input(graph, readers, inputs, made_at, x) if op.target == ALL_GATHER else None
+        if cast is not None and casts is not None:
+            casts[k] = cast
+        if op.target == ALL_GATHER and (x in inputs or (cast is not None and casts is not None)):
             keyed[("gather", axis, op.prov.phase, x.type.dtype, block)].append(k)
         elif op.target != ALL_GATHER and op.kwarg("reduce") in ("sum", "avg"):
             views = _way_out(graph, readers, op)
@@ -162,6 +179,18 @@ def _groups(
             size += nbytes(t)
         out.append((str(key[0]), str(key[4]), cur))
     return out
+
+
+def _cast_input(
+    graph: Graph, readers: dict[Value, list[int]], inputs: set[Value], made_at: dict[Value, int], x: Value
+) -> int | None:
+    """The index of the op making ``x`` when it is a cast of a graph input read by one op only (the
+    ``precision`` pass's cast of a parameter shard before its all-gather), else None."""
+    k = made_at.get(x)
+    if k is None or len(readers.get(x, ())) != 1:
+        return None
+    op = graph.ops[k]
+    return k if op.target == CAST and len(op.operands) == 1 and op.operands[0] in inputs else None
 
 
 def _way_out(graph: Graph, readers: dict[Value, list[int]], op: Op) -> list[int] | None:

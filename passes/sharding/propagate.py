@@ -55,6 +55,7 @@ from meshfold.passes.sharding.strategy import Strategy, fits_axis, keeps_pinned
 
 if TYPE_CHECKING:
     from meshfold.passes.context import PassContext
+    from meshfold.passes.precision import Precision
 
 SHARDED = "sharded"
 
@@ -191,6 +192,8 @@ def _solved(
         keys=keys,
         mirrored=mirrored,
     )
+    travels, states = precision_weights(graph, ctx.options.precision)
+    problem = replace(problem, travels=travels, states=states)
     presets = mesh_presets(mesh) if auto and not prop.pinned else []  # NOTE: presets lay out no expert weights
     preset = preset_plan(graph, mesh, problem, presets[0]) if presets else None
     try:
@@ -390,3 +393,23 @@ class _Propagator:
 
 
 __all__ = ["SHARDED", "Sharding"]
+
+
+def precision_weights(graph: Graph, policy: Precision | None) -> tuple[dict[Value, float], dict[Value, float]]:
+    """``Problem.travels`` and ``Problem.states`` under a precision policy: the graph was captured in
+    the policy's parameter dtype, the ``precision`` pass (after this one) reduces each gradient in the
+    reduce dtype and keeps each parameter in fp32; the solve prices them so."""
+    if policy is None:
+        return {}, {}
+    low = policy.param.itemsize
+    states = {
+        i.value: torch.float32.itemsize / low  # NOTE: the master weights (precision.MASTER)
+        for i in graph.inputs
+        if i.kind == "param" and isinstance(i.value.type, TensorType) and i.value.type.dtype == policy.param
+    }
+    travels = {
+        o.value: policy.reduce_dtype.itemsize / low
+        for o in graph.outputs
+        if o.kind == "grad" and isinstance(o.value.type, TensorType) and o.value.type.dtype == policy.param
+    }
+    return travels, states

@@ -1,6 +1,7 @@
 """Megatron tensor parallelism found from the graph's dataflow, not from module names.
 
-A linear layer is ``mm``/``addmm`` of an activation with ``t(W)`` for a 2-D parameter ``W``. Walking
+A linear layer is ``mm``/``addmm`` of an activation with ``t(W)`` for a 2-D parameter ``W`` (or
+float8's ``_scaled_mm`` of their float8 casts). Walking
 forward from a linear's output through ops that keep the hidden dimension's meaning (elementwise
 ops, views, transposes, attention), the first linears reached consume it: the first layer is
 column-parallel (``W`` sharded on its output dim 0), those it feeds are row-parallel (dim 1). A
@@ -58,6 +59,8 @@ def _linear_weight(op: Op, params: set[Value], producers: dict[Value, Op]) -> tu
         act, wt = op.args[0], op.args[1]
     elif op.target == aten.addmm.default:
         act, wt = op.args[1], op.args[2]
+    elif op.target == aten._scaled_mm.default:  # NOTE: float8: each factor reached through its cast
+        act, wt = _uncast(op.args[0], producers), _uncast(op.args[1], producers)
     else:
         return None
     if not isinstance(wt, Value) or not isinstance(act, Value):
@@ -67,6 +70,17 @@ def _linear_weight(op: Op, params: set[Value], producers: dict[Value, Op]) -> tu
         return None
     w = t_op.args[0]
     return (act, w) if isinstance(w, Value) and w in params else None
+
+
+_CASTS = (aten._to_copy.default, aten.clamp.default, aten.mul.Tensor, aten.clone.default)
+"""What float8's cast of a factor is made of: scaled (``mul``), clamped to the format's range, converted."""
+
+
+def _uncast(v: object, producers: dict[Value, Op]) -> object:
+    """The value float8's cast of ``v`` started from (``v`` itself when it is none)."""
+    while isinstance(v, Value) and v in producers and producers[v].target in _CASTS:
+        v = producers[v].args[0]
+    return v
 
 
 def megatron_roles(graph: Graph) -> dict[str, str]:

@@ -11,9 +11,9 @@ import pytest
 
 from tests.dist.conftest import RankPools
 
-DTYPES = ("f32", "bf16", "f16", "f64", "i64", "i32", "i8", "u8", "b8", "c64", "c128", "c32")
-"""The IR's dtypes (``ir.types.DTYPE_NAMES``) but the float8 ones, i16 and the unsigned integers wider
-than 8 bits, which gloo takes in no collective."""
+DTYPES = ("f32", "bf16", "f16", "f64", "i64", "i32", "i8", "u8", "b8", "c64", "c128", "c32", "f8e4m3fn", "f8e5m2")
+"""The IR's dtypes (``ir.types.DTYPE_NAMES``) but the fnuz float8 ones, i16 and the unsigned integers wider
+than 8 bits, which gloo takes in no collective; float8 values cross as their bytes, and are never reduced."""
 OPS = ("ag0", "ag1", "a2a01", "a2a10", "shift", "zigzag", "agb0", "agb1", "shard")
 """What every dtype goes through (``cases_dtypes._program``): all-gathers along dims 0 and 1 (the first
 started and waited on later), all-to-alls both ways, permutes (a ring's shift, the zigzag split), a
@@ -30,6 +30,9 @@ def _expected_outputs(names: tuple[str, ...]) -> list[str]:
     complex values, maxima but of complex ones (``ir.placement.reduce_refusal``)."""
     out = []
     for d in names:
+        if d.startswith("f8"):  # NOTE: float8 is moved, never reduced
+            out += [f"{k}_{d}" for k in OPS]
+            continue
         kinds = OPS + (SUMS if d != "b8" else ())
         kinds += MEANS if d[0] in "fbc" and d != "b8" else ()
         kinds += MAXIMA if d[0] != "c" else ()
@@ -41,9 +44,12 @@ def _expected_outputs(names: tuple[str, ...]) -> list[str]:
     ("backend", "gloo"), [("eager", True), ("eager", False), ("ascend", False)], ids=["gloo", "nccl", "ascend"]
 )
 def test_every_dtype_crosses_every_collective(rank_pools: RankPools, backend: str, gloo: bool) -> None:
-    out = rank_pools.get(4).run("tests.dist.cases_dtypes:collectives", names=DTYPES, backend=backend, gloo=gloo)
+    # NOTE: torchair has no converter for a float8 value's byte view (aten.view.dtype): the ascend
+    # backend refuses such a program, naming the node, before it runs
+    names = tuple(d for d in DTYPES if backend != "ascend" or not d.startswith("f8"))
+    out = rank_pools.get(4).run("tests.dist.cases_dtypes:collectives", names=names, backend=backend, gloo=gloo)
     for rank, r in enumerate(out):
-        assert r["compared"] == _expected_outputs(DTYPES), rank
+        assert r["compared"] == _expected_outputs(names), rank
         assert not r["wrong"], (rank, r["wrong"])
         assert not r["missized"], (rank, r["missized"])
 

@@ -273,8 +273,9 @@ def _profile(step: Callable[[], torch.Tensor], label: str) -> str:
     return f"--- {label}: top ops by self CPU time over 2 steps (rank 0) ---\n{table}"
 
 
-def _dtensor_model(model: nn.Module, mesh: Any, lm_head: str) -> nn.Module:
-    """torchtitan-style TP (colwise q/k/v/gate/up, rowwise o/down) over ``tp``, then FSDP2 over ``dp``.
+def _dtensor_model(model: nn.Module, mesh: Any, lm_head: str, mp_policy: Any = None) -> nn.Module:
+    """torchtitan-style TP (colwise q/k/v/gate/up, rowwise o/down) over ``tp``, then FSDP2 over ``dp``
+    (with ``mp_policy``, a ``MixedPrecisionPolicy``, where one is given).
 
     ``lm_head="loss-parallel"`` also shards the LM head on the vocab (logits stay a ``Shard(-1)``
     DTensor for ``loss_parallel``), as torchtitan does; ``"replicate"`` leaves it whole on every tp rank.
@@ -293,9 +294,10 @@ def _dtensor_model(model: nn.Module, mesh: Any, lm_head: str) -> nn.Module:
     if lm_head == "loss-parallel":
         head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
         parallelize_module(model, mesh["tp"], {"lm_head": head})
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
     for layer in layers:
-        fully_shard(layer, mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        fully_shard(layer, mesh=mesh["dp"], **policy)
+    fully_shard(model, mesh=mesh["dp"], **policy)
     return model
 
 

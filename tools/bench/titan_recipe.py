@@ -15,9 +15,11 @@ from torch import nn
 from meshfold.tools.bench.eager_vs_dtensor import BenchLlama
 
 
-def titan_model(model: BenchLlama, mesh: Any) -> nn.Module:
+def titan_model(model: BenchLlama, mesh: Any, mp_policy: Any = None) -> nn.Module:
     """torchtitan's Llama TP + sequence parallel over ``tp`` and FSDP2 with explicit prefetch over ``dp``
-    (the logits stay a vocab-sharded DTensor: run the loss under ``loss_parallel``)."""
+    (the logits stay a vocab-sharded DTensor: run the loss under ``loss_parallel``); ``mp_policy``: its
+    mixed-precision settings as FSDP2's ``MixedPrecisionPolicy`` (torchtitan's default: bf16
+    parameters, fp32 reduction)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -53,11 +55,12 @@ def titan_model(model: BenchLlama, mesh: Any) -> nn.Module:
         parallelize_module(layer, tp, plan)
     # NOTE: FSDP's default gradient averaging over dp stands in for torchtitan's sum divided by the
     # global token count (the same gradients for equal per-rank token counts).
-    fully_shard(model.embed_tokens, mesh=dp)
-    fully_shard([model.norm, model.lm_head], mesh=dp, reshard_after_forward=False)
+    policy = {} if mp_policy is None else {"mp_policy": mp_policy}
+    fully_shard(model.embed_tokens, mesh=dp, **policy)
+    fully_shard([model.norm, model.lm_head], mesh=dp, reshard_after_forward=False, **policy)
     for layer in layers:
-        fully_shard(layer, mesh=dp)
-    fully_shard(model, mesh=dp)
+        fully_shard(layer, mesh=dp, **policy)
+    fully_shard(model, mesh=dp, **policy)
     forward = [model.embed_tokens, *layers]
     for unit, nxt in itertools.pairwise(forward):
         unit.set_modules_to_forward_prefetch([nxt])  # type: ignore[operator]

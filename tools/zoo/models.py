@@ -139,7 +139,7 @@ class Rotary(nn.Module):
 def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Apply rotary embeddings to x [b, heads, t, head_dim] via rotate_half: (x1, x2) -> (-x2, x1)."""
     x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return x * cos.to(x.dtype) + torch.cat((-x2, x1), dim=-1) * sin.to(x.dtype)  # NOTE: fp32 tables, x bf16 maybe
 
 
 class LlamaAttention(nn.Module):

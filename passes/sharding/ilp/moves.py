@@ -47,6 +47,7 @@ class MoveColumns:
     fixed: dict[Value, Placement]
     choice: dict[Value, dict[Placement, int]]
     shrink: dict[Value, int]
+    travels: Mapping[Value, float]
     batch: frozenset[Value]
     sequence: bool
     scalar_only: list[bool]
@@ -134,7 +135,7 @@ class MoveColumns:
         """Columns and rows pricing every move of ``v`` its consumers ask for; returns the number of
         the build they are (or folded into)."""
         assert isinstance(v.type, TensorType)
-        size = nbytes(v.type) / self.shrink.get(v, 1)
+        size = nbytes(v.type) * self.travels.get(v, 1.0) / self.shrink.get(v, 1)
         have = self._placement_terms(v, x)
         if v in self.batch:
             self._keep_split(v, uses, have, x)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from meshfold.ir import Graph, Layout, Mesh, Op, Placement, Value
 from meshfold.passes.base import quiet
@@ -35,6 +35,12 @@ class Problem:
     """What the memory pass charges to free saved activations under ``memory``
     (``passes.memory.budget.spill_prices``: seconds per byte, share of the saved bytes, cheapest
     first); empty: the bound holds for the layouts alone."""
+    travels: Mapping[Value, float] = field(default_factory=dict)
+    """Bytes per byte of its type a value moves in, where they differ: under a precision policy a
+    gradient is reduced in the reduce dtype while the graph computes it in the parameter dtype."""
+    states: Mapping[Value, float] = field(default_factory=dict)
+    """Bytes per byte of its type a parameter's state (itself, its gradient, two Adam moments) holds,
+    where they differ: under a precision policy it is fp32 while the graph computes it in bf16."""
     gap: float = 1e-3
     """Relative gap at which a plan counts as optimal: its modelled time is within this fraction of
     the proven lower bound."""

@@ -74,6 +74,7 @@ class AxisProgram(MoveColumns):
         self.choice: dict[Value, dict[Placement, int]] = {}
         self.shrink: dict[Value, int] = {}
         """How many ways the earlier axes divide each value (absent: 1)."""
+        self.travels = problem.travels
         ways: dict[tuple[int, ...], int] = {}  # NOTE: by the earlier strategies' identities and result
         for op_i, op in enumerate(graph.ops):
             before = earlier[op_i]
@@ -211,7 +212,8 @@ class AxisProgram(MoveColumns):
         for v in self.facts.saved:  # NOTE: program order, so the row is the same every run
             if not isinstance(v.type, TensorType):
                 continue
-            size = nbytes(v.type) / self.shrink.get(v, 1) * (STATE_COPIES if v in params else 1.0)
+            state = STATE_COPIES * self.problem.states.get(v, 1.0) if v in params else 1.0
+            size = nbytes(v.type) / self.shrink.get(v, 1) * state
             if v in params and v in self.fixed:
                 const += size / (self.n if isinstance(self.fixed[v], Shard) else 1)
                 continue
@@ -223,7 +225,7 @@ class AxisProgram(MoveColumns):
         for v, opts in self.choice.items():
             if v in params:
                 assert isinstance(v.type, TensorType)
-                size = nbytes(v.type) / self.shrink.get(v, 1) * STATE_COPIES
+                size = nbytes(v.type) / self.shrink.get(v, 1) * STATE_COPIES * self.problem.states.get(v, 1.0)
                 for p, var in opts.items():
                     row[var] += size / (self.n if isinstance(p, Shard) else 1)
         for var, coef in acts.items():

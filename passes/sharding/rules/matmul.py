@@ -1,11 +1,17 @@
-"""Matrix products: mm, bmm, mv, dot, and the bias-adding addmm and baddbmm."""
+"""Matrix products: mm, bmm, mv, dot, the bias-adding addmm and baddbmm, and float8's scaled mm."""
 
 from __future__ import annotations
 
 import torch
 
-from meshfold.ir import Op, Partial, Shard
-from meshfold.passes.sharding.rules.operands import broadcast_groups, einsum_of, result_type, with_partials
+from meshfold.ir import Op, Partial, Placement, R, Shard, TensorType
+from meshfold.passes.sharding.rules.operands import (
+    broadcast_groups,
+    einsum_of,
+    result_type,
+    tensor_type_of,
+    with_partials,
+)
 from meshfold.passes.sharding.rules.table import RuleSet
 from meshfold.passes.sharding.strategy import Strategy, einsum_strategies
 
@@ -63,3 +69,37 @@ def addmm(op: Op) -> list[Strategy]:
 def baddbmm(op: Op) -> list[Strategy]:
     """``b m n, b m k, b k n -> b m n`` (bias broadcast): like :func:`addmm` with a batch dim."""
     return _biased(op, (["a", "b", "k"], ["a", "k", "c"], ["a", "b", "c"]))
+
+
+@RULES.rule(aten._scaled_mm.default)
+def scaled_mm(op: Op) -> list[Strategy]:
+    """``_scaled_mm(a, b, scale_a, scale_b, bias?, scale_result?, out_dtype, fast_accum)``: float8
+    ``m k, k n -> m n`` (the dequantized product ``(a @ b) * scale_a * scale_b``), so ``mm``'s
+    strategies with each scale beside its factor: a tensorwise (0-d) scale Replicate, a rowwise one
+    (``[m, 1]`` for ``a``, ``[1, n]`` for ``b``) sharded where its factor's ``m`` or ``n`` is. A
+    sharded ``k`` yields Partial(sum): the scales do not depend on ``k``'s shard (the amax they
+    come from is reduced over every rank first). An op with a bias or a result scale keeps mm's
+    strategies that leave the result whole (``k`` unsharded)."""
+    sa, sb = (tensor_type_of(v) for v in op.operands[2:4])
+    assert sa is not None and sb is not None
+    extra = len(op.operands) - 4
+    plain = einsum_strategies("m k, k n -> m n", linear=(0, 1))
+    out: list[Strategy] = []
+    for s in plain:
+        pa, pb = s.inputs
+        if extra and (isinstance(s.outputs[0], Partial) or pb != R):  # NOTE: the bias is [n], left whole
+            continue
+        placed = (_scale_beside(pa, sa, 0), _scale_beside(pb, sb, 1))
+        if None in placed:
+            continue
+        out.append(Strategy((pa, pb, *placed, *([R] * extra)), s.outputs))  # type: ignore[arg-type]
+    return list(dict.fromkeys(out))
+
+
+def _scale_beside(factor: Placement, scale: TensorType, dim: int) -> Placement | None:
+    """The placement of a scale beside its factor's: ``dim`` is the factor's kept dim (``a``'s rows,
+    0; ``b``'s columns, 1), the one a rowwise scale runs along; None when the scale cannot follow."""
+    rowwise = scale.rank == 2 and scale.shape[dim] != 1
+    if isinstance(factor, Shard) and factor.dim == dim:
+        return Shard(dim) if rowwise else (R if scale.rank == 0 or all(d == 1 for d in scale.shape) else None)
+    return R
