@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 import torch.fx as fx
 
-from meshfold.ir import Op, TensorType
+from meshfold.ir import Op, TensorType, is_float8
 from meshfold.ir.placement import reduce_refusal
 
 aten = torch.ops.aten
@@ -55,10 +55,7 @@ def float8_operands(op: Op) -> list[bool]:
     """For each operand of the comm op ``op``: whether it is float8, which no collective takes (gloo
     refuses the dtype): such values cross as their bytes (``uint8`` views of the same shape), which a
     collective that only moves values (a gather, an all-to-all, a permute) moves unchanged."""
-    return [
-        isinstance(v.type, TensorType) and v.type.dtype.is_floating_point and v.type.dtype.itemsize == 1
-        for v in op.operands
-    ]
+    return [isinstance(v.type, TensorType) and is_float8(v.type.dtype) for v in op.operands]
 
 
 def as_bytes(g: fx.Graph, xs: Sequence[fx.Node], which: Sequence[bool]) -> list[fx.Node]:

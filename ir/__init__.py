@@ -36,7 +36,7 @@ from meshfold.ir.placement import Layout, Partial, Placement, R, Replicate, Shar
 from meshfold.ir.printer import print_graph
 from meshfold.ir.rewrite import PatternTable, Rewriter, apply_patterns
 from meshfold.ir.specialize import specialize
-from meshfold.ir.types import ScalarType, TensorType, Type, dtype_name, tensor_type, type_of
+from meshfold.ir.types import ScalarType, TensorType, Type, dtype_name, is_float8, tensor_type, type_of
 from meshfold.ir.verifier import VerifyError, verify
 
 __all__ = [
@@ -78,6 +78,7 @@ __all__ = [
     "apply_patterns",
     "collective_for",
     "dtype_name",
+    "is_float8",
     "is_pure",
     "is_view",
     "map_values",

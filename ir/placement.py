@@ -11,6 +11,7 @@ import torch
 
 from meshfold.ir.mesh import Mesh
 from meshfold.ir.symbolic import Dim, divides
+from meshfold.ir.types import is_float8
 
 ReduceOp = Literal["sum", "max", "avg"]
 REDUCE_OPS: tuple[ReduceOp, ...] = ("sum", "max", "avg")
@@ -28,7 +29,7 @@ def reduce_refusal(reduce: str, dtype: torch.dtype) -> str | None:
         return "a mean of integers or bools is no integer or bool; sum them and divide in floating point"
     if reduce == "sum" and dtype == torch.bool:
         return "a sum of bools is no bool; sum them as integers, or reduce with max (any)"
-    if dtype.is_floating_point and dtype.itemsize == 1:
+    if is_float8(dtype):
         return "collectives do not reduce float8 values (nor NCCL nor gloo); reduce them in bf16 or fp32"
     return None
 

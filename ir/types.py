@@ -37,6 +37,11 @@ DTYPE_NAMES: dict[torch.dtype, str] = {
 DTYPES_BY_NAME: dict[str, torch.dtype] = {v: k for k, v in DTYPE_NAMES.items()}
 
 
+def is_float8(dtype: torch.dtype) -> bool:
+    """Whether ``dtype`` is one of the 8-bit floating formats (``float8_e4m3fn``, ``float8_e5m2``...)."""
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
 def dtype_name(dtype: torch.dtype) -> str:
     """Short text name of a torch dtype (``f32``, ``bf16``, ``i64``...)."""
     try:

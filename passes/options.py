@@ -30,7 +30,7 @@ from meshfold.target.hardware import Cluster, parse_cluster
 
 # NOTE: grows with every pass that lands. Without a mesh, sharding and boxing leave the
 # single-device graph as it is; without an expert mapping, moe-fold does.
-DEFAULT_PIPELINE = "cleanup,moe-fold,sharding,boxing,precision,bucket,memory,ring-steps,overlap,verify"
+DEFAULT_PIPELINE = "cleanup,moe-fold,sharding,boxing,precision,float8-gather,bucket,memory,ring-steps,overlap,verify"
 DEFAULT_CACHE = 8
 """Programs a module keeps (one per call signature: shapes, mode, grad), least recently used first out."""
 MEMORY_POLICIES = ("full", "selective", "kv", "offload")

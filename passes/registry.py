@@ -5,6 +5,7 @@ from __future__ import annotations
 from meshfold.passes.base import Pass
 from meshfold.passes.cleanup import Cleanup
 from meshfold.passes.cp.steps import RingSteps
+from meshfold.passes.float8 import Float8Gathers
 from meshfold.passes.memory.activations import Memory
 from meshfold.passes.moe.fold import MoeFold
 from meshfold.passes.precision import Casts
@@ -20,6 +21,7 @@ _PASSES: tuple[type[Pass], ...] = (
     Sharding,
     Boxing,
     Casts,
+    Float8Gathers,
     Bucket,
     Memory,
     RingSteps,

@@ -25,7 +25,7 @@ from meshfold.backends.inductor import Compiled
 from meshfold.backends.traceable import plain
 from meshfold.ir.dialects.ring import permuted, shift_order, zigzag_order
 from meshfold.ir.graph import local_nbytes
-from meshfold.ir.types import DTYPES_BY_NAME
+from meshfold.ir.types import DTYPES_BY_NAME, is_float8
 
 SHAPE = (8, 12)
 """Every value's global shape: on 2 or 4 ranks dim 0 splits in twice as many pieces (a zigzag permute)."""
@@ -35,7 +35,7 @@ def _allows(dtype: torch.dtype, reduce: str) -> bool:
     """Whether the IR permits ``reduce`` of ``dtype`` values (``ir.placement.reduce_refusal``, restated): a
     max of anything but complex values, a mean of floating-point and complex ones, a sum of all but bools;
     no reduction of float8 values (they only move)."""
-    if dtype.is_floating_point and dtype.itemsize == 1:
+    if is_float8(dtype):
         return False
     if reduce == "max":
         return not dtype.is_complex
@@ -124,7 +124,7 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> bool:
         return False
     if got.dtype.is_complex:
         got, want = torch.view_as_real(got), torch.view_as_real(want)
-    if got.dtype.is_floating_point and got.dtype.itemsize == 1:  # NOTE: float8 compares as its bytes
+    if is_float8(got.dtype):  # NOTE: float8 compares as its bytes
         got, want = got.view(torch.uint8), want.view(torch.uint8)
     return torch.equal(got, want)
 

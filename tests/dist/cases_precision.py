@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshfold.api import parallelize
+from meshfold.passes.options import DEFAULT_PIPELINE
 from meshfold.passes.sharding.report import comm_summary
 from meshfold.tools.bench.eager_vs_dtensor import Config, _dtensor_model
 from meshfold.tools.bench.eager_vs_dtensor import build as build_bench
@@ -256,7 +257,9 @@ def float8(
     plain = copy.deepcopy(net)
     convert_to_float8_training(net, config=Float8LinearConfig.from_recipe_name(recipe))
     ref = copy.deepcopy(net)
-    x, y = torch.randn(64, d), torch.randn(64, d)
+    x, y = torch.randn(256, d), torch.randn(256, d)  # NOTE: a batch the fsdp solve keeps split
+    unpassed = DEFAULT_PIPELINE.replace(",float8-gather", "")
+    wide = parallelize(copy.deepcopy(net), mesh, (x, y), plan=plan, pipeline=unpassed)
     pm = parallelize(net, mesh, (x, y), plan=plan, verify=verify)
     loss, grads = _step(pm, (x, y))
     want = ref(x, y)
@@ -272,4 +275,7 @@ def float8(
         "normwise of float8": _normwise({n: p.grad for n, p in plain.named_parameters()}, wants),
         "layouts": {i.name: str(i.value.layout) for i in graph.inputs if i.kind == "param"},
         "scaled mm": sum(op.name == "aten._scaled_mm" for op in graph.ops),
+        "gathered": sorted({str(v.type.dtype) for op in graph.ops if "all_gather" in op.name for v in op.operands}),
+        "gather bytes": gather_bytes(pm),
+        "gather bytes without float8 gathers": gather_bytes(wide),
     }

@@ -66,6 +66,9 @@ def test_float8_tensorwise_equals_one_device(rank_pools: RankPools, plan: str, s
     assert all(name in said["layouts"][p] for p in ("up.weight", "down.weight") for name in names), said["layouts"]
     assert said["loss error"] <= 1e-6 and said["normwise"] <= 1e-6, said  # NOTE: fp32 rounding only
     assert said["normwise of float8"] > 0.01  # NOTE: float8 does change the step: the test sees what it casts
+    if "dp" in names:  # NOTE: each weight is cast on its shard and gathered as float8: a quarter of fp32's bytes
+        assert said["gathered"] == ["torch.float8_e4m3fn"], said
+        assert said["gather bytes"] == 0.25 * said["gather bytes without float8 gathers"] > 0, said
 
 
 @pytest.mark.parametrize(("plan", "shape", "names"), PLANS, ids=[p for p, _, _ in PLANS])
