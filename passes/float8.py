@@ -170,8 +170,9 @@ class Float8Gathers(Pass):
         if kind != "to":
             new[op.result] = local
             return
-        g = site.gather
-        (v,) = b.add_op(g.target, (local,), g.kwargs, (_like(g.result, g.result, local.type.dtype),), g.prov)  # type: ignore[union-attr]
+        g, f8 = site.gather, dtype
+        assert isinstance(f8, torch.dtype)
+        (v,) = b.add_op(g.target, (local,), g.kwargs, (_like(g.result, g.result, f8),), g.prov)
         chain = []
         x = site.viewed[op]
         while x in site.views:
@@ -182,7 +183,7 @@ class Float8Gathers(Pass):
                 view.target,
                 (v, *view.args[1:]),
                 view.kwargs,
-                (_like(view.result, view.result, local.type.dtype),),
+                (_like(view.result, view.result, f8),),
                 view.prov,
-            )  # type: ignore[union-attr]
+            )
         new[op.result] = v
