@@ -60,7 +60,7 @@ def _only_user(users: dict[Value, list[Op]], outputs: set[Value], v: Value) -> O
     return got[0] if len(got) == 1 and v not in outputs else None
 
 
-def _site(graph: Graph, gather: Op, users: dict[Value, list[Op]], outputs: set[Value]) -> _Site | None:
+def _site(gather: Op, users: dict[Value, list[Op]], outputs: set[Value]) -> _Site | None:
     """``gather`` as a site of the pass, or None where some reader of what it gathers needs the
     gathered values themselves (module docstring)."""
     site = _Site(gather)
@@ -125,7 +125,7 @@ class Float8Gathers(Pass):
     def apply(self, ctx: PassContext, graph: Graph) -> Graph:
         users = graph.users()
         outputs = {o.value for o in graph.outputs}
-        sites = [s for op in graph.ops if op.target == ALL_GATHER and (s := _site(graph, op, users, outputs))]
+        sites = [s for op in graph.ops if op.target == ALL_GATHER and (s := _site(op, users, outputs))]
         if not sites:
             return graph
         of: dict[Op, _Site] = {}
