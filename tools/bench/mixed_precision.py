@@ -97,7 +97,7 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
                     "kinds": [{k: (n, s.counter.bytes[k]) for k, n in s.counter.counts.items()} for s in sides],
                     "losses": losses,
                     "memory": [rank_memory(pm.graph()).peak for pm in (bf16, fp32, float8)],
-                    "param_gathers": [param_gather_bytes(pm.graph()) for pm in (bf16, fp32)],
+                    "param_gathers": [param_gather_bytes(pm.graph()) for pm in (bf16, fp32, float8)],
                     "planned": [
                         {f"{c.op} {c.axis} {c.phase}": c.bytes_per_rank for c in comm_summary(pm.graph())}
                         for pm in (bf16, fp32)
@@ -108,20 +108,27 @@ def _rank_main(rank: int, world: int, port: int, cfg_dict: dict[str, Any], opts:
 
 
 def param_gather_bytes(graph: Any) -> float:
-    """Bytes a rank sends per step in all-gathers of parameters (each operand a parameter input or
-    the ``precision`` pass's cast of one), by the wire volumes ``comm_summary`` uses."""
+    """Bytes a rank sends per step in all-gathers of parameters (each operand a parameter input, the
+    ``precision`` pass's cast of one, or the ``float8-gather`` pass's scaled float8 cast of one), by the
+    wire volumes ``comm_summary`` uses."""
     from meshfold.ir import OpDef, TensorType
-    from meshfold.passes.precision import CAST
 
+    aten = torch.ops.aten
+    elementwise = (aten._to_copy.default, aten.clamp.default, aten.mul.Tensor)
     params = {i.value for i in graph.inputs if i.kind == "param"}
     made = graph.producers()
+
+    def of_param(x: Any) -> bool:
+        while x not in params and x in made and made[x].target in elementwise:
+            x = made[x].operands[0]
+        return x in params
+
     total = 0.0
     for op in graph.ops:
         if not (isinstance(op.target, OpDef) and "all_gather" in op.name):
             continue
         for x in op.operands:
-            src = made.get(x)
-            if x in params or (src is not None and src.target == CAST and src.operands[0] in params):
+            if of_param(x):
                 assert isinstance(x.type, TensorType)
                 total += op.target.wire_bytes_of(x.type, x.layout, graph.mesh, dict(op.kwargs))
     return total
@@ -169,7 +176,10 @@ def _report(cfg: Config, r: dict[str, Any], ref: list[float]) -> None:
         b16, b32 = (p.get(line, 0.0) / mib for p in r["planned"])
         print(f"  {line:<36} bf16 {b16:8.3f} MiB  fp32 {b32:8.3f} MiB  ratio {b16 / b32 if b32 else float('nan'):.3f}")
     ag = r["param_gathers"]
-    print(f"parameter all-gathers per step: bf16 {ag[0] / mib:.3f} MiB, fp32 {ag[1] / mib:.3f} MiB")
+    print(
+        f"parameter all-gathers per step: bf16 {ag[0] / mib:.3f} MiB, fp32 {ag[1] / mib:.3f} MiB, "
+        f"float8 {ag[2] / mib:.3f} MiB"
+    )
     print(
         f"\nratios (same run, load {os.getloadavg()[0]:.2f}): meshfold bf16 step vs meshfold fp32 "
         f"{ms[1] / ms[0]:.2f}x faster, vs FSDP2+TP bf16 {ms[2] / ms[0]:.2f}x, vs torchtitan bf16 {ms[3] / ms[0]:.2f}x; "
