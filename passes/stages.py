@@ -182,12 +182,13 @@ def split_layers(
             best[0][b] = (t, t * t, (0, b))
     for s in range(1, stages):
         rest = stages - s - 1
+        last = tail if s == stages - 1 else 0.0  # NOTE: stage_time's terms, in its order
         for b in range(s + 1, n - rest + 1):
             if pre[b] + head > (s + 1) * cap or (rest and pre[n] - pre[b] + tail > rest * cap):
                 continue  # NOTE: some stage of this prefix or of the rest must be slower than cap
             found = inf
             for a in range(b - 1, s - 1, -1):
-                t = stage_time(s, a, b)
+                t = pre[b] - pre[a] + 0.0 + last
                 if t > cap or (found[2] and t * (1.0 - 2e-9) > found[0]):
                     break
                 slowest, squares, bounds = best[s - 1][a]
@@ -217,7 +218,10 @@ def _fitting_slowest(n: int, stages: int, stage_time: Callable[[int, int, int], 
     if first is None:
         return found  # NOTE: the greedy split fits nowhere under the loosest limit; keep what there is
     found = min(found, first)
+    # NOTE: any split's slowest stage bounds the answer; a closer bound only prunes more
     for _ in range(20):
+        if hi - lo <= 1e-3 * hi:
+            break
         limit = (lo + hi) / 2
         slowest = _greedy_slowest(n, stages, stage_time, fits, limit)
         if slowest is None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from meshfold.passes.cost import comm
 from meshfold.passes.cost.comm import Group
-from meshfold.sim.footprint import BUCKET_MIN, stage_params
+from meshfold.sim.footprint import BUCKET_MIN, StageLayers, stage_params
 from meshfold.sim.model import ModelSpec
 from meshfold.sim.parallel import ParallelConfig, TrainSpec
 from meshfold.sim.stagesplit import PipelineStages
@@ -140,3 +140,29 @@ def data_parallel(
             tot = m * (2 * gat + red)
         worst_f, worst_b, total = max(worst_f, f), max(worst_b, b), max(total, tot)
     return DataParallel(gather0, reduce0, worst_f, worst_b, total)
+
+
+def fsdp_floor(
+    cluster: Cluster, model: ModelSpec, cfg: ParallelConfig, train: TrainSpec, m: int, fwd: float, bwd: float
+) -> float:
+    """A lower bound of ``data_parallel``'s exposed seconds (forward and backward) under FSDP that
+    needs no stage split (the search prunes with it); 0 under other ZeRO stages and on a cluster
+    of node groups with different NICs. ``fwd`` and ``bwd`` are the seconds per micro-batch of all
+    the pipeline ranks together.
+
+    A rank's gathers hide at most behind its own pass (``_hide(c, w, n) >= c - w``) and the most
+    exposed rank exposes at least the mean; over all ranks the dense gathers take ``pp`` times
+    the mean rank's (a collective is affine in its bytes and every rank holds dense parameters),
+    the expert ones at least one collective of all of them."""
+    if cfg.zero != 3 or cluster.heterogeneous:
+        return 0.0
+    pp, w, g = cfg.pp, train.weight_bytes, train.grad_bytes
+    whole = stage_params(model, cfg, StageLayers(0, model.dense_layers, model.moe_layers, True, True))
+    dgroup = comm.place_axes(cluster, cfg.attention_axes(), ("cp", "dp"))
+    egroup = comm.place_axes(cluster, cfg.expert_axes(), cfg.edp_axes())
+    gat = pp * comm.all_gather(cluster, dgroup, whole.dense * w / pp) + comm.all_gather(
+        cluster, egroup, whole.expert * w
+    )
+    red = pp * comm.reduce_scatter(cluster, dgroup, whole.dense * g / pp)
+    red += comm.reduce_scatter(cluster, egroup, whole.expert * g)
+    return m * (max(0.0, gat - fwd) + max(0.0, gat + red - bwd)) / pp

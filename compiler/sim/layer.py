@@ -15,6 +15,7 @@ cached.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from meshfold.passes.cost import comm, opcost
@@ -213,10 +214,20 @@ class LayerBuilder:
         s.compute(tag + "activation bwd", self.eltwise(self._act_elems(width / p.tp, self.T, True)))
         self.col_bwd(s, [fc1], p.tp, self.T, True)
 
-    def _routed_tokens(self) -> float:
-        """Token copies the busiest expert rank computes (after the expert-TP all-gather)."""
+    def _routed_tokens(self, etp: int | None = None) -> float:
+        """Token copies the busiest expert rank computes (after the expert-TP all-gather over
+        ``etp``, the plan's by default)."""
         m = self.m
-        return self.Tsp * m.top_k * m.routing_imbalance * self.p.etp
+        return self.Tsp * m.top_k * m.routing_imbalance * (self.p.etp if etp is None else etp)
+
+    def expert_gemms(self, ep: int, etp: int) -> tuple[float, float]:
+        """Forward seconds of the busiest rank's grouped expert GEMMs (fc1, fc2) under ``ep`` x ``etp``."""
+        m = self.m
+        h, rows, local = m.hidden, self._routed_tokens(etp), m.num_experts // ep
+        fc1, fc2 = m.mlp_matmuls(m.moe_ffn_hidden)
+        g1 = opcost.grouped_gemm_time(self.dev, local, rows / local, fc1.n / etp, h, self.dtype)
+        g2 = opcost.grouped_gemm_time(self.dev, local, rows / local, h, fc2.k / etp, self.dtype)
+        return g1, g2
 
     def a2a_buffer(self) -> float:
         """Bytes one expert all-to-all moves per rank (its own share included): the busiest rank's
@@ -230,11 +241,9 @@ class LayerBuilder:
         bytes the all-to-alls send to other ranks to ``a2a_sent``."""
         m, p = self.m, self.p
         h, rows = m.hidden, self._routed_tokens()
-        local = m.num_experts // p.ep
-        fc1, fc2 = m.mlp_matmuls(m.moe_ffn_hidden)
+        fc2 = m.mlp_matmuls(m.moe_ffn_hidden)[1]
         mult = 2 if backward else 1  # data- and weight-gradient GEMMs
-        g1 = mult * opcost.grouped_gemm_time(self.dev, local, rows / local, fc1.n / p.etp, h, self.dtype)
-        g2 = mult * opcost.grouped_gemm_time(self.dev, local, rows / local, h, fc2.k / p.etp, self.dtype)
+        g1, g2 = (mult * g for g in self.expert_gemms(p.ep, p.etp))
         buffer = self.a2a_buffer()
         a2a = comm.all_to_all(self.c, p.ep_group, buffer)
         sent = buffer * (p.ep - 1) / p.ep if a2a > 0 else 0.0
@@ -322,7 +331,7 @@ def layer_cost(
     return _layer_cost(model, cluster, dtype, grad_dtype, causal, flash, seq, plan, kind)
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=16384)
 def _layer_cost(
     model: ModelSpec,
     cluster: Cluster,
@@ -364,3 +373,29 @@ def _layer_cost(
         lay.a2a_sent,
         weight_grad_s(b.events),
     )
+
+
+def expert_floor(
+    model: ModelSpec,
+    cluster: Cluster,
+    dtype: str,
+    grad_dtype: str,
+    causal: bool,
+    flash: bool,
+    seq: int,
+    plan: LayerPlan,
+    layouts: Iterable[tuple[int, int]],
+) -> tuple[float, float]:
+    """Lower bounds of a MoE layer's forward and backward seconds under ``plan`` with any expert
+    layout of ``layouts`` ((ep, etp) pairs), from one costing: the layer with ep = etp = 1 has no
+    expert collectives (the others only add time), and its grouped GEMMs are cut to the fastest
+    layout's. A pass is 1-Lipschitz in each compute op (``Streams``), so cutting a GEMM by ``d``
+    saves at most ``d``; the rest of the expert block (router, permutes, activation) is the same
+    under every layout."""
+    solo = plan.dense_view()
+    one = _layer_cost(model, cluster, dtype, grad_dtype, causal, flash, seq, solo, "moe")
+    lay = LayerBuilder(model, cluster, dtype, grad_dtype, causal, flash, seq, solo)
+    cut = max(0.0, sum(lay.expert_gemms(1, 1)) - min(sum(lay.expert_gemms(ep, etp)) for ep, etp in layouts))
+    # NOTE: the backward runs the data- and weight-gradient GEMMs, and full recomputation the forward's again
+    passes = 3 if plan.recompute == "full" else 2
+    return one.fwd_s - cut, one.bwd_s - passes * cut

@@ -8,17 +8,18 @@ schedule (1F1B and ZB-H1 with one chunk per stage, interleaved 1F1B with ``vpp``
 FSDP); expert models also try the expert mesh (``expert_choices``): every ep dividing the experts
 with every etp that divides the node and the expert width under the folded mapping, and the
 unfolded mapping (etp = tp, ep inside dp) where it places ranks differently. Pruning happens on
-integers before anything is simulated; then a configuration whose pipeline time bound (the mean
-stage's, a lower bound of its step that needs no stage split) is slower than the ``top``-th best
-so far is dropped, and the memory model runs before the rest of the time model. Ties break on
-memory, then on the configuration text, so results are deterministic and equal to an exhaustive
-ranking.
+integers before anything is costed; then the search goes best first on lower bounds of the step
+that need no stage split (``search_configs``; docs/simulator.md), splits stages and simulates
+only what may still enter the ``top`` fastest, and stops at the first bound slower than the
+``top``-th best. Ties break on memory, then on the configuration text, so results are
+deterministic and equal to an exhaustive ranking.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import heapq
 import itertools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -36,13 +37,14 @@ from meshfold.sim.parallel import (
     divisors,
 )
 from meshfold.sim.result import SimResult
-from meshfold.sim.simulate import peak_memory, pipeline_lower_bound, simulate
+from meshfold.sim.simulate import Floors, PipelineFloor, peak_memory, simulate, step_lower_bound
 from meshfold.target.hardware import Cluster
 
 MIN_CP_TOKENS = 256
 MICRO_BATCHES = (1, 2, 4, 8)
 MAX_VPP = 16
 MESH_AXES = ("dp", "tp", "cp", "pp", "ep", "etp")
+_SLACK = 1e-9  # NOTE: relative margin of the pruning for rounding in the bounds
 # NOTE: fields the search chooses itself unless pinned; other pins pass through unchanged.
 _SEARCHED = (
     "dp",
@@ -58,6 +60,17 @@ _SEARCHED = (
     "moe_mapping",
     "schedule",
 )
+
+
+def _beaten(bound: float, best: list[tuple[float, float, str, SimResult]], top: int) -> bool:
+    """Whether a configuration whose step is at least ``bound`` cannot enter the ``top`` fastest
+    of ``best`` (sorted; with a margin for rounding in the bounds)."""
+    return len(best) >= top and bound > best[top - 1][0] * (1 + _SLACK)
+
+
+def _schedules(group: _Group) -> set[tuple[int, str]]:
+    """The (vpp, schedule) pairs of ``group``'s members."""
+    return {(v, s) for v, s, _ in group.members}
 
 
 class MeshLike(Protocol):
@@ -107,7 +120,52 @@ def candidates(
 ) -> Iterator[ParallelConfig]:
     """Every configuration the search considers (valid by construction up to memory), in a
     deterministic order. ``fixed`` pins ParallelConfig fields; ``mesh`` pins axis sizes."""
-    pins = _pins(fixed, mesh)
+    for group in _groups(model, cluster, train, _pins(fixed, mesh)):
+        yield from group.configs()
+
+
+def expert_choices(
+    model: ModelSpec, pins: Mapping[str, Any], dpn: int, dp: int, tp: int, cp: int, pp: int
+) -> list[tuple[int, int | None, str]]:
+    """(ep, etp, moe_mapping) candidates for one attention mesh ``tp x cp x dp x pp``.
+
+    Folded: every ep dividing the experts with every etp that divides the node and the expert
+    width (etp * ep * pp must divide the world). Unfolded: etp = tp and ep dividing dp; it is
+    listed only where it places ranks differently from the folded mapping with etp = tp (cp > 1)
+    or when ``moe_mapping`` is pinned. Dense models get ``(1, None, mapping)``."""
+    mappings = [pins["moe_mapping"]] if "moe_mapping" in pins else list(MOE_MAPPINGS)
+    if not model.num_experts:
+        return [(1, None, mappings[0])]
+    eps = [pins["ep"]] if "ep" in pins else divisors(model.num_experts)
+    etps = [pins["etp"]] if "etp" in pins else [t for t in divisors(dpn) if model.moe_ffn_hidden % t == 0]
+    world = dp * tp * cp * pp
+    out: list[tuple[int, int | None, str]] = []
+    for mapping in mappings:
+        for ep in eps:
+            if mapping == "folded":
+                out += [(ep, t, mapping) for t in etps if world % (ep * t * pp) == 0]
+            elif dp % ep == 0 and (cp > 1 or "moe_mapping" in pins) and pins.get("etp", tp) == tp:
+                out.append((ep, tp, mapping))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    """Configurations that differ only in ``vpp``, ``schedule`` and ``zero`` (``members``, each
+    ``(vpp, schedule, zero)``; ``fields`` holds the rest): they share a ``PipelineFloor``."""
+
+    fields: dict[str, Any]
+    members: tuple[tuple[int, str, int], ...]
+
+    def configs(self) -> Iterator[ParallelConfig]:
+        """The members as configurations, in order."""
+        for vpp, schedule, zero in self.members:
+            yield ParallelConfig(**self.fields, vpp=vpp, schedule=schedule, zero=zero)
+
+
+def _meshes(model: ModelSpec, cluster: Cluster, train: TrainSpec, pins: dict[str, Any]) -> Iterator[list[_Group]]:
+    """The configurations ``candidates`` yields, in the same order, grouped (``_Group``) and the
+    groups of one mesh, micro-batch size and recomputation together (they differ in expert layout)."""
     world, dpn = cluster.world_size, cluster.devices_per_node
 
     def choose(name: str, options: list[Any]) -> list[Any]:
@@ -139,37 +197,18 @@ def candidates(
                 dp = world // (tp * cp * pp)
                 if "dp" in pins and pins["dp"] != dp:
                     continue
-                yield from _inner(model, train, pins, dpn, dp, tp, cp, pp)
+                yield from _mesh_groups(model, train, pins, dpn, dp, tp, cp, pp)
 
 
-def expert_choices(
-    model: ModelSpec, pins: Mapping[str, Any], dpn: int, dp: int, tp: int, cp: int, pp: int
-) -> list[tuple[int, int | None, str]]:
-    """(ep, etp, moe_mapping) candidates for one attention mesh ``tp x cp x dp x pp``.
-
-    Folded: every ep dividing the experts with every etp that divides the node and the expert
-    width (etp * ep * pp must divide the world). Unfolded: etp = tp and ep dividing dp; it is
-    listed only where it places ranks differently from the folded mapping with etp = tp (cp > 1)
-    or when ``moe_mapping`` is pinned. Dense models get ``(1, None, mapping)``."""
-    mappings = [pins["moe_mapping"]] if "moe_mapping" in pins else list(MOE_MAPPINGS)
-    if not model.num_experts:
-        return [(1, None, mappings[0])]
-    eps = [pins["ep"]] if "ep" in pins else divisors(model.num_experts)
-    etps = [pins["etp"]] if "etp" in pins else [t for t in divisors(dpn) if model.moe_ffn_hidden % t == 0]
-    world = dp * tp * cp * pp
-    out: list[tuple[int, int | None, str]] = []
-    for mapping in mappings:
-        for ep in eps:
-            if mapping == "folded":
-                out += [(ep, t, mapping) for t in etps if world % (ep * t * pp) == 0]
-            elif dp % ep == 0 and (cp > 1 or "moe_mapping" in pins) and pins.get("etp", tp) == tp:
-                out.append((ep, tp, mapping))
-    return out
+def _groups(model: ModelSpec, cluster: Cluster, train: TrainSpec, pins: dict[str, Any]) -> Iterator[_Group]:
+    """The groups of ``_meshes``, one after another."""
+    for mesh in _meshes(model, cluster, train, pins):
+        yield from mesh
 
 
-def _inner(
+def _mesh_groups(
     model: ModelSpec, train: TrainSpec, pins: dict[str, Any], dpn: int, dp: int, tp: int, cp: int, pp: int
-) -> Iterator[ParallelConfig]:
+) -> Iterator[list[_Group]]:
     mbss = [b for b in MICRO_BATCHES if train.global_batch % (dp * b) == 0]
     mbss = [pins["micro_batch_size"]] if "micro_batch_size" in pins else mbss
     vpps = [v for v in range(1, MAX_VPP + 1) if pp * v <= model.layers] if pp > 1 else [1]
@@ -179,29 +218,34 @@ def _inner(
     experts = expert_choices(model, pins, dpn, dp, tp, cp, pp)
     rest = {k: v for k, v in pins.items() if k not in _SEARCHED}
     schedules = [pins["schedule"]] if "schedule" in pins else list(SCHEDULES)
-    for mbs, vpp, sched, zero, rc, (ep, etp, mapping) in itertools.product(
-        mbss, vpps, schedules, zeros, recomputes, experts
-    ):
+    for mbs, rc in itertools.product(mbss, recomputes):
         m = train.global_batch // (dp * mbs) if train.global_batch % (dp * mbs) == 0 else 0
-        if m == 0 or (vpp > 1 and m % pp):
+        if m == 0:
             continue
-        if sched != "1f1b" and (pp == 1 or vpp > 1) and "schedule" not in pins:
-            continue  # NOTE: ZB-H1 is one chunk per stage; without a pipeline it equals 1F1B
-        yield ParallelConfig(
-            dp=dp,
-            tp=tp,
-            pp=pp,
-            cp=cp,
-            ep=ep,
-            etp=etp,
-            vpp=vpp,
-            micro_batch_size=mbs,
-            zero=zero,
-            recompute=rc,
-            moe_mapping=mapping,
-            schedule=sched,
-            **rest,
+        members = tuple(
+            (vpp, sched, zero)
+            for vpp, sched, zero in itertools.product(vpps, schedules, zeros)
+            if not (vpp > 1 and m % pp)
+            # NOTE: ZB-H1 is one chunk per stage; without a pipeline it equals 1F1B
+            and not (sched != "1f1b" and (pp == 1 or vpp > 1) and "schedule" not in pins)
         )
+        if members:
+            fields = dict(dp=dp, tp=tp, pp=pp, cp=cp, micro_batch_size=mbs, recompute=rc)
+            yield [
+                _Group({**fields, "ep": ep, "etp": etp, "moe_mapping": mapping, **rest}, members)
+                for ep, etp, mapping in experts
+            ]
+
+
+def _first_valid(model: ModelSpec, cluster: Cluster, train: TrainSpec, group: _Group) -> ParallelConfig | None:
+    """The first member of ``group`` that validates (None when none does)."""
+    for cfg in group.configs():
+        try:
+            cfg.validate(model, cluster, train)
+        except ConfigError:
+            continue
+        return cfg
+    return None
 
 
 def search_configs(
@@ -220,27 +264,48 @@ def search_configs(
     ``mesh`` pins axis sizes (a mapping such as ``{"tp": 8, "pp": 4}`` or an ``ir.Mesh``).
     Returns an empty list when nothing fits; raises ValueError on unknown pins. Ranking is by
     simulated step time, ties by peak memory then configuration text (deterministic).
-    ``progress(n)`` is called with the number of configurations examined, every 1000 of them."""
+    ``progress(n)`` is called with the number of configurations bounded so far, every 1000 of them."""
     if top <= 0:
         return []
     hbm = cluster.device.hbm_bytes
+    # NOTE: best first, on a heap of meshes (bounded with every MoE layer at its fastest expert
+    # layout), their groups (by their pipeline floor) and the groups' configurations (by their
+    # step bound), each bound below everything its entry stands for; the search ends at the first
+    # entry slower than the top-th best (with a margin for rounding), as no entry left is faster.
+    heap: list[tuple[float, tuple[int, int, int], PipelineFloor, list[_Group] | _Group | ParallelConfig]] = []
+    bounded, floors = 0, Floors(model, cluster, train)
+    for i, groups in enumerate(_meshes(model, cluster, train, _pins(fixed, mesh))):
+        size = len(groups) * len(groups[0].members)
+        if progress is not None and (i == 0 or bounded // 1000 < (bounded + size) // 1000):
+            progress(bounded)
+        bounded += size
+        rep = next((c for c in (_first_valid(model, cluster, train, g) for g in groups) if c is not None), None)
+        if rep is None:
+            continue
+        floor = floors.layouts(rep, {(g.fields["ep"], g.fields["etp"] or rep.tp) for g in groups})
+        heap.append((floor.least(_schedules(groups[0])), (i, -1, -1), floor, groups))
+    heapq.heapify(heap)
     best: list[tuple[float, float, str, SimResult]] = []
-    for n, cfg in enumerate(candidates(model, cluster, train, fixed=fixed, mesh=mesh)):
-        if progress is not None and n % 1000 == 0:
-            progress(n)
-        try:
-            cfg.validate(model, cluster, train)
-        except ConfigError:
-            continue
-        # NOTE: exact pruning: the pipeline part never exceeds the step and its bound never exceeds
-        # the pipeline part, so a configuration whose bound is slower than the top-th best cannot
-        # enter the result.
-        if len(best) >= top and pipeline_lower_bound(model, cluster, cfg, train) > best[top - 1][0]:
-            continue
-        # NOTE: the mean rank's bytes bound the peak from below and need no stage split
-        if stage_memory(model, cfg, train).floor() > hbm or peak_memory(model, cluster, cfg, train).total > hbm:
-            continue
-        res = simulate(model, cluster, cfg, train, timeline=False)
-        bisect.insort(best, (res.step_time_s, res.peak_memory_bytes, repr(cfg), res), key=lambda s: s[:3])
-        del best[top:]
+    while heap and not _beaten(heap[0][0], best, top):
+        _, (i, j, _), floor, item = heapq.heappop(heap)
+        if isinstance(item, list):
+            for j, group in enumerate(item):
+                cfg = _first_valid(model, cluster, train, group)
+                if cfg is not None:
+                    fine = floors(cfg)
+                    heapq.heappush(heap, (fine.least(_schedules(group)), (i, j, -1), fine, group))
+        elif isinstance(item, _Group):
+            for k, cfg in enumerate(item.configs()):
+                try:
+                    cfg.validate(model, cluster, train)
+                except ConfigError:
+                    continue
+                bound = step_lower_bound(model, cluster, cfg, train, floor)
+                # NOTE: the mean rank's bytes bound the peak from below and need no stage split
+                if not _beaten(bound, best, top) and stage_memory(model, cfg, train).floor() <= hbm:
+                    heapq.heappush(heap, (bound, (i, j, k), floor, cfg))
+        elif peak_memory(model, cluster, item, train).total <= hbm:
+            res = simulate(model, cluster, item, train, timeline=False)
+            bisect.insort(best, (res.step_time_s, res.peak_memory_bytes, repr(item), res), key=lambda s: s[:3])
+            del best[top:]
     return [Ranked(i + 1, s[3].config, s[3]) for i, s in enumerate(best)]

@@ -14,11 +14,12 @@ groups with different NICs each rank's collectives run at the NICs of the nodes 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from meshfold.passes.cost import comm, opcost
 from meshfold.passes.stages import ramp_s
-from meshfold.sim.dataparallel import data_parallel
+from meshfold.sim.dataparallel import data_parallel, fsdp_floor
 from meshfold.sim.edges import embedding_cost, head_cost
 from meshfold.sim.footprint import (
     StageLayers,
@@ -27,7 +28,7 @@ from meshfold.sim.footprint import (
     stage_memory,
     stage_params,
 )
-from meshfold.sim.layer import LayerPlan, layer_cost
+from meshfold.sim.layer import LayerPlan, expert_floor, layer_cost
 from meshfold.sim.model import ModelSpec
 from meshfold.sim.parallel import ConfigError, ParallelConfig, TrainSpec
 from meshfold.sim.result import MemoryBreakdown, SimResult
@@ -104,30 +105,31 @@ def _hops(cluster: Cluster, model: ModelSpec, cfg: ParallelConfig, train: TrainS
     if cfg.pp == 1:
         return ()
     tsp = cfg.micro_batch_size * train.seq_len / cfg.cp / (cfg.tp if cfg.sp else 1)
-    nbytes = tsp * model.hidden * train.act_bytes
-    axes = cfg.attention_axes()
+    return _hop_times(cluster, cfg.attention_axes(), tsp * model.hidden * train.act_bytes)
+
+
+@functools.lru_cache(maxsize=4096)
+def _hop_times(cluster: Cluster, axes: tuple[tuple[str, int], ...], nbytes: float) -> tuple[float, ...]:
+    """``_hops`` of ``nbytes`` sends along the pp axis of the mesh ``axes`` (cached: the search
+    asks for every schedule and layout of one mesh)."""
     out = []
-    for i in range(cfg.pp - 1):
+    for i in range(dict(axes)["pp"] - 1):
         view, cross = comm.hop(cluster, axes, "pp", i)
         out.append(comm.p2p(view, nbytes, cross_node=cross))
     return tuple(out)
 
 
-def bubble_s(cfg: ParallelConfig, slow_total: float, slow_wgrad: float) -> float:
-    """Seconds of pipeline bubble on the slowest rank (``slow_total`` seconds per micro-batch, of
-    them ``slow_wgrad`` weight-gradient GEMMs): ``passes.stages.ramp_s``, the rule the runtime
-    chooses its schedule by. NOTE: the paper's ZB-H1 reaches ``(pp - 1) (F + B - W)`` by also
-    reordering the warm-up; ``ramp_s`` prices the smaller gain, ``(pp - 1) (F + B)``."""
-    return ramp_s(cfg.pp, cfg.vpp, slow_total, slow_wgrad, cfg.schedule == "zb-h1")
-
-
-def _pipeline(hops: tuple[float, ...], cfg: ParallelConfig, m: int, slow_total: float, slow_wgrad: float) -> _Pipeline:
-    """``m`` micro-batches of the slowest stage, the bubble and activation sends (the slowest hop
-    every micro-batch; each hop once each way to fill and drain)."""
+def _pipeline(
+    hops: tuple[float, ...], pp: int, vpp: int, schedule: str, m: int, slow_total: float, slow_wgrad: float
+) -> _Pipeline:
+    """``m`` micro-batches of the slowest stage, the bubble (``passes.stages.ramp_s``, the rule the
+    runtime chooses its schedule by) and activation sends (the slowest hop every micro-batch; each
+    hop once each way to fill and drain). NOTE: the paper's ZB-H1 reaches ``(pp - 1) (F + B - W)``
+    by also reordering the warm-up; ``ramp_s`` prices the smaller gain, ``(pp - 1) (F + B)``."""
     p2p = max(hops, default=0.0)
-    p2p_per_mb = 2 * p2p if cfg.vpp == 1 else 0.0  # NOTE: the interleaved schedule overlaps its sends
+    p2p_per_mb = 2 * p2p if vpp == 1 else 0.0  # NOTE: the interleaved schedule overlaps its sends
     p2p_fill = 2 * sum(hops)
-    bubble = bubble_s(cfg, slow_total, slow_wgrad)
+    bubble = ramp_s(pp, vpp, slow_total, slow_wgrad, schedule == "zb-h1")
     return _Pipeline(m * (slow_total + p2p_per_mb) + bubble + p2p_fill, bubble, p2p_per_mb, p2p_fill)
 
 
@@ -174,16 +176,24 @@ class _Costed:
 def _edge_costs(
     model: ModelSpec, cluster: Cluster, cfg: ParallelConfig, train: TrainSpec
 ) -> tuple[LayerPlan, dict[str, LayerCost], LayerCost, LayerCost]:
-    """(plan, per-kind layer costs, embedding, head) of ``cfg``. Layer collectives that leave a node
-    run at the cluster's slowest NIC (every node group holds some of their instances)."""
+    """(plan, per-kind layer costs, embedding, head) of ``cfg`` (``_layer_args``)."""
     plan = layer_plan(cluster, cfg)
-    slowest = cluster.view(frozenset(range(len(cluster.groups))))
-    args = (model, slowest, train.dtype, train.grad_dtype, train.causal, train.flash_attention, train.seq_len, plan)
-    costs = {k: layer_cost(*args, k) for k, _ in _kinds(model)}
+    args = _layer_args(model, cluster, train)
+    costs = {k: layer_cost(*args, plan, k) for k, _ in _kinds(model)}
     edge_plan = replace(plan.dense_view(), recompute="none")  # NOTE: edges never recompute
+    slowest = args[1]
     emb = embedding_cost(model, slowest, train.dtype, train.grad_dtype, train.seq_len, edge_plan)
     head = head_cost(model, slowest, train.dtype, train.grad_dtype, train.seq_len, edge_plan)
     return plan, costs, emb, head
+
+
+def _layer_args(
+    model: ModelSpec, cluster: Cluster, train: TrainSpec
+) -> tuple[ModelSpec, Cluster, str, str, bool, bool, int]:
+    """The arguments of ``layer_cost`` before the plan: layer collectives that leave a node run at
+    the cluster's slowest NIC (every node group holds some of their instances)."""
+    slowest = cluster.view(frozenset(range(len(cluster.groups))))
+    return model, slowest, train.dtype, train.grad_dtype, train.causal, train.flash_attention, train.seq_len
 
 
 def _costed(model: ModelSpec, cluster: Cluster, cfg: ParallelConfig, train: TrainSpec) -> _Costed:
@@ -203,7 +213,7 @@ def _costed_cached(model: ModelSpec, cluster: Cluster, cfg: ParallelConfig, trai
     ranks = tuple(_rank_stage(r, costs, emb, head) for r in stages.ranks)
     slow = max(ranks, key=lambda s: s.total)
     m = cfg.num_microbatches(train)
-    pipe = _pipeline(_hops(cluster, model, cfg, train), cfg, m, slow.total, slow.wgrad)
+    pipe = _pipeline(_hops(cluster, model, cfg, train), cfg.pp, cfg.vpp, cfg.schedule, m, slow.total, slow.wgrad)
     return _Costed(plan, costs, emb, head, stages, ranks, slow, pipe)
 
 
@@ -214,16 +224,135 @@ def pipeline_time(model: ModelSpec, cluster: Cluster, config: ParallelConfig, tr
     return _costed(model, cluster, config, train).pipe.total
 
 
-def pipeline_lower_bound(model: ModelSpec, cluster: Cluster, config: ParallelConfig, train: TrainSpec) -> float:
-    """A lower bound of ``pipeline_time`` that needs no stage split (the search prunes with it):
-    the slowest rank takes at least the mean rank's time, and under ZB-H1 at most the largest
-    weight-gradient share of any part of a pass leaves the bubble."""
+@dataclass(frozen=True, slots=True)
+class PipelineFloor:
+    """What bounds the pipeline part of a step from below before its stages are split, for every
+    schedule of one mesh, micro-batch size, recomputation and expert layout (the search prices a
+    group of configurations with one): ``m`` micro-batches of the mean rank (all ranks together
+    take ``fwd`` + ``bwd`` seconds a micro-batch), of which at most ``share`` is weight-gradient
+    work, and the stage-to-stage sends ``hops``."""
+
+    pp: int
+    m: int
+    fwd: float
+    bwd: float
+    share: float
+    hops: tuple[float, ...]
+
+    def at(self, vpp: int, schedule: str) -> float:
+        """The bound under ``vpp`` chunks a rank and ``schedule``."""
+        mean = (self.fwd + self.bwd) / self.pp
+        return _pipeline(self.hops, self.pp, vpp, schedule, self.m, mean, mean * self.share).total
+
+    def least(self, schedules: set[tuple[int, str]]) -> float:
+        """The smallest bound over ``schedules`` ((vpp, schedule) pairs). With vpp > 1 the bound
+        falls as vpp grows (the bubble is ``(pp - 1) / vpp`` passes), so only the largest counts."""
+        deepest = max((v for v, _ in schedules), default=1)
+        return min(self.at(v, s) for v, s in schedules if v == 1 or v == deepest)
+
+
+def pipeline_floor(model: ModelSpec, cluster: Cluster, config: ParallelConfig, train: TrainSpec) -> PipelineFloor:
+    """The ``PipelineFloor`` of ``config``: it reads neither ``vpp``, ``schedule`` nor ``zero``, so
+    configurations that differ only there share it. The slowest rank takes at least the mean rank's
+    time, and under ZB-H1 at most the largest weight-gradient share of any part of a pass leaves
+    the bubble."""
     _, costs, emb, head = _edge_costs(model, cluster, config, train)
     parts = [(costs[k], n) for k, n in _kinds(model)] + [(emb, 1), (head, 1)]
-    mean = sum((c.fwd_s + c.bwd_s) * n for c, n in parts) / config.pp
+    return _floor_of(config.pp, config.num_microbatches(train), parts, _hops(cluster, model, config, train))
+
+
+def _floor_of(
+    pp: int, m: int, parts: list[tuple[LayerCost, int]], hops: tuple[float, ...], extra: tuple[float, float] = (0, 0)
+) -> PipelineFloor:
+    """The floor of a pass made of ``parts`` ((cost, count) pairs) over ``pp`` ranks; ``extra``
+    (forward, backward seconds) is a part whose weight-gradient share is not known, so the share
+    is taken as 1 (no bubble left under ZB-H1) when it is given."""
+    fwd = sum(c.fwd_s * n for c, n in parts) + extra[0]
+    bwd = sum(c.bwd_s * n for c, n in parts) + extra[1]
     share = max((c.wgrad_s / (c.fwd_s + c.bwd_s) for c, _ in parts if c.fwd_s + c.bwd_s > 0), default=0.0)
-    hops = _hops(cluster, model, config, train)
-    return _pipeline(hops, config, config.num_microbatches(train), mean, mean * share).total
+    return PipelineFloor(pp, m, fwd, bwd, 1.0 if extra[0] + extra[1] > 0 else share, hops)
+
+
+def _inner(axes: tuple[tuple[str, int], ...], names: tuple[str, ...]) -> tuple[tuple[str, int], ...]:
+    """The axes of ``axes`` (innermost first) up to the outermost of ``names``: where a group over
+    ``names`` sits depends on these alone (``comm.place_axes``)."""
+    last = max((i for i, (a, _) in enumerate(axes) if a in names), default=-1)
+    return axes[: last + 1]
+
+
+class Floors:
+    """``pipeline_floor`` of many configurations of one model, cluster and step (the search asks
+    for one per group of configurations, tens of thousands at scale): the layers, edges and sends
+    that configurations share are costed once, keyed by exactly what their costs read."""
+
+    def __init__(self, model: ModelSpec, cluster: Cluster, train: TrainSpec) -> None:
+        self.model, self.cluster, self.train = model, cluster, train
+        self._attention: dict[tuple[object, ...], list[tuple[LayerCost, int]]] = {}
+        self._experts: dict[tuple[object, ...], LayerCost] = {}
+
+    def _dense(self, cfg: ParallelConfig) -> tuple[tuple[object, ...], list[tuple[LayerCost, int]]]:
+        """(key, parts): what the costs of ``cfg``'s layers read apart from the expert layout, and
+        its dense layers and edges (their costs read the dense view of the plan)."""
+        overlap = cfg.tp_comm_overlap and cfg.tp > 1
+        inner = _inner(cfg.attention_axes(), ("tp", "cp"))
+        layer: tuple[object, ...] = (
+            cfg.tp,
+            cfg.cp,
+            cfg.sp,
+            cfg.micro_batch_size,
+            cfg.recompute,
+            overlap,
+            cfg.cp_method,
+            inner,
+        )
+        dense = self._attention.get(layer)
+        if dense is None:
+            _, costs, emb, head = _edge_costs(self.model, self.cluster, cfg, self.train)
+            n = self.model.dense_layers
+            dense = self._attention[layer] = [*([(costs["dense"], n)] if n else []), (emb, 1), (head, 1)]
+        return layer, dense
+
+    def layouts(self, cfg: ParallelConfig, layouts: Iterable[tuple[int, int]]) -> PipelineFloor:
+        """A floor of every configuration that differs from ``cfg`` at most in its expert layout,
+        one of ``layouts`` ((ep, etp) pairs): MoE layers at ``layer.expert_floor``."""
+        _, dense = self._dense(cfg)
+        model, train = self.model, self.train
+        extra = (0.0, 0.0)
+        if model.moe_layers:
+            fwd, bwd = expert_floor(*_layer_args(model, self.cluster, train), layer_plan(self.cluster, cfg), layouts)
+            extra = (fwd * model.moe_layers, bwd * model.moe_layers)
+        return _floor_of(cfg.pp, cfg.num_microbatches(train), dense, _hops(self.cluster, model, cfg, train), extra)
+
+    def __call__(self, cfg: ParallelConfig) -> PipelineFloor:
+        """``pipeline_floor(model, cluster, cfg, train)``."""
+        model = self.model
+        layer, dense = self._dense(cfg)
+        parts = dense[:-2]
+        if model.moe_layers:
+            experts = (*layer, cfg.ep, cfg.etp_size, _inner(cfg.expert_axes(), ("ep", "etp")))
+            moe = self._experts.get(experts)
+            if moe is None:
+                moe = self._experts[experts] = _edge_costs(model, self.cluster, cfg, self.train)[1]["moe"]
+            parts = [*parts, (moe, model.moe_layers)]
+        parts += dense[-2:]
+        return _floor_of(cfg.pp, cfg.num_microbatches(self.train), parts, _hops(self.cluster, model, cfg, self.train))
+
+
+def pipeline_lower_bound(model: ModelSpec, cluster: Cluster, config: ParallelConfig, train: TrainSpec) -> float:
+    """A lower bound of ``pipeline_time`` that needs no stage split (``PipelineFloor``)."""
+    return pipeline_floor(model, cluster, config, train).at(config.vpp, config.schedule)
+
+
+def step_lower_bound(
+    model: ModelSpec, cluster: Cluster, config: ParallelConfig, train: TrainSpec, floor: PipelineFloor | None = None
+) -> float:
+    """A lower bound of ``simulate``'s step time that needs no stage split: the pipeline's floor
+    under ``config``'s schedule plus FSDP's floor of exposed data-parallel traffic
+    (``dataparallel.fsdp_floor``); every other part of the step is non-negative. ``floor`` is
+    ``pipeline_floor`` of ``config`` when known (any configuration of its group has it)."""
+    floor = floor or pipeline_floor(model, cluster, config, train)
+    dp = fsdp_floor(cluster, model, config, train, floor.m, floor.fwd, floor.bwd)
+    return floor.at(config.vpp, config.schedule) + dp
 
 
 def peak_memory(model: ModelSpec, cluster: Cluster, cfg: ParallelConfig, train: TrainSpec) -> MemoryBreakdown:

@@ -7,9 +7,17 @@ from dataclasses import replace
 import pytest
 
 from meshfold.passes.stages import split_layers
-from meshfold.sim import ConfigError, ParallelConfig, TrainSpec, gpt, parse_cluster, preset, simulate
+from meshfold.sim import ConfigError, ModelSpec, ParallelConfig, TrainSpec, gpt, parse_cluster, preset, simulate
+from meshfold.sim.dataparallel import fsdp_floor
 from meshfold.sim.search import candidates, search_configs
-from meshfold.sim.simulate import pipeline_lower_bound, pipeline_time, stage_memories
+from meshfold.sim.simulate import (
+    Floors,
+    pipeline_floor,
+    pipeline_lower_bound,
+    pipeline_time,
+    stage_memories,
+    step_lower_bound,
+)
 
 
 def test_llama3_405b_splits_126_layers_over_16_stages_like_the_paper() -> None:
@@ -104,3 +112,68 @@ def test_pruning_bound_never_exceeds_the_pipeline_time() -> None:
     ):
         assert pipeline_lower_bound(model, cluster, cfg, train) <= pipeline_time(model, cluster, cfg, train)
         assert len(stage_memories(model, cluster, cfg, train)) == cfg.pp
+
+
+def test_every_bound_the_search_prunes_with_is_below_what_it_bounds() -> None:
+    model, cluster, train = preset("deepseek-v3"), parse_cluster("h100:8x128"), TrainSpec(4096, 1024)
+    floors = Floors(model, cluster, train)
+    for cfg in (
+        ParallelConfig(dp=64, pp=16, ep=64, etp=1, recompute="full", vpp=2),
+        ParallelConfig(dp=32, tp=2, pp=16, ep=8, etp=2, recompute="selective", schedule="zb-h1"),
+        ParallelConfig(dp=16, tp=2, cp=2, pp=16, ep=16, moe_mapping="unfolded", recompute="full"),
+        ParallelConfig(dp=64, pp=16, ep=64, etp=1, zero=3, recompute="full"),
+        ParallelConfig(dp=1024, ep=8, etp=1, zero=3, recompute="full", micro_batch_size=1),
+    ):
+        res = simulate(model, cluster, cfg, train, timeline=False)
+        floor = pipeline_floor(model, cluster, cfg, train)
+        assert floors(cfg) == floor  # NOTE: shared costs, keyed by what they read: the same floor
+        assert floor.at(cfg.vpp, cfg.schedule) <= pipeline_time(model, cluster, cfg, train)
+        assert step_lower_bound(model, cluster, cfg, train) <= res.step_time_s
+        # NOTE: one floor for every expert layout: below each layout's own
+        layouts = {(1, 1), (8, 8), (256, 1), (cfg.ep, cfg.etp_size)}
+        for ep, etp in layouts:
+            other = replace(cfg, ep=ep, etp=etp, moe_mapping="folded")
+            coarse = floors.layouts(cfg, layouts).at(cfg.vpp, cfg.schedule)
+            assert coarse <= pipeline_floor(model, cluster, other, train).at(cfg.vpp, cfg.schedule)
+        exposed = dict(res.breakdown)["dp exposed"]
+        dp = fsdp_floor(cluster, model, cfg, train, floor.m, floor.fwd, floor.bwd)
+        assert dp <= exposed
+        if cfg.zero == 3 and cfg.dp == 1024:
+            assert dp >= 0.5 * exposed > 0  # NOTE: gathers over 1024 ranks are latency bound: the floor prunes them
+
+
+def _exhaustive(
+    model: ModelSpec, cluster: str, train: TrainSpec, top: int, fixed: dict[str, int]
+) -> list[ParallelConfig]:
+    """The ``top`` fastest configurations that fit, by simulating every candidate."""
+    rows = []
+    for cfg in candidates(model, parse_cluster(cluster), train, fixed=fixed):
+        try:
+            res = simulate(model, parse_cluster(cluster), cfg, train, timeline=False)
+        except ConfigError:
+            continue
+        if res.fits:
+            rows.append((res.step_time_s, res.peak_memory_bytes, repr(cfg), cfg))
+    return [r[3] for r in sorted(rows, key=lambda r: r[:3])[:top]]
+
+
+MOE6 = ModelSpec(
+    "moe6", 6, 1024, 16, 2816, 32000, kv_heads=8, num_experts=8, top_k=2, moe_ffn_hidden=512, first_k_dense=1
+)
+
+
+@pytest.mark.parametrize(
+    ("model", "cluster", "train"),
+    [
+        (preset("llama3-8b"), "h100:8x1", TrainSpec(8192, 32)),  # NOTE: memory binds: FSDP and pipelines lead
+        (MOE6, "h100:8x1", TrainSpec(4096, 64)),  # NOTE: every ep and etp, both mappings, a dense layer
+    ],
+    ids=["dense-memory-bound", "moe"],
+)
+def test_the_pruned_search_ranks_as_simulating_every_candidate(
+    model: ModelSpec, cluster: str, train: TrainSpec
+) -> None:
+    fixed = {"micro_batch_size": 1}
+    found = search_configs(model, parse_cluster(cluster), train, fixed=fixed, top=8)
+    assert len(found) == 8
+    assert [r.config for r in found] == _exhaustive(model, cluster, train, 8, fixed)
