@@ -15,6 +15,7 @@ the device).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from meshfold.passes.stages import Fits, SplitError, StageSplit, even_split, split_layers, stage_sums
@@ -74,8 +75,9 @@ def plan_stages(
         split = StageSplit(bounds, stage_sums(per_layer, bounds, head, tail))
     else:
         try:
-            # NOTE: when even the mean rank cannot fit, no split fits: skip the constrained search
-            if memory.floor() > hbm:
+            # NOTE: when even the mean rank cannot fit, or the chunks have no room for the layers,
+            # no split fits: skip the constrained search (it would fail)
+            if memory.floor() > hbm or _no_room(model, cfg, memory, hbm):
                 raise SplitError("no split fits")
             split = split_layers(per_layer, chunks, head=head, tail=tail, fits=_fits(model, cfg, memory, hbm))
         except SplitError:
@@ -88,6 +90,28 @@ def plan_stages(
             dense, moe = dense + d, moe + e
         ranks.append(StageLayers(r, dense, moe, r == 0, r == (chunks - 1) % pp))
     return PipelineStages(split, tuple(ranks), pp)
+
+
+def _no_room(model: ModelSpec, cfg: ParallelConfig, memory: StageMemory, hbm: float) -> bool:
+    """True when ``_fits`` holds for no split: some chunk has no room for one layer of either kind
+    beside its edges, or all chunks together have room for fewer MoE layers, or fewer layers, than
+    the model has (each chunk counted at its rank's bytes per layer, with a margin for rounding)."""
+    chunks, pp, vpp = cfg.pp * cfg.vpp, cfg.pp, cfg.vpp
+    budget = (hbm - memory.fixed(0, model.moe_layers > 0)) / vpp
+    emb = memory.chunk_need(0, 0, 0, True, False)
+    tail = memory.chunk_need((chunks - 1) % pp, 0, 0, False, True)
+    per = [(memory.chunk_need(r, 1, 0, False, False), memory.chunk_need(r, 0, 1, False, False)) for r in range(pp)]
+    kinds = [k for k, n in ((0, model.dense_layers), (1, model.moe_layers)) if n]
+    moe = layers = 0.0
+    for c in range(chunks):
+        room = budget - (emb if c == 0 else 0.0) - (tail if c == chunks - 1 else 0.0)
+        need = per[c % pp]
+        least = min(need[k] for k in kinds)
+        if room < least:
+            return True
+        layers += math.floor(room / least * (1 + 1e-9)) if least > 0 else math.inf
+        moe += math.floor(room / need[1] * (1 + 1e-9)) if need[1] > 0 else math.inf
+    return layers < model.layers or moe < model.moe_layers
 
 
 def _fits(model: ModelSpec, cfg: ParallelConfig, memory: StageMemory, hbm: float) -> Fits:

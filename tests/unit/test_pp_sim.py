@@ -6,9 +6,10 @@ from dataclasses import replace
 
 import pytest
 
-from meshfold.passes.stages import split_layers
+from meshfold.passes.stages import SplitError, split_layers
 from meshfold.sim import ConfigError, ModelSpec, ParallelConfig, TrainSpec, gpt, parse_cluster, preset, simulate
 from meshfold.sim.dataparallel import fsdp_floor
+from meshfold.sim.footprint import stage_memory
 from meshfold.sim.search import candidates, search_configs
 from meshfold.sim.simulate import (
     Floors,
@@ -18,6 +19,7 @@ from meshfold.sim.simulate import (
     stage_memories,
     step_lower_bound,
 )
+from meshfold.sim.stagesplit import _fits, _no_room
 
 
 def test_llama3_405b_splits_126_layers_over_16_stages_like_the_paper() -> None:
@@ -177,3 +179,26 @@ def test_the_pruned_search_ranks_as_simulating_every_candidate(
     found = search_configs(model, parse_cluster(cluster), train, fixed=fixed, top=8)
     assert len(found) == 8
     assert [r.config for r in found] == _exhaustive(model, cluster, train, 8, fixed)
+
+
+def test_chunks_without_room_for_the_layers_have_no_split_that_fits() -> None:
+    """``stagesplit._no_room`` lets the constrained split be skipped: wherever it says the chunks
+    have no room, the split under memory finds none either; here it says so for about half the
+    candidates, and the split finds one for most of the rest."""
+    model, cluster, train = preset("deepseek-v3"), parse_cluster("h100:8x32"), TrainSpec(4096, 512)
+    hbm, proved, found = cluster.device.hbm_bytes, 0, 0
+    for cfg in candidates(
+        model, cluster, train, fixed={"micro_batch_size": 1, "recompute": "none", "ep": 32, "etp": 1}
+    ):
+        if cfg.pp * cfg.vpp == 1 or cfg.vpp > 2:
+            continue
+        memory = stage_memory(model, cfg, train)
+        no_room = _no_room(model, cfg, memory, hbm)
+        proved += no_room
+        try:
+            split_layers([1.0] * model.layers, cfg.pp * cfg.vpp, fits=_fits(model, cfg, memory, hbm))
+        except SplitError:
+            continue
+        found += 1
+        assert not no_room, cfg.describe()
+    assert proved > 100 and found > 100, (proved, found)
