@@ -92,20 +92,37 @@ def plan_stages(
     return PipelineStages(split, tuple(ranks), pp)
 
 
+@dataclass(frozen=True, slots=True)
+class _Budget:
+    """What a chunk may hold (``_fits``): ``budget`` bytes a chunk, less ``emb`` on the first and
+    ``tail`` on the last; ``per[rank]`` is (dense, MoE) bytes a layer on that rank (static +
+    activations in flight / vpp)."""
+
+    budget: float
+    emb: float
+    tail: float
+    per: tuple[tuple[float, float], ...]
+
+
+def _budget(model: ModelSpec, cfg: ParallelConfig, memory: StageMemory, hbm: float) -> _Budget:
+    """The ``_Budget`` of ``cfg``'s chunks on devices of ``hbm`` bytes."""
+    chunks, pp = cfg.pp * cfg.vpp, cfg.pp
+    per = tuple((memory.chunk_need(r, 1, 0, False, False), memory.chunk_need(r, 0, 1, False, False)) for r in range(pp))
+    emb = memory.chunk_need(0, 0, 0, True, False)
+    tail = memory.chunk_need((chunks - 1) % pp, 0, 0, False, True)
+    return _Budget((hbm - memory.fixed(0, model.moe_layers > 0)) / cfg.vpp, emb, tail, per)
+
+
 def _no_room(model: ModelSpec, cfg: ParallelConfig, memory: StageMemory, hbm: float) -> bool:
     """True when ``_fits`` holds for no split: some chunk has no room for one layer of either kind
     beside its edges, or all chunks together have room for fewer MoE layers, or fewer layers, than
     the model has (each chunk counted at its rank's bytes per layer, with a margin for rounding)."""
-    chunks, pp, vpp = cfg.pp * cfg.vpp, cfg.pp, cfg.vpp
-    budget = (hbm - memory.fixed(0, model.moe_layers > 0)) / vpp
-    emb = memory.chunk_need(0, 0, 0, True, False)
-    tail = memory.chunk_need((chunks - 1) % pp, 0, 0, False, True)
-    per = [(memory.chunk_need(r, 1, 0, False, False), memory.chunk_need(r, 0, 1, False, False)) for r in range(pp)]
+    chunks, b = cfg.pp * cfg.vpp, _budget(model, cfg, memory, hbm)
     kinds = [k for k, n in ((0, model.dense_layers), (1, model.moe_layers)) if n]
     moe = layers = 0.0
     for c in range(chunks):
-        room = budget - (emb if c == 0 else 0.0) - (tail if c == chunks - 1 else 0.0)
-        need = per[c % pp]
+        room = b.budget - (b.emb if c == 0 else 0.0) - (b.tail if c == chunks - 1 else 0.0)
+        need = b.per[c % cfg.pp]
         least = min(need[k] for k in kinds)
         if room < least:
             return True
@@ -119,12 +136,8 @@ def _fits(model: ModelSpec, cfg: ParallelConfig, memory: StageMemory, hbm: float
     its rank's activations in flight stay within ``1 / vpp`` of what the device has left beside
     the rank's fixed bytes (exact for one chunk per rank; with several it keeps their sum within
     the device)."""
-    chunks, pp, vpp = cfg.pp * cfg.vpp, cfg.pp, cfg.vpp
-    # NOTE: per rank, bytes per dense and per MoE layer (static + activations in flight / vpp)
-    per = [(memory.chunk_need(r, 1, 0, False, False), memory.chunk_need(r, 0, 1, False, False)) for r in range(pp)]
-    emb = memory.chunk_need(0, 0, 0, True, False)
-    tail = memory.chunk_need((chunks - 1) % pp, 0, 0, False, True)
-    budget = (hbm - memory.fixed(0, model.moe_layers > 0)) / vpp
+    chunks, pp, b = cfg.pp * cfg.vpp, cfg.pp, _budget(model, cfg, memory, hbm)
+    per, emb, tail, budget = b.per, b.emb, b.tail, b.budget
     nd = model.dense_layers
 
     def fits(c: int, first: int, end: int) -> bool:
