@@ -2,12 +2,13 @@
 constants and a half held out to check them.
 
 Every run the project keeps as a published reference with a reported MFU, model dimensions, parallel sizes,
-batch and GPU count: the five rows of the Megatron-Core H100 weak-scaling table and the two ends
-of its GPT-3 175B strong-scaling run (96 and 4,608 H100, batch 1,152, MFU 47 % and 42 %).
+batch and GPU count: the five rows of the Megatron-Core H100 weak-scaling table, the two ends
+of its GPT-3 175B strong-scaling run (96 and 4,608 H100, batch 1,152, MFU 47 % and 42 %), and
+the two 8K-context rows of Llama 3 405B's pre-training (8,192 and 16,384 H100, MFU 43 % and 41 %).
 torchtitan's Llama 3.1 8B figures are left out: its H100s are 96 GB HBM2e parts at a 500 W cap
 whose peak torchtitan says it does not know (torchtitan docs/performance.md), not a catalog part.
 
-Assumptions about the runs (Megatron-LM README; what it does not say is Megatron-LM's default):
+Assumptions about the Megatron runs (Megatron-LM README; what it does not say is Megatron-LM's default):
 GPT with LayerNorm and biases, 4h GELU MLP, untied embeddings, vocabulary 131,072, sequence 4,096;
 bf16 with fp32 gradients, Adam, distributed optimizer, micro-batch 1, sequence parallel with TP,
 dp and tp communication overlapped, equal layers per stage. The strong-scaling runs use the
@@ -21,9 +22,32 @@ interleaved schedule"). How many chunks each stage holds is not published; a run
 the one the simulator finds fastest among those that divide its layers per stage (``vpps``), as
 a tuned run would be.
 
-Split rule: runs sorted by parameter count, then GPU count; the 1st, 3rd, 5th, ... fit the
-constants, the 2nd, 4th, ... are held out. ``FITTED`` names the ``Efficiency`` fields the fit
-sets; ``fit`` minimises the squared relative MFU error over the fit half only (scipy's
+The Llama 3 runs ("The Llama 3 Herd of Models", Meta 2024, sec. 3.3 and Table 4): the 405B model
+(``model.PRESETS["llama3-405b"]``: 126 layers, hidden 16,384, FFN 53,248, 128 heads, 8 KV heads,
+vocabulary 128,256, SwiGLU, RMSNorm, no biases, untied), sequence 8,192, 16M tokens a step
+(batch 32 sequences a data-parallel rank at DP 64, 16 at DP 128: 2,048 sequences), BF16, H100
+SXM 80 GB on a 400 Gb/s RoCE fabric (``roce400``), TP 8, PP 16, parallel groups ordered
+[TP, CP, PP, DP]. Published beside them: FSDP shards the optimizer state and the gradients but
+does not reshard the parameters after the forward (``zero=2``: bf16 parameters whole, fp32
+gradients and Adam state sharded); gradients accumulate and are reduce-scattered in FP32; one
+Transformer layer fewer on the first and the last stage, the first chunk holding only the
+embedding and the last only the output layer and loss (``stage_split="edges"``, which with 126
+layers over 16 stages means one layer a chunk: ``vpp`` 8); an interleaved schedule; 8K sequences
+without activation checkpointing. Assumed where nothing is published: micro-batch 1 sequence
+(Megatron-style interleaving), no TP communication overlap (none is reported), Adam, and MFU
+counting the whole attention square as the Megatron runs do (torchtitan's convention too: "we
+follow the convention and do not account for sparsity in causal attention").
+
+The paper's third row (16,384 H100 at CP 16, sequence 131,072, 38 % MFU) is ``LONG_CONTEXT``,
+kept beside the scored runs and not among them: its attention (all-gathered keys and values,
+``cp_method="allgather"``) is over half of the counted FLOPs, so its error rests on the
+attention-FLOP convention (whole square or causal half), which the paper does not state.
+
+Split rule: the Megatron runs (the runs the constants were first fitted on) sorted by parameter
+count, then GPU count; the 1st, 3rd, 5th, ... fit the constants, the 2nd, 4th, ... are held out.
+Runs marked ``held_out`` (published by others, added after the fit) are always held out, so adding
+one moves neither the fit half nor the fitted values. ``FITTED`` names the ``Efficiency`` fields
+the fit sets; ``fit`` minimises the squared relative MFU error over the fit half only (scipy's
 ``least_squares``); the values it found live in ``hardware.HOPPER``.
 """
 
@@ -32,7 +56,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from meshfold.sim.model import ModelSpec, gpt
+from meshfold.sim.model import PRESETS, ModelSpec, gpt
 from meshfold.sim.parallel import ParallelConfig, TrainSpec
 from meshfold.sim.result import SimResult
 from meshfold.sim.simulate import simulate
@@ -47,6 +71,7 @@ BOUNDS = ((0.5, 0.8), (1e5, 2e7))
 """Physical ranges of ``FITTED``: at most the best-shape GEMM rate (0.80 of peak on H100), and
 between a fraction of one wave of tiles and a few waves."""
 MEGATRON = "Megatron-LM README, Training Speed and Scalability"
+LLAMA3 = "The Llama 3 Herd of Models (Meta 2024), Table 4"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +87,10 @@ class PublishedRun:
     mfu: float
     vpps: tuple[int, ...] = (1,)
     """Chunks per pipeline stage the run may have used (``config`` has the first)."""
+    nic: str = ""
+    """The NIC between nodes (a ``hardware.LINKS`` name; empty: the H100 default, InfiniBand NDR)."""
+    held_out: bool = False
+    """Never in the fit half (``halves``): a run added after the constants were fitted."""
 
     def configs(self) -> tuple[ParallelConfig, ...]:
         """``config`` with each of ``vpps``."""
@@ -74,8 +103,9 @@ class PublishedRun:
         return min(results, key=lambda r: r.step_time_s)
 
     def cluster(self, eff: Efficiency | None = None) -> Cluster:
-        """The run's H100 cluster (8 GPUs a node), with ``eff`` in place of the catalog constants."""
-        c = parse_cluster(f"h100:8x{self.gpus // 8}")
+        """The run's H100 cluster (8 GPUs a node, ``nic`` between them), with ``eff`` in place of the
+        catalog constants."""
+        c = parse_cluster(f"h100:8x{self.gpus // 8}" + (f"@{self.nic}" if self.nic else ""))
         return c if eff is None else replace(c, device=replace(c.device, eff=eff))
 
 
@@ -98,6 +128,29 @@ def _megatron(
     return PublishedRun(name, source, model, gpus, cfg, TrainSpec(4096, batch), mfu, vpps)
 
 
+def _llama3(name: str, gpus: int, cp: int, seq: int, per_dp: int, mfu: float) -> PublishedRun:
+    """A Llama 3 405B pre-training row of Table 4 at TP 8, PP 16 (module docstring); ``per_dp`` is
+    the table's batch size per data-parallel rank in sequences."""
+    tp, pp = 8, 16
+    dp = gpus // (tp * cp * pp)
+    cfg = ParallelConfig(
+        dp=dp,
+        tp=tp,
+        pp=pp,
+        cp=cp,
+        vpp=8,
+        micro_batch_size=1,
+        zero=2,
+        order="tp-cp-pp-ep-dp",
+        cp_method="allgather",
+        stage_split="edges",
+    )
+    source = f"{LLAMA3}, {gpus} GPUs" + (f", CP {cp}, seq {seq}" if cp > 1 else "")
+    return PublishedRun(
+        name, source, PRESETS["llama3-405b"], gpus, cfg, TrainSpec(seq, dp * per_dp), mfu, (8,), "roce400", True
+    )
+
+
 RUNS: tuple[PublishedRun, ...] = (
     _megatron("1.7B", 16, 2048, 24, 1, 1, 48, 192, 0.41, f"{MEGATRON}, weak scaling"),
     _megatron("16B", 48, 6144, 32, 4, 1, 192, 192, 0.49, f"{MEGATRON}, weak scaling"),
@@ -106,13 +159,24 @@ RUNS: tuple[PublishedRun, ...] = (
     _megatron("462B", 144, 18432, 112, 8, 16, 6144, 3072, 0.47, f"{MEGATRON}, weak scaling"),
     _megatron("175B@96", 96, 12288, 96, 8, 6, 96, 1152, 0.47, f"{MEGATRON}, strong scaling (TP8 PP6 assumed)"),
     _megatron("175B@4608", 96, 12288, 96, 8, 6, 4608, 1152, 0.42, f"{MEGATRON}, strong scaling (TP8 PP6 assumed)"),
+    _llama3("405B@8192", 8192, 1, 8192, 32, 0.43),
+    _llama3("405B@16384", 16384, 1, 8192, 16, 0.41),
 )
+
+LONG_CONTEXT = _llama3("405B@16384 128K", 16384, 16, 131072, 16, 0.38)
+"""Llama 3 405B's long-context row (module docstring): reported beside the scored runs, not among them."""
+
+
+def _order(runs: Sequence[PublishedRun]) -> list[PublishedRun]:
+    return sorted(runs, key=lambda r: (r.model.param_count(), r.gpus, r.name))
 
 
 def halves(runs: Sequence[PublishedRun] = RUNS) -> tuple[tuple[PublishedRun, ...], tuple[PublishedRun, ...]]:
-    """(fit half, held-out half): runs sorted by parameter count then GPUs; alternate ones from the first."""
-    ordered = sorted(runs, key=lambda r: (r.model.param_count(), r.gpus, r.name))
-    return tuple(ordered[0::2]), tuple(ordered[1::2])
+    """(fit half, held-out half): the runs not marked ``held_out`` sorted by parameter count then
+    GPUs, alternate ones from the first to the fit half; every ``held_out`` run to the held-out
+    half (after the others, in the same order)."""
+    ordered = _order([r for r in runs if not r.held_out])
+    return tuple(ordered[0::2]), tuple(ordered[1::2]) + tuple(_order([r for r in runs if r.held_out]))
 
 
 def simulated_mfu(run: PublishedRun, eff: Efficiency | None = None) -> float:

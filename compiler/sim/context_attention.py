@@ -15,6 +15,12 @@
   (queries, keys and values before the kernel, the output after; backward: the output gradient
   before, the three input gradients after), blocking, and each device attends the whole sequence
   on ``1/cp`` of the heads. Key/value heads fewer than ``cp`` are repeated to ``cp``.
+* ``allgather`` (Llama 3's context parallelism, "The Llama 3 Herd of Models" sec. 3.3.2): the keys
+  and values of the whole sequence are all-gathered (blocking) and each device attends its own
+  queries (two load-balanced chunks, so half the gathered context on average under the causal
+  mask) in one kernel. Backward: the keys and values are gathered again (keeping them for every
+  micro-batch in flight would cost ``cp`` times their memory) and their gradients reduce-scattered.
+  Small under GQA, where the keys and values are a fraction of the queries.
 
 Unfused attention (``flash`` False) materialises the scores over the whole gathered context.
 """
@@ -29,7 +35,7 @@ if TYPE_CHECKING:
     from meshfold.sim.layer import LayerBuilder
     from meshfold.sim.streams import Streams
 
-METHODS = ("ring", "tokenring", "ulysses")
+METHODS = ("ring", "tokenring", "ulysses", "allgather")
 LSE_BYTES = 4
 """One fp32 log-sum-exp (or softmax statistic) per query row and head."""
 
@@ -40,11 +46,12 @@ def attention_core(b: LayerBuilder, s: Streams, backward: bool) -> None:
     heads = m.heads / p.tp
     kv_heads = heads if m.is_mla else m.n_kv_heads / p.tp
     ulysses = p.cp > 1 and p.cp_method == "ulysses"
+    gathered = p.cp > 1 and p.cp_method == "allgather"
     tokens = b.T * p.cp if ulysses else b.T
     block = opcost.attention_time(
         b.dev,
         tokens,
-        tokens if (b.flash or ulysses) else b.T * p.cp,
+        b.T * p.cp if gathered or not (b.flash or ulysses) else tokens,
         heads / p.cp if ulysses else heads,
         m.qk_head_dim,
         m.v_dim,
@@ -57,6 +64,14 @@ def attention_core(b: LayerBuilder, s: Streams, backward: bool) -> None:
         s.compute("flash attention" if b.flash else "attention", block)
         return
     qk, v, a = m.qk_head_dim, m.v_dim, b.a
+    if gathered:
+        kv = b.T * p.cp * kv_heads * (qk + v) * a
+        s.blocking("cp all-gather keys, values", comm.collective_time("all_gather", b.c, p.cp_group, kv), "cp")
+        s.compute("flash attention (gathered)", block)
+        if backward:
+            grads = comm.collective_time("reduce_scatter", b.c, p.cp_group, kv)
+            s.blocking("cp reduce-scatter key, value gradients", grads, "cp")
+        return
     if ulysses:
         kv = b.T * max(kv_heads, p.cp) * (qk + v) * a
         q, out = b.T * heads * qk * a, b.T * heads * v * a

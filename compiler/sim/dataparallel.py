@@ -1,7 +1,8 @@
 """Data-parallel traffic of a step: gradient reduction and parameter gathering under each ZeRO stage.
 
 Reduce-scatter (or all-reduce) of gradients starts bucket by bucket during the last micro-batch's
-backward, the parameter all-gather of the distributed optimizer during the first micro-batch's
+backward (ZeRO-2's during every micro-batch's, each running on while the next micro-batch
+computes), the parameter all-gather of the distributed optimizer during the first micro-batch's
 forward; rank ``r`` of the pipeline finishes its last backward (starts its first forward) ``r``
 chunk-passes before (after) rank 0, which hides that much more of its own traffic. FSDP gathers
 (twice) and reduces every micro-batch, layer by layer. On a cluster of node groups with different
@@ -48,6 +49,19 @@ def reduce_tail(red: float, bwd_chunk: float, pp: int, vpp: int, buckets: float,
         end = -c * pp * bwd_chunk
         finish = max(finish + per, end - bwd_chunk + bwd_chunk / n + per, end + per / n)
     return max(0.0, finish)
+
+
+def lagging_reduce(red: float, bwd: float, slot: float, m: int, buckets: float, overlap: bool) -> float:
+    """Exposed seconds of ZeRO-2's gradient reduce-scatter, ``red`` seconds after each of ``m``
+    micro-batches' backward (``bwd`` seconds), micro-batches ``slot`` seconds apart. The reduction
+    runs on its own stream while compute goes on with the next micro-batch, so only the last one
+    must end before the optimizer: it shows what its buckets leave beyond the last backward, plus
+    the backlog when reductions take longer than a slot (``(m - 1) (red - slot)``)."""
+    if red <= 0:
+        return 0.0
+    if not overlap:
+        return m * red
+    return max(0.0, (m - 1) * (red - slot)) + _hide(red, bwd, buckets, overlap)
 
 
 def gather_head(gat: float, fwd_chunk: float, pp: int, vpp: int, buckets: float, overlap: bool) -> float:
@@ -132,7 +146,7 @@ def data_parallel(
             tot = red + gat
         elif cfg.zero == 2:
             f = _hide(gat, fwd, buckets, ov) - r * slow[0] / cfg.vpp
-            b = m * _hide(red, bwd, buckets, ov)
+            b = lagging_reduce(red, bwd, slow[0] + slow[1], m, buckets, ov)
             tot = m * red + gat
         else:
             f = m * _hide(gat, fwd, layers.layers, ov)

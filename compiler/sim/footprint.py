@@ -58,6 +58,9 @@ class StageLayers:
     moe: int
     embedding: bool
     head: bool
+    chunks: tuple[tuple[int, int], ...] = ()
+    """(dense, MoE) layers of each of the rank's virtual chunks, in chunk order (empty: not known,
+    taken as equal)."""
 
     @property
     def layers(self) -> int:
@@ -147,11 +150,37 @@ def chunks_in_flight(cfg: ParallelConfig, m: int, rank: int) -> int:
     rank ``r`` runs ``pp - r - 1`` warm-up forwards, so it keeps ``min(pp - r, m)``; under
     interleaved 1F1B Megatron's warm-up is ``2 (pp - r - 1) + (vpp - 1) pp`` chunk-passes. ZB-H1
     keeps 1F1B's (its deferred weight gradients free their inputs within the same slot)."""
-    if cfg.pp == 1:
+    return _in_flight(cfg.pp, cfg.vpp, m, rank)
+
+
+def _in_flight(pp: int, vpp: int, m: int, rank: int) -> int:
+    """``chunks_in_flight`` of a pipeline of ``pp`` ranks with ``vpp`` chunks each."""
+    if pp == 1:
         return 1
-    if cfg.vpp == 1:
-        return min(m, cfg.pp - rank)
-    return min(m * cfg.vpp, 2 * (cfg.pp - rank - 1) + (cfg.vpp - 1) * cfg.pp + 1)
+    if vpp == 1:
+        return min(m, pp - rank)
+    return min(m * vpp, 2 * (pp - rank - 1) + (vpp - 1) * pp + 1)
+
+
+@functools.lru_cache(maxsize=4096)
+def peak_in_flight(pp: int, vpp: int, m: int, rank: int, chunk_bytes: tuple[float, ...]) -> float:
+    """The most activation bytes pipeline rank ``rank`` holds at once when its chunk ``c`` keeps
+    ``chunk_bytes[c]`` per micro-batch, walking Megatron's (interleaved) 1F1B order: the warm-up
+    forwards of ``chunks_in_flight``, then one forward and one backward a slot; forward ``k`` runs
+    chunk ``(k // pp) % vpp``, backward ``k`` chunk ``vpp - 1 - (k // pp) % vpp``. With equal
+    chunks it is ``chunks_in_flight`` times one chunk's bytes; with unequal ones (a chunk that holds
+    only the embedding) it counts what is held, not the mean."""
+    total = m * vpp
+    warm = _in_flight(pp, vpp, m, rank) - 1
+    live = peak = 0.0
+    done = 0
+    for k in range(total):
+        live += chunk_bytes[(k // pp) % vpp]
+        peak = max(peak, live)
+        if k >= warm:
+            live -= chunk_bytes[vpp - 1 - (done // pp) % vpp]
+            done += 1
+    return peak
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +229,9 @@ class StageMemory:
         params, grads, opt = self._static_of(stage_params(model, cfg, stage))
         per_chunk = (stage.dense * self.act_dense + stage.moe * self.act_moe) / cfg.vpp
         acts = chunks_in_flight(cfg, self.m, stage.rank) * per_chunk
+        if len(set(stage.chunks)) > 1:
+            held = tuple(d * self.act_dense + e * self.act_moe for d, e in stage.chunks)
+            acts = peak_in_flight(cfg.pp, cfg.vpp, self.m, stage.rank, held)
         if cfg.recompute == "full":
             kind = "moe" if stage.moe else "dense"
             acts += layer_activation_bytes(model, replace(cfg, recompute="none"), train, kind)  # the layer in backward
@@ -261,7 +293,10 @@ def stage_memory(model: ModelSpec, cfg: ParallelConfig, train: TrainSpec) -> Sta
     if cfg.ep > 1 or cfg.etp_size > 1:
         buffers += 2 * Tsp * model.top_k * model.routing_imbalance * cfg.etp_size * model.hidden * a
     if cfg.cp > 1:
-        buffers += 2 * T * model.n_kv_heads / cfg.tp * (model.qk_head_dim + model.v_dim) * a
+        kv = T * model.n_kv_heads / cfg.tp * (model.qk_head_dim + model.v_dim) * a
+        # NOTE: ring methods hold the block in use and the one arriving; all-gather CP the keys and
+        # values of the whole sequence, and in the backward their gradients before the reduce-scatter
+        buffers += 2 * kv * (cfg.cp if cfg.cp_method == "allgather" else 1)
     if cfg.zero >= 2:
         buffers += max(BUCKET_MIN, 1e6 * cfg.dp) * g
     moe = model.moe_layers > 0

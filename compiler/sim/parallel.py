@@ -30,10 +30,14 @@ MOE_MAPPINGS = ("folded", "unfolded")
 SCHEDULES = ("1f1b", "zb-h1")
 """Pipeline schedules: ``1f1b`` (interleaved when ``vpp`` > 1) and ``zb-h1`` (Qi et al. 2023, "Zero
 Bubble Pipeline Parallelism": the weight-gradient GEMMs of the cool-down fill the bubble; vpp 1)."""
-STAGE_SPLITS = ("balanced", "even")
+STAGE_SPLITS = ("balanced", "even", "edges")
 """Which layers each stage holds: ``balanced`` is ``passes.stages.split_layers`` on the simulator's
 layer, embedding and head times (the rule the pipeline runtime uses); ``even`` equal layer counts
-(Megatron-LM's default, one more on later stages where they do not divide)."""
+(Megatron-LM's default, one more on later stages where they do not divide); ``edges`` equal counts
+with the embedding and the LM head each taking one layer's place (Llama 3 405B's pipeline: one
+layer fewer on the first and the last stage; at one layer a chunk the first chunk holds only the
+embedding and the last only the output layer and the loss, "The Llama 3 Herd of Models" sec. 3.3.2),
+so ``pp * vpp`` may be up to two more than the layers."""
 
 
 class ConfigError(ValueError):
@@ -116,7 +120,8 @@ class ParallelConfig:
     order: str = "tp-cp-ep-dp-pp"
     moe_mapping: str = "folded"
     cp_method: str = "ring"
-    """How attention reads the ``cp`` split: ``ring``, ``tokenring`` or ``ulysses`` (``cost.context``)."""
+    """How attention reads the ``cp`` split: ``ring``, ``tokenring``, ``ulysses`` or ``allgather``
+    (``context_attention``)."""
     schedule: str = "1f1b"
     stage_split: str = "balanced"
 
@@ -234,11 +239,12 @@ class ParallelConfig:
             raise ConfigError(f"kv_heads % tp == 0 violated: {model.n_kv_heads} kv heads over tp={self.tp}")
         if model.ffn_hidden % self.tp:
             raise ConfigError(f"ffn_hidden % tp == 0 violated: {model.ffn_hidden} over tp={self.tp}")
-        if model.layers < self.pp * self.vpp:
+        slots = model.layers + (2 if self.stage_split == "edges" and self.pp > 1 else 0)
+        if slots < self.pp * self.vpp:
+            held = "a layer, the embedding or the head" if slots > model.layers else "at least one layer"
             raise ConfigError(
                 f"layers >= pp*vpp violated: {model.layers} layers cannot fill pp={self.pp} x vpp={self.vpp} = "
-                f"{self.pp * self.vpp} pipeline chunks (each holds at least one layer); use fewer stages or virtual "
-                "stages"
+                f"{self.pp * self.vpp} pipeline chunks (each holds {held}); use fewer stages or virtual stages"
             )
         if self.vpp > 1 and self.pp == 1:
             raise ConfigError("vpp > 1 needs pp > 1 (interleaved 1F1B interleaves pipeline stages)")

@@ -8,7 +8,9 @@ and ``fits`` from the footprint under the schedule (1F1B rank ``r`` keeps ``min(
 micro-batches in flight, so early stages can hold fewer layers than late ones).
 
 With virtual stages the split is over ``pp x vpp`` chunks, chunk ``c`` on pipeline rank ``c % pp``
-(Megatron's interleaved order); a rank's time and memory are the sums over its chunks. When no
+(Megatron's interleaved order); a rank's time and memory are the sums over its chunks. The
+``edges`` split is the even split of ``layers + 2`` places, the first the embedding's and the last
+the head's, so a chunk may hold no layer at all (only an edge). When no
 split fits memory the split that ignores memory is kept (the simulation then reports a peak over
 the device).
 """
@@ -65,13 +67,18 @@ def plan_stages(
 ) -> PipelineStages:
     """The stages of ``cfg`` for layers whose kinds take ``times`` seconds each (forward + backward
     of one micro-batch), an embedding of ``head`` and a loss side of ``tail`` seconds, on devices
-    of ``hbm`` bytes (module docstring). ``cfg.stage_split == "even"`` takes equal layer counts."""
+    of ``hbm`` bytes (module docstring). ``cfg.stage_split`` ``even`` takes equal layer counts,
+    ``edges`` equal counts of layers and edges (``parallel.STAGE_SPLITS``)."""
     n, pp, chunks = model.layers, cfg.pp, cfg.pp * cfg.vpp
     per_layer = [times[layer_kind(model, i)] for i in range(n)]
     if chunks == 1:
         split = StageSplit((0, n), (sum(per_layer) + head + tail,))
     elif cfg.stage_split == "even":
         bounds = even_split(n, chunks).bounds
+        split = StageSplit(bounds, stage_sums(per_layer, bounds, head, tail))
+    elif cfg.stage_split == "edges":
+        # NOTE: place 0 is the embedding, places 1..n the layers, place n + 1 the head
+        bounds = tuple(min(max(b - 1, 0), n) for b in even_split(n + 2, chunks).bounds)
         split = StageSplit(bounds, stage_sums(per_layer, bounds, head, tail))
     else:
         try:
@@ -84,11 +91,9 @@ def plan_stages(
             split = split_layers(per_layer, chunks, head=head, tail=tail)
     ranks = []
     for r in range(pp):
-        dense = moe = 0
-        for c in range(r, chunks, pp):
-            d, e = _kinds_in(model, split.bounds[c], split.bounds[c + 1])
-            dense, moe = dense + d, moe + e
-        ranks.append(StageLayers(r, dense, moe, r == 0, r == (chunks - 1) % pp))
+        held = tuple(_kinds_in(model, split.bounds[c], split.bounds[c + 1]) for c in range(r, chunks, pp))
+        dense, moe = sum(d for d, _ in held), sum(e for _, e in held)
+        ranks.append(StageLayers(r, dense, moe, r == 0, r == (chunks - 1) % pp, held))
     return PipelineStages(split, tuple(ranks), pp)
 
 
