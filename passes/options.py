@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -26,7 +27,8 @@ from meshfold.passes.pipeline import PassPipeline, parse_size
 from meshfold.passes.precision import Precision
 from meshfold.passes.sharding.plans import Plan, axis_roles, effective_plan, sequence_axes
 from meshfold.passes.stages import AUTO, PP, PipelineSpec
-from meshfold.target.hardware import Cluster, parse_cluster
+from meshfold.target.cluster_file import load_cluster
+from meshfold.target.hardware import Cluster
 
 # NOTE: grows with every pass that lands. Without a mesh, sharding and boxing leave the
 # single-device graph as it is; without an expert mapping, moe-fold does.
@@ -83,7 +85,11 @@ class Options:
         ),
     )
     cluster: Cluster | None = field(
-        default=None, metadata=_help("cluster the plan is made for, e.g. h100:8x1; None: gloo ranks on this CPU")
+        default=None,
+        metadata=_help(
+            "cluster the plan is made for: catalog text such as h100:8x1, or a cluster file written by meshfold "
+            "calibrate (a path ending in .json); None: gloo ranks on this CPU (the catalog's figures)"
+        ),
     )
     memory: int | None = field(
         default=None,
@@ -165,7 +171,8 @@ class Options:
                 hint = f"; did you mean {near[0]!r}?" if near else ""
                 raise PassError(f"unknown option {key}={request[key]!r}{hint} Options: {', '.join(names)}")
         given = {k: v for k, v in request.items() if v is not None}
-        mesh, plan, pp = _pipeline_of(_mesh_of(given.pop("mesh", None)), given.pop("plan", None), given.pop("pp", None))
+        whole = _mesh_of(given.pop("mesh", None))
+        mesh, plan, pp = _pipeline_of(whole, given.pop("plan", None), given.pop("pp", None))
         the_plan = to_plan(plan, mesh) if plan is not None else None
         if the_plan is not None and mesh is None:
             raise PassError(f"plan {the_plan.preset!r} lays values out on a mesh; give a mesh (e.g. dp=2,tp=2)")
@@ -177,7 +184,7 @@ class Options:
             moe=_moe_of(given.pop("moe", None)),
             cp=None if "cp" not in given else CpSpec.of(given.pop("cp")),
             pp=pp,
-            cluster=_cluster_of(given.pop("cluster", None)),
+            cluster=_cluster_of(given.pop("cluster", None), whole),
             memory=_memory_bound(memory),
             memory_policy=memory if callable(memory) or memory in MEMORY_POLICIES else None,
             precision=Precision.of(given.pop("precision", None)),
@@ -291,13 +298,16 @@ def _moe_of(moe: MoeSpec | Mapping[str, Any] | str | None) -> MoeSpec | None:
         raise PassError(f"moe {moe!r}: {e}") from None
 
 
-def _cluster_of(cluster: Cluster | str | None) -> Cluster | None:
-    if not isinstance(cluster, str):
+def _cluster_of(cluster: Cluster | str | os.PathLike[str] | None, mesh: Mesh | None) -> Cluster | None:
+    """Catalog text (``h100:8x1``) or a cluster file's path (``meshfold calibrate --out``), read by
+    ``cluster_file.load_cluster``; a file is re-sized to the mesh's ranks (``cluster_file.resize``)."""
+    if cluster is None or isinstance(cluster, Cluster):
         return cluster
+    text = os.fspath(cluster)
     try:
-        return parse_cluster(cluster)
+        return load_cluster(text, None if mesh is None else mesh.world_size)
     except ValueError as e:
-        raise PassError(f"cluster {cluster!r}: {e}") from None
+        raise PassError(f"cluster {text!r}: {e}") from None
 
 
 def _timeout_of(timeout: float | timedelta | None) -> timedelta | None:

@@ -100,6 +100,15 @@ def main(argv: list[str] | None = None) -> int:
             formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         )
     )
+    from meshfold.tools.calibrate import entry as calibrate
+
+    calibrate.add_arguments(
+        sub.add_parser(
+            "calibrate",
+            help="measure the time model's figures on local CPU ranks (or under torchrun) and write a cluster file",
+            formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        )
+    )
     from meshfold.tools.corpus import command as corpus
 
     corpus.add_arguments(
@@ -116,6 +125,12 @@ def main(argv: list[str] | None = None) -> int:
             return corpus.run(args, console)
         except ValueError as e:
             print(f"meshfold corpus: {e}", file=sys.stderr)
+            return 2
+    if args.command == "calibrate":
+        try:
+            return calibrate.run(args, console)
+        except ValueError as e:
+            print(f"meshfold calibrate: {e}", file=sys.stderr)
             return 2
     if args.command == "plan":
         try:

@@ -99,7 +99,8 @@ def profiled_step(pm: Any, inputs: Sequence[Any], opt: Any, path: Path) -> tuple
     from meshfold.passes.schedule.timeline import write_trace
 
     opt.zero_grad()
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    # NOTE: shapes let ``meshfold calibrate --from-profile`` count each matmul's FLOPs
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         start = time.perf_counter()
         loss = pm(*inputs)
         loss.backward()

@@ -11,7 +11,8 @@ ZeRO stage, overlap; for MoE models also ep, etp and the folded / unfolded exper
 ``--fixed "tp=2,dp=32,ep=8,etp=1"`` or ``--fixed "tp=2,dp=32,ep=8,moe_mapping=unfolded"``).
 ``--routing-imbalance`` sets the busiest expert rank's load over the mean (default: the model's,
 1.0 for presets). ``--cluster`` may join node groups with different NICs, e.g.
-``h100:8x4@ib+h100:8x4@roce`` (``meshfold.target.hardware.parse_cluster``). For plans with a pipeline
+``h100:8x4@ib+h100:8x4@roce`` (``meshfold.target.hardware.parse_cluster``), or name a cluster file
+that ``meshfold calibrate`` wrote (``meshfold.target.cluster_file.load_cluster``). For plans with a pipeline
 the table is followed by each plan's schedule and layers per stage.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -34,7 +36,6 @@ from meshfold.sim import (
     Ranked,
     TrainSpec,
     from_hf_config,
-    parse_cluster,
     plot_memory,
     search_configs,
     simulate,
@@ -43,6 +44,7 @@ from meshfold.sim import (
 from meshfold.sim.model import PRESETS
 from meshfold.sim.parallel import ConfigError
 from meshfold.sim.result import SimResult
+from meshfold.target.cluster_file import load_cluster
 
 GIB = 2**30
 
@@ -54,7 +56,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--cluster",
         required=True,
         help="DEVICE:GPUS_PER_NODExNODES[@NIC], e.g. h100:8x64; node groups with different NICs joined by +, e.g. "
-        "h100:8x4@ib+h100:8x4@roce (ib = InfiniBand NDR 400, roce = RoCE 200 GbE, or a link name)",
+        "h100:8x4@ib+h100:8x4@roce (ib = InfiniBand NDR 400, roce = RoCE 200 GbE, or a link name); or a cluster "
+        "file written by `meshfold calibrate` (a path ending in .json)",
     )
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--global-batch", type=int, default=1024, help="sequences per optimizer step")
@@ -135,7 +138,11 @@ def run(args: argparse.Namespace, console: Console) -> int:
     if args.routing_imbalance is not None:
         spec = replace(spec, routing_imbalance=args.routing_imbalance)
     console = Console(width=max(console.width, 180 if spec.num_experts else 150))
-    cluster = parse_cluster(args.cluster)
+    mesh_pins = _pairs(args.mesh, "--mesh") if args.mesh else None
+    # NOTE: a cluster file measured on another rank count is re-sized to a pinned mesh's ranks
+    sizes = [v for v in (mesh_pins or {}).values() if isinstance(v, int)]
+    world = math.prod(sizes) if mesh_pins and len(sizes) == len(mesh_pins) else None
+    cluster = load_cluster(args.cluster, world)
     train = TrainSpec(seq_len=args.seq, global_batch=args.global_batch, dtype=args.dtype)
     start = time.perf_counter()
     if args.fixed:
@@ -150,8 +157,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
             raise ValueError(f"--fixed {args.fixed!r}: {e}") from e
         ranked = [(cfg, simulate(spec, cluster, cfg, train))]
     else:
-        mesh = _pairs(args.mesh, "--mesh") if args.mesh else None
-        found = _search(spec, cluster, train, mesh, args.top, quiet=args.json)
+        found = _search(spec, cluster, train, mesh_pins, args.top, quiet=args.json)
         if not found:
             raise ValueError(
                 f"no plan for {spec.name} fits {cluster.device.name}'s {cluster.device.hbm_bytes / GIB:.0f} GiB on "

@@ -3,7 +3,8 @@
 Every figure carries its source. Peak FLOP/s are *dense* (no 2:4 sparsity); bandwidths are bytes
 per second in ONE direction. The ``Efficiency`` block of a device holds the few physical constants
 the roofline in ``opcost`` needs (achievable fractions, fixed kernel overheads); they describe the
-device, never a particular benchmark row.
+device, never a particular benchmark row. Figures measured on the ranks a plan is for live in
+cluster files (``cluster_file``, written by ``meshfold calibrate``), not here.
 """
 
 from __future__ import annotations
