@@ -13,7 +13,7 @@ import sympy
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshfold import ir
 from meshfold.backends.eager import Lowered, RankContext, lower
@@ -25,6 +25,7 @@ from meshfold.passes.options import Options, PlanSpec
 from meshfold.passes.precision import MASTER
 from meshfold.passes.schedule.timeline import predicted, to_chrome_trace, write_trace
 from meshfold.passes.sharding.ilp.problem import solve_report
+from meshfold.passes.sharding.plans import AUTO
 from meshfold.passes.stages import PP, PipelineSpec
 from meshfold.pp.stage_module import stage_lowering
 from meshfold.pp.stage_plan import PipelinePlan, pipeline_line
@@ -34,8 +35,9 @@ from meshfold.runtime.groups import MeshGroups
 from meshfold.runtime.parallel_module import ParallelModule
 from meshfold.runtime.programs import Program
 from meshfold.runtime.signature import Signature, under_autocast
-from meshfold.session import check_backend, compile_model, progress
+from meshfold.session import CompileResult, check_backend, compile_model, progress
 from meshfold.target.hardware import device_cluster
+from meshfold.world import choose
 
 
 def ir_mesh(mesh: DeviceMesh) -> ir.Mesh:
@@ -51,7 +53,7 @@ def ir_mesh(mesh: DeviceMesh) -> ir.Mesh:
 
 def parallelize(
     model: nn.Module | None = None,
-    mesh: DeviceMesh | None = None,
+    mesh: DeviceMesh | int | None = None,
     example_inputs: Sequence[Any] | None = None,
     plan: PlanSpec | None = None,
     **options: Any,
@@ -73,6 +75,12 @@ def parallelize(
     Without a model, ``@parallelize(mesh=..., plan=...)`` decorates an ``nn.Module`` subclass: its
     instances are instances of that class, compiled at construction when ``example_inputs`` are
     given (so ``AdamW(net.parameters())`` right after works), else on their first call.
+
+    ``mesh`` may be the world instead, a rank count or a 1-D ``DeviceMesh`` without dim names, with
+    ``plan="auto"``: then every factorization of it into ``dp``, ``cp`` and ``tp`` axes (and ``pp``
+    when ``pp=`` is given) is compiled and priced, the fastest that fits is built as the module's
+    ``DeviceMesh`` (``pm.mesh``), and ``pm.plan_report()`` starts with every candidate's predicted
+    step and peak (``meshfold.world``).
 
     ``plan="auto"``: the sharding solve chooses every parameter's and input's layout as well, for
     the hardware ``cluster`` (``"h100:8x1"``; default: on a CUDA mesh, the catalog part its GPUs are,
@@ -125,15 +133,20 @@ def parallelize(
     """
     if mesh is None:
         raise PassError("parallelize needs a mesh: parallelize(model, init_device_mesh(...), example_inputs, plan=...)")
+    if isinstance(mesh, int) or (mesh.ndim == 1 and not mesh.mesh_dim_names):
+        world = mesh if isinstance(mesh, int) else mesh.size()
+        if model is None:
+            _world_request(world, plan, options)
+            return _decorator(lambda m, x: _from_world(m, world, x, plan, dict(options)), example_inputs)
+        return _from_world(model, world, example_inputs, plan, options)
     if options.get("cluster") is None and mesh.device_type == "cuda":  # NOTE: plan for the GPUs the ranks have
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
-        options["cluster"] = device_cluster(torch.cuda.get_device_name(), per_node, mesh.size())
+        options["cluster"] = _cuda_cluster(mesh.size())
     opts = Options.of(mesh=ir_mesh(mesh), plan=plan, **options)
     check_backend(opts.backend)
     if opts.precision is not None:
         check_precision(opts, model)
     if model is None:
-        return _decorator(mesh, opts, example_inputs)
+        return _decorator(lambda m, x: _compile(m, mesh, x, opts), example_inputs)
     if example_inputs is None:
         raise PassError("parallelize(model, mesh, example_inputs, plan=...) needs the example inputs")
     if opts.pp is not None:
@@ -141,11 +154,81 @@ def parallelize(
     return _compile(model, mesh, example_inputs, opts)
 
 
+def _from_world(
+    model: nn.Module | None,
+    world: int,
+    example_inputs: Sequence[Any] | None,
+    plan: PlanSpec | None,
+    options: dict[str, Any],
+) -> Any:
+    """``parallelize`` on a world of ``world`` ranks: rank 0 prices every mesh (``world.choose``) and
+    every rank builds the winner's ``DeviceMesh`` and lowers rank 0's compile of it."""
+    _world_request(world, plan, options)
+    if model is None or example_inputs is None:
+        raise PassError(
+            "choosing the mesh for a world compiles the model: "
+            "call parallelize(model, world, example_inputs, plan='auto')"
+        )
+    if not dist.is_initialized():
+        raise PassError("parallelize needs torch.distributed initialized (run under torchrun or spawn ranks)")
+    have = dist.get_world_size()
+    if world != have:
+        raise PassError(f"the world given has {world} ranks but torch.distributed has {have}; give {have}")
+    device = _device_of(example_inputs).type
+    if options.get("cluster") is None and device == "cuda":
+        options["cluster"] = _cuda_cluster(world)
+    # NOTE: a bad keyword fails on every rank alike (pp= and cp= need their axes, which candidates have)
+    Options.of(
+        plan=AUTO, mesh=ir.Mesh(("dp",), (world,)), **{k: v for k, v in options.items() if k not in ("pp", "cp")}
+    )
+    payload: list[Any] = [None]
+    precompiled: tuple[CompileResult, tuple[str, ...]] | None = None
+    if dist.get_rank() == 0:
+        try:
+            choice, result = choose(model, example_inputs, world, options)
+            payload[0] = ("ok", choice.chosen.mesh.names, choice.chosen.mesh.sizes)
+            precompiled = (result, choice.lines())
+        except Exception as e:
+            payload[0] = ("error", f"{type(e).__name__}: {e}", ())
+            dist.broadcast_object_list(payload, src=0)
+            raise
+    dist.broadcast_object_list(payload, src=0)
+    kind, names, sizes = payload[0]
+    if kind != "ok":
+        raise PassError(f"choosing the mesh failed on rank 0: {names}")
+    mesh = init_device_mesh(device, tuple(sizes), mesh_dim_names=tuple(names))
+    opts = Options.of(mesh=ir_mesh(mesh), plan=AUTO, **options)
+    if opts.pp is not None:
+        return _pipelined(model, mesh, example_inputs, opts, precompiled)
+    return _compile(model, mesh, example_inputs, opts, precompiled)
+
+
+def _world_request(world: int, plan: PlanSpec | None, options: dict[str, Any]) -> None:
+    """Raise ``PassError`` (on every rank alike, before anything is compiled) unless a world can be
+    compiled with ``plan`` and ``options``."""
+    if plan != AUTO:
+        raise PassError(
+            f"a world of {world} ranks (a rank count, or a 1-D mesh without dim names) needs plan='auto', which "
+            "chooses the mesh; or give a DeviceMesh with named dims (init_device_mesh(..., mesh_dim_names=...))"
+        )
+    # NOTE: a bad keyword fails here (pp= and cp= need their axes, which the candidates have)
+    Options.of(
+        plan=AUTO, mesh=ir.Mesh(("dp",), (world,)), **{k: v for k, v in options.items() if k not in ("pp", "cp")}
+    )
+
+
+def _cuda_cluster(ranks: int) -> Any:
+    """The catalog part the CUDA ranks are, ``LOCAL_WORLD_SIZE`` to a node (None if not in the catalog)."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count()))
+    return device_cluster(torch.cuda.get_device_name(), per_node, ranks)
+
+
 def _pipelined(
     model: nn.Module,
     mesh: DeviceMesh,
     example_inputs: Sequence[Any],
     options: Options,
+    precompiled: tuple[CompileResult, tuple[str, ...]] | None = None,
 ) -> Any:
     """Compile one microbatch on the mesh's other axes, split it into stages, lower this rank's."""
     from meshfold.pp.pipelined import PipelinedModule, StageCheck, microbatch, stage_mesh  # NOTE: loads pipelining
@@ -156,7 +239,7 @@ def _pipelined(
         raise PassError("parallelize needs torch.distributed initialized (run under torchrun or spawn ranks)")
     micro = microbatch(example_inputs, spec)  # NOTE: before stage_mesh, which may make groups (a collective)
     full, sub = stage_mesh(mesh, options.mesh)
-    compiled = _compile_once(model, micro, options, first=True)
+    compiled = _compile_once(model, micro, options, first=True, precompiled=precompiled)
     graph, planned = compiled.graph, compiled.staged
     assert planned is not None  # NOTE: compile_model plans the stages of a pp compile with gradients
     spec = planned.spec
@@ -196,6 +279,7 @@ def _compile(
     mesh: DeviceMesh,
     example_inputs: Sequence[Any],
     options: Options,
+    precompiled: tuple[CompileResult, tuple[str, ...]] | None = None,
 ) -> ParallelModule:
     if not dist.is_initialized():
         raise PassError("parallelize needs torch.distributed initialized (run under torchrun or spawn ranks)")
@@ -211,7 +295,7 @@ def _compile(
     # NOTE: the program's random ops draw from their own generator, seeded from rank 0's default
     # generator as it is now, so every rank draws alike whatever its own seed (backends/random.py)
     rng = torch.Generator()
-    compiled = _compile_once(model, example_inputs, options, first=True)
+    compiled = _compile_once(model, example_inputs, options, first=True, precompiled=precompiled)
     if options.trace is not None and dist.get_rank() == 0:
         write_trace(to_chrome_trace(predicted(compiled.graph, options.cluster)), options.trace)
     rng.set_state(compiled.rng_state)
@@ -310,8 +394,17 @@ class _Compiled:
     staged: PipelinePlan | None
 
 
-def _compile_once(model: nn.Module, example_inputs: Sequence[Any], options: Options, *, first: bool) -> _Compiled:
+def _compile_once(
+    model: nn.Module,
+    example_inputs: Sequence[Any],
+    options: Options,
+    *,
+    first: bool,
+    precompiled: tuple[CompileResult, tuple[str, ...]] | None = None,
+) -> _Compiled:
     """Compile on rank 0 only; every rank gets the graph as IR text and the rest of ``_Compiled``.
+    ``precompiled`` (rank 0's, from choosing the mesh): the compile to use and the report lines
+    that go before its own.
 
     NOTE: one plan for all ranks by construction (whatever a rank's library versions or state),
     and the other ranks do not repeat the work. A failure
@@ -320,10 +413,11 @@ def _compile_once(model: nn.Module, example_inputs: Sequence[Any], options: Opti
     if dist.get_rank() == 0:
         try:
             rng_state = torch.get_rng_state()
-            result = compile_model(model, example_inputs, options)
+            result = compile_model(model, example_inputs, options) if precompiled is None else precompiled[0]
             check_float8(result.graph, _device_of(example_inputs))
             memory = memory_line(result.stats)
-            report = (*solve_report(result.stats), *([memory] if memory else []))
+            chosen = () if precompiled is None else precompiled[1]
+            report = (*chosen, *solve_report(result.stats), *([memory] if memory else []))
             payload[0] = ("ok", str(result.graph), rng_state, result.guards, report, result.staged)
         except Exception as e:
             payload[0] = ("error", f"{type(e).__name__}: {e}", None, (), (), None)
@@ -346,23 +440,20 @@ def _device_of(inputs: Sequence[Any]) -> torch.device:
 M = TypeVar("M", bound=nn.Module)
 
 
-def _decorator(
-    mesh: DeviceMesh, options: Options, example_inputs: Sequence[Any] | None
-) -> Callable[[type[M]], type[M]]:
+Build = Callable[[nn.Module, Sequence[Any]], ParallelModule]
+"""How a decorated class compiles an instance: its model and inputs in, the compiled module out."""
+
+
+def _decorator(build: Build, example_inputs: Sequence[Any] | None) -> Callable[[type[M]], type[M]]:
     def deco(cls: type[M]) -> type[M]:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise PassError(f"@parallelize(...) decorates nn.Module subclasses, not {cls!r}")
-        return _parallel_class(cls, mesh, options, example_inputs)
+        return _parallel_class(cls, build, example_inputs)
 
     return deco
 
 
-def _parallel_class(
-    cls: type[M],
-    mesh: DeviceMesh,
-    options: Options,
-    example_inputs: Sequence[Any] | None,
-) -> type[M]:
+def _parallel_class(cls: type[M], build: Build, example_inputs: Sequence[Any] | None) -> type[M]:
     """A subclass of ``cls`` whose instances build the model with ``cls``'s constructor, then hold
     its compiled form: the compiled module's parameters (DTensors) under the model's own FQNs."""
 
@@ -372,11 +463,11 @@ def _parallel_class(
         self._mf_model = [model]  # NOTE: a list, so the single-device model is not a submodule
         self._mf_compiled: list[ParallelModule] = []
         if example_inputs is not None:
-            _adopt(self, _compile(model, mesh, example_inputs, options))
+            _adopt(self, build(model, example_inputs))
 
     def forward(self: nn.Module, *inputs: Any) -> Any:
         if not self._mf_compiled:
-            _adopt(self, _compile(self._mf_model[0], mesh, inputs, options))
+            _adopt(self, build(self._mf_model[0], inputs))
         pm = self._mf_compiled[0]
         pm.train(self.training)  # NOTE: pm is held aside, not a child: eval() reaches it only here
         return pm(*inputs)

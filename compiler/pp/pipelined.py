@@ -236,6 +236,11 @@ class PipelinedModule(nn.Module):
         """The stages this rank runs."""
         return sorted(self._stage_graphs)
 
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The whole ``DeviceMesh``, ``pp`` axis included (the one ``parallelize`` built for a world size)."""
+        return self._mesh
+
     def plan_report(self) -> list[str]:
         return list(self._report)
 

@@ -261,6 +261,11 @@ class ParallelModule(nn.Module):
         """The SPMD graph (layouts and collectives) compiled for the example inputs, for inspection."""
         return self._mf_programs.first.graph
 
+    @property
+    def mesh(self) -> DeviceMesh:
+        """The ``DeviceMesh`` the module runs on (the one ``parallelize`` built for a world size)."""
+        return self._mf_mesh
+
     def plan_report(self) -> list[str]:
         """How the sharding solve went for the example inputs' program: per mesh axis its program
         size, whether HiGHS proved the plan optimal or stopped at the node limit, and the gap; then

@@ -4,6 +4,7 @@ with the single-device model (loss, every gradient, and the parameters after Ada
 from __future__ import annotations
 
 import contextlib
+import math
 import warnings
 from typing import Any
 
@@ -57,7 +58,8 @@ def equivalence(
     order). ``windows`` (Inductor): also returns, per collective, the matrix products in flight beside
     it in the eager programs and in the code Inductor generated (``cases_backends.first_step_windows``)."""
     warnings.filterwarnings("ignore")
-    mesh = device_mesh(tuple(shape), tuple(names))
+    # NOTE: no axis names: the world alone, whose mesh ``plan="auto"`` chooses
+    mesh: Any = device_mesh(tuple(shape), tuple(names)) if names else math.prod(shape)
     net, zoo_inputs = build(model)
     ref, _ = build(model)
     inputs = zoo_inputs if inputs is None else inputs
@@ -122,6 +124,7 @@ def equivalence(
         "loss": float(loss),
         "layouts": layouts,
         "report": pm.plan_report(),
+        "mesh": (tuple(pm.mesh.mesh_dim_names or ()), tuple(pm.mesh.mesh.shape)),
         # NOTE: (collective, axis, operands) of every bucketed collective the program runs
         "buckets": [
             (op.name, op.kwarg("axis"), len(op.operands)) for op in pm.graph().ops if op.name.endswith("_bucket")
