@@ -135,8 +135,9 @@ def parallelize(
         raise PassError("parallelize needs a mesh: parallelize(model, init_device_mesh(...), example_inputs, plan=...)")
     if isinstance(mesh, int) or (mesh.ndim == 1 and not mesh.mesh_dim_names):
         world = mesh if isinstance(mesh, int) else mesh.size()
+        given = "" if isinstance(mesh, int) else "the mesh has no dim names, so it is taken as the world: "
+        _world_request(world, plan, options, given)
         if model is None:
-            _world_request(world, plan, options)
             return _decorator(lambda m, x: _from_world(m, world, x, plan, dict(options)), example_inputs)
         return _from_world(model, world, example_inputs, plan, options)
     if options.get("cluster") is None and mesh.device_type == "cuda":  # NOTE: plan for the GPUs the ranks have
@@ -163,7 +164,6 @@ def _from_world(
 ) -> Any:
     """``parallelize`` on a world of ``world`` ranks: rank 0 prices every mesh (``world.choose``) and
     every rank builds the winner's ``DeviceMesh`` and lowers rank 0's compile of it."""
-    _world_request(world, plan, options)
     if model is None or example_inputs is None:
         raise PassError(
             "choosing the mesh for a world compiles the model: "
@@ -203,13 +203,13 @@ def _from_world(
     return _compile(model, mesh, example_inputs, opts, precompiled)
 
 
-def _world_request(world: int, plan: PlanSpec | None, options: dict[str, Any]) -> None:
+def _world_request(world: int, plan: PlanSpec | None, options: dict[str, Any], given: str = "") -> None:
     """Raise ``PassError`` (on every rank alike, before anything is compiled) unless a world can be
-    compiled with ``plan`` and ``options``."""
+    compiled with ``plan`` and ``options``; ``given`` starts the message (what was taken as the world)."""
     if plan != AUTO:
         raise PassError(
-            f"a world of {world} ranks (a rank count, or a 1-D mesh without dim names) needs plan='auto', which "
-            "chooses the mesh; or give a DeviceMesh with named dims (init_device_mesh(..., mesh_dim_names=...))"
+            f"{given}a world of {world} ranks (a rank count, or a 1-D mesh without dim names) needs plan='auto', "
+            "which chooses the mesh; or give a DeviceMesh with named dims (init_device_mesh(..., mesh_dim_names=...))"
         )
     # NOTE: a bad keyword fails here (pp= and cp= need their axes, which the candidates have)
     Options.of(

@@ -120,23 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     console = Console()
-    if args.command == "corpus":
+    # NOTE: the commands whose bad input is a ValueError, said in one line
+    plain = {"corpus": corpus.run, "calibrate": calibrate.run, "plan": plan_cli.run}
+    if args.command in plain:
         try:
-            return corpus.run(args, console)
+            return plain[args.command](args, console)
         except ValueError as e:
-            print(f"meshfold corpus: {e}", file=sys.stderr)
-            return 2
-    if args.command == "calibrate":
-        try:
-            return calibrate.run(args, console)
-        except ValueError as e:
-            print(f"meshfold calibrate: {e}", file=sys.stderr)
-            return 2
-    if args.command == "plan":
-        try:
-            return plan_cli.run(args, console)
-        except ValueError as e:
-            print(f"meshfold plan: {e}", file=sys.stderr)
+            print(f"meshfold {args.command}: {e}", file=sys.stderr)
             return 2
     from meshfold import CaptureError, ir
     from meshfold.passes import PassError

@@ -150,6 +150,8 @@ def _truth() -> Cluster:
         gemm_mn_half=500.0,
         mem_max=1.0,
         mem_ramp_s=0.0,
+        attn_fwd_max=0.3,
+        attn_bwd_max=0.2,
         launch_s=5e-6,
         collective_base_s=4e-4,
         hbm_bw=1e10,
@@ -175,6 +177,11 @@ def _record(truth: Cluster) -> dict[str, Any]:
             if kind != "p2p" or size == 2
         ],
         "host": [{"op": "offload+reload", "size": s, "bytes": 2 * s} for s in grid.host_bytes],
+        "attention": [
+            {"seq": seq, "heads": probes.HEADS, "dim": dim, "dtype": "fp32", "pass": which}
+            for seq, dim in grid.attention
+            for which in ("fwd", "bwd")
+        ],
     }
     prices = {
         "launch": fitting.price_memory(dev),
@@ -182,6 +189,7 @@ def _record(truth: Cluster) -> dict[str, Any]:
         "gemm": fitting.price_gemm(dev),
         "collective": fitting.price_collective(truth),
         "host": fitting.price_host(dev),
+        "attention": fitting.price_attention(dev),
     }
     for probe, pts in points.items():
         for p in pts:
@@ -220,6 +228,12 @@ def test_fit_recovers_the_figures_that_made_the_points() -> None:
     assert got.cluster.intra.bw == rel(TRUE_ALONE["p2p_bw"], rel=1e-2)
     assert got.cluster.intra.latency_s == rel(truth.intra.latency_s, rel=1e-3)
     assert dev.eff.collective_base_s == rel(want.eff.collective_base_s, rel=1e-3)
+    # NOTE: attention's fractions are of the peak the solo split sets: their products are measured
+    for name in ("attn_fwd_max", "attn_bwd_max"):
+        assert dev.peak_flops("fp32") * getattr(dev.eff, name) == rel(
+            want.peak_flops("fp32") * getattr(want.eff, name), rel=1e-3
+        )
+    assert got.sources["device.efficiency.attn_bwd_max"].startswith("measured")
     for probe, summary in got.measured["residuals"].items():
         assert summary["max"] < 1e-4, (probe, summary)
 
@@ -244,6 +258,7 @@ def check_reproduces(contents: ClusterFile) -> None:
         "gemm": fitting.price_gemm(cluster.device),
         "collective": fitting.price_collective(cluster),
         "host": fitting.price_host(cluster.device),
+        "attention": fitting.price_attention(cluster.device),
     }
     for probe, price in prices.items():
         worst = contents.measured["residuals"][probe].get("max", 0.0)

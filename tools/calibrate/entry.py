@@ -179,6 +179,8 @@ def _label(probe: str, p: dict[str, Any]) -> str:
         return f"{p['dtype']} {p['m']}x{p['n']}x{p['k']}"
     if probe == "collective":
         return f"{p['kind']} over {p['size']} ({_size(p['bytes'])})"
+    if probe == "attention":
+        return f"causal {p['pass']} {p['dtype']}, seq {p['seq']}, {p['heads']} heads of {p['dim']}"
     return f"{p['op']} ({_size(p['bytes'])} moved)"
 
 
@@ -195,7 +197,7 @@ def print_points(console: Console, contents: ClusterFile) -> None:
     for col in ("probe", "point", "measured", "fitted", "residual"):
         t.add_column(col, justify="left" if col in ("probe", "point") else "right")
     points = contents.measured["points"]
-    for probe in ("launch", "stream", "gemm", "collective", "host"):
+    for probe in ("launch", "stream", "gemm", "attention", "collective", "host"):
         for p in points.get(probe, []):
             t.add_row(probe, _label(probe, p), _time(p["seconds"]), _time(p["fitted_s"]), _pct(p["residual"]))
     console.print(t)

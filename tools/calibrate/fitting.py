@@ -11,7 +11,8 @@ What is fitted, in order (each step holds the earlier figures fixed):
 
 1. ``launch_s`` and the streaming rate from the tiny ops and the large copies/adds (``mem_ramp_s``
    is 0: the model cannot tell it from ``launch_s``);
-2. per dtype the sustained GEMM rate, and ``gemm_fill_s``, ``gemm_k_half``, ``gemm_mn_half``;
+2. per dtype the sustained GEMM rate, and ``gemm_fill_s``, ``gemm_k_half``, ``gemm_mn_half``
+   (after the solo split below, ``attn_fwd_max`` and ``attn_bwd_max`` from the attention points);
 3. the link's effective bandwidth, its per-step ``latency_s`` and the device's
    ``collective_base_s`` from every collective (world and pairs) and send/recv;
 4. ``host_bw`` from the offload+reload round trips.
@@ -94,6 +95,17 @@ def price_gemm(dev: Device) -> Callable[[dict[str, Any]], float]:
     return lambda p: opcost.gemm_time(dev, float(p["m"]), float(p["n"]), float(p["k"]), p["dtype"])
 
 
+def price_attention(dev: Device) -> Callable[[dict[str, Any]], float]:
+    """An attention probe as ``opcost.attention_time`` prices one fused causal attention."""
+
+    def price(p: dict[str, Any]) -> float:
+        seq, dim = float(p["seq"]), int(p["dim"])
+        backward = p["pass"] == "bwd"
+        return opcost.attention_time(dev, seq, seq, float(p["heads"]), dim, dim, backward=backward, dtype=p["dtype"])
+
+    return price
+
+
 def price_collective(cluster: Cluster) -> Callable[[dict[str, Any]], float]:
     """A collective or send/recv probe as ``comm.collective_time`` prices it on its group."""
 
@@ -148,6 +160,25 @@ def fit_gemm(dev: Device, gemm: list[dict[str, Any]]) -> Device:
     lower = [0.0] * len(dtypes) + [0.0, 0.0, 0.0]
     upper = [80.0] * len(dtypes) + [1e5, 1e5, 1e6]
     return device_of(solve(lambda x: price_gemm(device_of(x)), gemm, x0, lower, upper))
+
+
+def fit_attention(dev: Device, attention: list[dict[str, Any]]) -> Device:
+    """``attn_fwd_max`` and ``attn_bwd_max``: the fractions of the dtype's peak the forward and the
+    backward of attention reach (on the FLOPs ``opcost.attention_time`` counts), each fitted to its
+    own points; a pass with no points keeps ``gemm_max``."""
+    figures = {}
+    for name, which in (("attn_fwd_max", "fwd"), ("attn_bwd_max", "bwd")):
+        points = [p for p in attention if p["pass"] == which]
+        if not points:
+            figures[name] = dev.eff.gemm_max
+            continue
+
+        def device_of(x: Sequence[float], name: str = name) -> Device:
+            return with_figures(dev, **{name: x[0]})
+
+        x = solve(lambda x, d=device_of: price_attention(d(x)), points, [dev.eff.gemm_max], [1e-6], [1.0])
+        figures[name] = x[0]
+    return with_figures(dev, **figures)
 
 
 def _cluster(dev: Device, per_node: int, nodes: int, intra: Link, inter: Link) -> Cluster:
@@ -212,8 +243,9 @@ def split_solo(cluster: Cluster, solo: dict[str, Any], base: Device) -> tuple[Cl
     stream = solo.get("stream")
     hbm_bw, mem_max = _split(dev.hbm_bw, stream["bytes"] / stream["seconds"] if stream else None)
     figures: dict[str, float] = {"gemm_max": gemm_max, "mem_max": mem_max}
-    if base.name == LOCAL:
-        # NOTE: attention on CPU ranks runs as matmuls and a softmax, not one fused kernel
+    if base.name == LOCAL and not solo.get("attention"):
+        # NOTE: without attention points (a file written before they were measured) attention on
+        # CPU ranks is priced at the matmul rate
         figures |= {"attn_fwd_max": gemm_max, "attn_bwd_max": gemm_max}
         src["device.efficiency.attn_fwd_max"] = src["device.efficiency.attn_bwd_max"] = "set to gemm_max: not measured"
     dev = with_figures(with_peaks(dev, peaks), hbm_bw=hbm_bw, **figures)
@@ -257,6 +289,7 @@ def residuals_of(cluster: Cluster, points: dict[str, Any]) -> dict[str, dict[str
         "launch": annotate(points.get("launch", []), price_memory(dev)),
         "stream": annotate(points.get("stream", []), price_memory(dev)),
         "gemm": annotate(points.get("gemm", []), price_gemm(dev)),
+        "attention": annotate(points.get("attention", []), price_attention(dev)),
         "collective": annotate(points.get("collective", []), price_collective(cluster)),
         "host": annotate(points.get("host", []), price_host(dev)),
     }
@@ -278,7 +311,12 @@ def fit(record: dict[str, Any]) -> ClusterFile:
     catalog = _cluster(base, per_node, nodes, *_catalog_links(base))
     link_name = str(where.get("backend", "gloo"))
     cluster = fit_links(dev, per_node, nodes, points["collective"], link_name, catalog)
-    cluster, sources = split_solo(cluster, points["solo"], base)
+    solo = points["solo"] | {"attention": bool(points.get("attention"))}
+    cluster, sources = split_solo(cluster, solo, base)
+    if points.get("attention"):  # NOTE: after the split: the fractions are of the peak it sets
+        cluster = dataclasses.replace(cluster, device=fit_attention(cluster.device, points["attention"]))
+        for name in ("attn_fwd_max", "attn_bwd_max"):
+            sources[f"device.efficiency.{name}"] = "measured: fitted to causal attention points with every rank busy"
     sources = _sources(base, bool(points["collective"]), nodes > 1) | sources
     summary = residuals_of(cluster, points)
     measured = {

@@ -9,6 +9,8 @@ the clock's resolution). Probes:
 * ``launch``: tiny eager ops (the fixed cost of one op: dispatch, allocation, kernel launch);
 * ``stream``: large copies and adds (streaming memory bandwidth);
 * ``gemm``: ``torch.mm`` by dtype on square and skinny shapes;
+* ``attention``: causal ``scaled_dot_product_attention`` in fp32, forward and backward apart, by
+  sequence length and head dim (the kernel a program's attention runs);
 * ``collective``: all-reduce, all-gather, reduce-scatter, all-to-all (``_c10d_functional``, what
   compiled programs run) and send/recv over the world and over groups of 2, at several sizes;
 * ``host``: ``mem.offload`` + ``mem.reload`` round trips (``backends.host_tier``, the tier the
@@ -47,6 +49,8 @@ class Grid:
     stream_bytes: tuple[int, ...]
     comm_bytes: tuple[int, ...]
     host_bytes: tuple[int, ...]
+    attention: tuple[tuple[int, int], ...]
+    """(sequence, head dim) of the attention probes, 4 heads each."""
     repeats: int
     region_s: float
 
@@ -59,6 +63,7 @@ FULL = Grid(
     stream_bytes=(64 * 2**10, MIB, 4 * MIB, 16 * MIB, 64 * MIB),
     comm_bytes=(4 * 2**10, 64 * 2**10, MIB, 8 * MIB),
     host_bytes=(MIB, 4 * MIB, 16 * MIB),
+    attention=((128, 16), (512, 16), (1024, 16), (256, 64), (1024, 64)),
     repeats=5,
     region_s=0.02,
 )
@@ -68,6 +73,7 @@ QUICK = Grid(
     stream_bytes=(256 * 2**10, 4 * MIB),
     comm_bytes=(4 * 2**10, 256 * 2**10, 2 * MIB),
     host_bytes=(MIB, 4 * MIB),
+    attention=((128, 16), (256, 32)),
     repeats=3,
     region_s=0.003,
 )
@@ -179,6 +185,32 @@ def _gemm(clock: _Clock, device: torch.device, dtypes: list[str], grid: Grid) ->
             t = clock.time(lambda a=a, b=b, c=c: torch.mm(a, b, out=c))
             out.append({"dtype": name, "m": m, "n": n, "k": k, "seconds": t})
             best = max(best, 2 * m * n * k / t)
+    return out
+
+
+HEADS = 4
+"""Heads of an attention probe."""
+
+
+def _attention(clock: _Clock, device: torch.device, shapes: tuple[tuple[int, int], ...]) -> list[dict[str, Any]]:
+    """Causal attention of one sequence: the forward alone, and forward + backward, whose difference
+    is the backward's time (a backward needs the forward's graph, so it is never timed alone)."""
+    out = []
+    for seq, dim in shapes:
+        q, k, v = (torch.rand(1, HEADS, seq, dim, device=device, requires_grad=True) for _ in range(3))
+        grad = torch.rand(1, HEADS, seq, dim, device=device)
+
+        def fwd(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v) -> Any:
+            with torch.no_grad():
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        def both(q: torch.Tensor = q, k: torch.Tensor = k, v: torch.Tensor = v, g: torch.Tensor = grad) -> Any:
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).backward(g)
+
+        forward, whole = clock.time(fwd), clock.time(both)
+        shape = {"seq": seq, "heads": HEADS, "dim": dim, "dtype": "fp32"}
+        out.append(shape | {"pass": "fwd", "seconds": forward})
+        out.append(shape | {"pass": "bwd", "seconds": max(whole - forward, 0.05 * whole)})
     return out
 
 
@@ -316,6 +348,8 @@ def measure(quick: bool = False, device: str = "cpu", stage: Callable[[str], Non
     points["stream"] = _stream(clock, dev, grid.stream_bytes)
     say(f"measuring matmuls ({', '.join(dtypes)})")
     points["gemm"] = _gemm(clock, dev, dtypes, grid)
+    say("measuring attention")
+    points["attention"] = _attention(clock, dev, grid.attention)
     say("measuring collectives")
     points["collective"] = _collectives(clock, dev, rank, world, local, grid.comm_bytes)
     say("measuring host offload and reload")
