@@ -1,15 +1,16 @@
 """The mesh from a world size: ``parallelize(model, 4, example_inputs, plan="auto")``.
 
 Every way of writing the world as named mesh axes is a candidate: each factorization of the rank
-count into ``dp``, ``cp`` and ``tp`` axes (and ``pp`` when the call gives ``pp=``, whose module
-trains by ``pm.step``), in that order from the outermost axis in, so ``tp``, the axis that talks
-most, gets neighbouring ranks. Each candidate is compiled as ``plan="auto"`` compiles a named mesh:
-the sharding solve lays out every value, the memory pass keeps the peak under the bound, a pipeline
-chooses its schedule and stages. The per-op time model then prices the program it made (the
-replayed step, ``passes.schedule.timeline.predicted``; a pipeline's ``PipelinePlan.step_s``) and the
-liveness model its peak (``passes.cost.liveness.rank_memory``); the fastest candidate whose peak
-fits wins, ties going to the mesh with fewer axes, then to a preset. So the answer is a program, not a table row: the
-winner's compile is the one the ranks lower.
+count into ``dp``, ``cp`` and ``tp`` axes (when the call gives ``pp=``, whose module trains by
+``pm.step``, each that leads with a ``pp`` axis), in that order from the outermost axis in, so
+``tp``, the axis that talks most, gets neighbouring ranks. Each is tried under every preset its
+axis names allow and under ``plan="auto"``, compiled as a named mesh is: the sharding solve lays
+out every value, the memory pass keeps the peak under the bound, a pipeline chooses its schedule
+and stages. The per-op time model then prices the program it made (the replayed step,
+``passes.schedule.timeline.predicted``; a pipeline's ``PipelinePlan.step_s``) and the liveness
+model its peak (``passes.cost.liveness.rank_memory``); the fastest candidate whose peak fits wins,
+ties going to the mesh with fewer axes, then to a preset. So the answer is a program, not a table
+row: the winner's compile is the one the ranks lower.
 
 A candidate the compile refuses (sizes that do not divide, a sequence too short to split, no
 pipeline split that fits) stays in the report with the reason.
@@ -100,10 +101,15 @@ class WorldChoice:
 
 
 def factorizations(world: int, pipeline: bool = False) -> list[ir.Mesh]:
-    """Every mesh of ``world`` ranks over ``AXES`` (``pp`` first when ``pipeline``), each axis of at
-    least 2 ranks, the axes in ``AXES`` order; one ``dp`` axis for a world of one."""
+    """Every mesh of ``world`` ranks over ``AXES``, each axis of at least 2 ranks, the axes in
+    ``AXES`` order; one ``dp`` axis for a world of one. ``pipeline``: the meshes that lead with a
+    ``pp`` axis instead (what a call with ``pp=`` trains on: its module steps by ``pm.step``)."""
     names = ((PP,) if pipeline else ()) + AXES
-    out = [ir.Mesh(tuple(n for n, _ in axes), tuple(s for _, s in axes)) for axes in _split(world, names) if axes]
+    out = [
+        ir.Mesh(tuple(n for n, _ in axes), tuple(s for _, s in axes))
+        for axes in _split(world, names)
+        if axes and (axes[0][0] == PP) == pipeline
+    ]
     return out or [ir.Mesh(("dp",), (world,))]
 
 
@@ -149,10 +155,14 @@ def choose(
         try:
             options = Options.of(mesh=mesh, plan=plan, **request)
             bound = options.memory if options.memory is not None else _device_memory(options)
-            pipelined = PP in mesh.names
-            source: nn.Module | ir.Graph = model if captured is None or pipelined else captured
-            result = compile_model(source, example_inputs if source is model else None, options)
-            if not pipelined:
+            if options.pp is not None:
+                from meshfold.pp.pipelined import microbatch  # NOTE: loads pipelining
+
+                # NOTE: a pipeline's program is compiled for one microbatch, as ``parallelize`` does
+                result = compile_model(model, microbatch(example_inputs, options.pp), options)
+            else:
+                source: nn.Module | ir.Graph = model if captured is None else captured
+                result = compile_model(source, example_inputs if source is model else None, options)
                 captured = result.captured  # NOTE: one capture serves every mesh without a pipeline
             cand = _priced(mesh, plan, result, options, bound)
         except (PassError, SplitError) as e:

@@ -4,6 +4,7 @@ after AdamW steps)."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -83,7 +84,8 @@ def pipelined_equivalence(
     """Train ``steps`` AdamW steps pipelined and on one device side by side; raise on any difference.
     ``ignored``: one label of every sequence is the ignored index, so every microbatch counts as many."""
     warnings.filterwarnings("ignore")
-    mesh = device_mesh(tuple(shape), tuple(names))
+    # NOTE: no axis names: the world alone, whose mesh ``plan="auto"`` chooses among pipelines
+    mesh: Any = device_mesh(tuple(shape), tuple(names)) if names else math.prod(shape)
     net, inputs = MODELS[model](layers)
     if ignored:
         inputs[1][:, 5] = IGNORE_INDEX
@@ -134,6 +136,7 @@ def pipelined_equivalence(
         "stages": pm.stages(),
         "held": sorted(held),
         "report": pm.plan_report(),
+        "mesh": (tuple(pm.mesh.mesh_dim_names or ()), tuple(pm.mesh.mesh.shape)),
         "ops": targets,
         "schedule": (pm.spec.schedule, pm.spec.virtual),
         # NOTE: what ran each stage's programs: fx modules (eager) or Inductor's compiles of them

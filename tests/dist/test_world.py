@@ -48,3 +48,15 @@ def test_a_class_decorated_with_a_world_chooses_its_mesh_at_construction(rank_po
     assert all(r["mesh"] == results[0]["mesh"] for r in results)
     assert math.prod(results[0]["mesh"][1]) == 2, results[0]["mesh"]
     assert all(r["worst"] < 1e-5 for r in results), results
+
+
+def test_a_world_with_pp_chooses_among_pipelines_and_trains_as_one_device_does(rank_pools: RankPools) -> None:
+    results = rank_pools.get(2).run(
+        "tests.dist.cases_pipeline:pipelined_equivalence", shape=(2,), names=(), plan="auto", pp={"microbatches": 2}
+    )
+    names, sizes = results[0]["mesh"]
+    assert all(r["mesh"] == (names, sizes) for r in results)
+    # NOTE: every pipeline of 2 ranks is pp=2; its module's mesh gives the stages a dp axis of one rank
+    assert names[0] == "pp" and sizes[0] == 2 and math.prod(sizes) == 2, (names, sizes)
+    head = results[0]["report"][0]
+    assert head.startswith("mesh: pp=2 ") and "from 2 candidates" in head, head

@@ -16,17 +16,17 @@ from meshfold.world import AXES, choose, factorizations, plans
 
 @pytest.mark.parametrize("world", [1, 4, 8, 12])
 def test_factorizations_are_every_way_of_writing_the_world_as_named_axes(world: int) -> None:
-    got = [tuple(zip(m.names, m.sizes, strict=True)) for m in factorizations(world, pipeline=True)]
     names = ("pp", *AXES)
-    want = {
+    every = {
         tuple((n, s) for n, s in zip(names, sizes, strict=True) if s > 1)
         for sizes in itertools.product(range(1, world + 1), repeat=len(names))
         if math.prod(sizes) == world
-    }
-    assert len(got) == len(set(got)), "a factorization is listed twice"
-    assert set(got) == (want - {()} or {(("dp", 1),)}), set(got) ^ want
-    assert all(m.names[0] == "pp" for m in factorizations(world, pipeline=True) if "pp" in m.names)
-    assert not any("pp" in m.names for m in factorizations(world))
+    } - {()}
+    for pipeline in (False, True):
+        got = [tuple(zip(m.names, m.sizes, strict=True)) for m in factorizations(world, pipeline)]
+        want = {axes for axes in every if (axes[0][0] == "pp") == pipeline} if world > 1 else {(("dp", 1),)}
+        assert len(got) == len(set(got)), "a factorization is listed twice"
+        assert set(got) == want, set(got) ^ want
 
 
 def test_each_mesh_is_tried_under_its_presets_and_the_solve() -> None:
@@ -34,6 +34,7 @@ def test_each_mesh_is_tried_under_its_presets_and_the_solve() -> None:
     assert ("mesh<dp=4>", "fsdp") in got and ("mesh<dp=4>", "ddp") in got and ("mesh<dp=4>", "auto") in got
     assert ("mesh<dp=2, tp=2>", "fsdp+tp") in got and ("mesh<cp=4>", "cp") in got
     assert {p for m, p in plans(4, pipeline=True) if str(m) == "mesh<pp=4>"} == {"pp", "pp+auto"}
+    assert ("mesh<pp=2, dp=2>", "pp+fsdp") in {(str(m), p) for m, p in plans(4, pipeline=True)}
 
 
 @pytest.fixture(scope="module")
