@@ -24,8 +24,10 @@ predicted within 25% of measured on average.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -100,25 +102,74 @@ def _step(pm: Any, opt: Any, inputs: tuple[torch.Tensor, ...]) -> tuple[float, f
     return program, _slowest(time.perf_counter() - start)
 
 
+def _priced(rank: int, name: str, tokens: tuple[int, int], world: int, cluster: str | None) -> dict[str, Any]:
+    """Rank 0's ``_choice``, broadcast to every rank (an error as ``{"error": ...}``)."""
+    payload: list[Any] = [None]
+    if rank == 0:
+        try:
+            payload[0] = _choice(name, tokens, world, cluster)
+        except Exception as e:  # NOTE: reported with the others' figures, not lost with them
+            payload[0] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
+    dist.broadcast_object_list(payload, src=0)
+    return payload[0]
+
+
+def _refit(rank: int, key: str, choice: dict[str, Any], tokens: tuple[int, int], args: dict[str, Any]) -> str:
+    """Train the chosen candidate, profile one step of rank 0 and refit the cluster from it
+    (``meshfold calibrate --from-profile``): the path of the refit cluster file, on every rank."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from meshfold.target.cluster_file import ClusterFile, read_cluster_file, write_cluster_file
+    from meshfold.target.hardware import local_cluster
+    from meshfold.tools.calibrate.from_trace import refit
+
+    names, sizes, plan, *_ = next(c for c in choice["candidates"] if c[3] == choice["chosen"])
+    pm, opt = _compiled(MODELS[key][0], tokens, names, sizes, plan, args["cluster"])
+    inputs = _inputs(tokens)
+    for _ in range(2):
+        _step(pm, opt, inputs)
+    opt.zero_grad(set_to_none=True)
+    dist.barrier()
+    # NOTE: every rank runs the step (its collectives need them all); rank 0's trace is the one read
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True, with_stack=False) as prof:
+        pm(*inputs).backward()
+    out: list[Any] = [None]
+    if rank == 0:
+        trace = os.path.join(args["scratch"], f"{key}-step.json")
+        prof.export_chrome_trace(trace)
+        start = (
+            ClusterFile(local_cluster(args["world"]), {}, {})
+            if args["cluster"] is None
+            else read_cluster_file(args["cluster"])
+        )
+        contents, _ = refit(start, trace)
+        out[0] = os.path.join(args["scratch"], f"{key}-refit.json")
+        write_cluster_file(out[0], contents)
+    dist.broadcast_object_list(out, src=0)
+    return str(out[0])
+
+
 def _body(rank: int, args: dict[str, Any], report: Reporter) -> None:
     out = {}
     for key in args["models"]:
         name, tokens = MODELS[key]
         report.stage(f"{key}: pricing every mesh of {args['world']} ranks for {name} {tokens}")
-        payload: list[Any] = [None]
-        if rank == 0:
-            try:
-                payload[0] = _choice(name, tokens, args["world"], args["cluster"])
-            except Exception as e:  # NOTE: reported with the others' figures, not lost with them
-                payload[0] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0]}"}
-        dist.broadcast_object_list(payload, src=0)
-        choice = payload[0]
+        choice = _priced(rank, name, tokens, args["world"], args["cluster"])
         if "error" in choice:
             out[key] = choice
             continue
+        cluster, before = args["cluster"], None
+        if args["refit"]:
+            report.stage(f"{key}: profiling a step of {choice['chosen']} and refitting the cluster from it")
+            cluster = _refit(rank, key, choice, tokens, args)
+            before = choice
+            choice = _priced(rank, name, tokens, args["world"], cluster)
+            if "error" in choice:
+                out[key] = choice
+                continue
         runs = [c for c in choice["candidates"] if not c[5]]
         report.stage(f"{key}: compiling the {len(runs)} candidates that run")
-        modules = [_compiled(name, tokens, names, sizes, plan, args["cluster"]) for names, sizes, plan, *_ in runs]
+        modules = [_compiled(name, tokens, names, sizes, plan, cluster) for names, sizes, plan, *_ in runs]
         inputs = _inputs(tokens)
         times: list[list[tuple[float, float]]] = [[] for _ in runs]
         loads = []
@@ -135,7 +186,7 @@ def _body(rank: int, args: dict[str, Any], report: Reporter) -> None:
             c[3]: tuple(statistics.median(t[k] for t in ts) for k in (0, 1)) for c, ts in zip(runs, times, strict=True)
         }
         rows = [(c[3], c[4], *measured.get(c[3], (None, None)), c[5]) for c in choice["candidates"]]
-        out[key] = {**choice, "rows": rows, "load": (min(loads), max(loads))}
+        out[key] = {**choice, "rows": rows, "load": (min(loads), max(loads)), "before": before}
         del modules
     report.result(out)
 
@@ -159,13 +210,7 @@ def show(console: Console, key: str, result: dict[str, Any]) -> dict[str, float]
         cells = ("-",) * 4 if m is None else (f"{1e3 * p:.2f}", f"{1e3 * m:.2f}", f"{p / m:.2f}", f"{1e3 * opt:.2f}")
         table.add_row(label, *cells, note.strip())
     console.print(table)
-    chosen = next(m for label, _, m in runs if label == result["chosen"])
-    figures = {
-        "chosen_vs_fastest": chosen / fastest,
-        "spearman": _spearman([p for _, p, _ in runs], [m for _, _, m in runs]),
-        "relative_error": statistics.mean(abs(p / m - 1) for _, p, m in runs),
-        "worst_relative_error": max(abs(p / m - 1) for _, p, m in runs),
-    }
+    figures = _figures(runs, result["chosen"])
     low, high = result["load"]
     console.print(
         f"{result['head']}\n"
@@ -175,7 +220,32 @@ def show(console: Console, key: str, result: dict[str, Any]) -> dict[str, float]
         f"predicted vs measured: mean |error| {figures['relative_error']:.0%}, worst "
         f"{figures['worst_relative_error']:.0%} (goal <= {GOALS['relative_error']:.0%}); load {low:.2f}-{high:.2f}"
     )
+    before = result.get("before")
+    if before is not None:
+        # NOTE: the same measured steps against the predictions made before the refit
+        priced = {c[3]: c[4] for c in before["candidates"] if not c[5]}
+        pairs = [(label, priced[label], m) for label, _, m in runs if label in priced]
+        if pairs and before["chosen"] in priced:
+            b = _figures(pairs, before["chosen"])
+            console.print(
+                f"before the refit from a profiled step of {before['chosen']}: chosen {before['chosen']} "
+                f"{b['chosen_vs_fastest']:.2f}x the fastest measured; Spearman {b['spearman']:.2f}; "
+                f"mean |error| {b['relative_error']:.0%}, worst {b['worst_relative_error']:.0%}"
+            )
     return figures
+
+
+def _figures(runs: list[tuple[str, float, float]], chosen: str) -> dict[str, float]:
+    """The goals' figures of (label, predicted, measured) rows: how the chosen one measures against
+    the fastest, Spearman's correlation, the mean and worst relative error."""
+    fastest = min(m for _, _, m in runs)
+    picked = next((m for label, _, m in runs if label == chosen), math.nan)
+    return {
+        "chosen_vs_fastest": picked / fastest,
+        "spearman": _spearman([p for _, p, _ in runs], [m for _, _, m in runs]),
+        "relative_error": statistics.mean(abs(p / m - 1) for _, p, m in runs),
+        "worst_relative_error": max(abs(p / m - 1) for _, p, m in runs),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--cluster", default=None, help="cluster the plans are priced for (a cluster file); default: catalog cpu"
     )
+    ap.add_argument(
+        "--refit",
+        action="store_true",
+        help="profile a step of the first choice, refit the cluster from it (calibrate --from-profile), choose again",
+    )
     ap.add_argument("--steps", type=int, default=3, help="timed steps per candidate (after one warm-up)")
     args = ap.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
@@ -194,11 +269,18 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         ap.error(f"unknown models {unknown}; choose from {', '.join(MODELS)}")
     console = Console()
-    with Stages(console, "world_plan") as stages:
+    with Stages(console, "world_plan") as stages, tempfile.TemporaryDirectory(prefix="world_plan.") as scratch:
         results = on_ranks(
             _body,
             args.world,
-            {"models": models, "world": args.world, "cluster": args.cluster, "steps": args.steps},
+            {
+                "models": models,
+                "world": args.world,
+                "cluster": args.cluster,
+                "steps": args.steps,
+                "refit": args.refit,
+                "scratch": scratch,
+            },
             stages,
         )
     met = True
