@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -47,6 +48,8 @@ def test_calibrate_quick_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["calibrate", "--quick", "--ranks", "2", "--out", str(out)]) == 0
     text = capsys.readouterr().out
     assert "measured vs fitted" in text and f"wrote {out}" in text
+    # NOTE: the load the probes ran under is said beside the figures (a loaded host slows them)
+    assert re.search(r"load average \d+\.\d\d before, \d+\.\d\d after, on \d+ cores", text)
     back = read_cluster_file(out)
     assert back.cluster.world_size == 2
     check_reproduces(back)

@@ -90,7 +90,7 @@ def run(args: argparse.Namespace, console: Console) -> int:
     from meshfold.tools.calibrate import fitting
 
     console = Console(width=max(console.width, 150))
-    start = time.perf_counter()
+    start, loaded = time.perf_counter(), os.getloadavg()[0]
     if args.from_profile is not None:
         return _refit(args, console)
     if under_torchrun():
@@ -117,6 +117,13 @@ def run(args: argparse.Namespace, console: Console) -> int:
     print_points(console, contents)
     print_figures(console, contents, _catalog(contents.cluster))
     where = contents.measured["where"]
+    busy, cores = os.getloadavg()[0], os.cpu_count() or 1
+    console.print(f"load average {loaded:.2f} before, {busy:.2f} after, on {cores} cores")
+    if max(loaded, busy) > cores:
+        console.print(
+            f"[bold]warning[/]: the host was loaded beyond its {cores} cores while this ran; other work "
+            "shared the cores the probes timed, so the figures are slower than these ranks alone: rerun it idle"
+        )
     console.print(
         f"wrote {args.out} ({contents.cluster}, {where['world_size']} rank(s) on {where['host']}, "
         f"measured in {where['seconds']:.1f} s, {where['wall_s']:.1f} s in all); use it as "
