@@ -3,6 +3,7 @@
     python -m meshfold.tools.bench.world_plan                         # 4 gloo CPU ranks, the catalog cpu part
     python -m meshfold.tools.bench.world_plan --cluster cluster.json  # figures `meshfold calibrate` measured
     python -m meshfold.tools.bench.world_plan --models dense --steps 5
+    python -m meshfold.tools.bench.world_plan --cluster cluster.json --refit  # refit from a profiled step first
 
 For each model (``dense``: the zoo's llama-tiny on a batch of 8 sequences of 64 tokens; ``moe``: the
 zoo's mixtral-tiny on 8 x 32; ``long``: the zoo's transformers Llama on one sequence of 1,024), rank 0 prices every
