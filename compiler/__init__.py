@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from meshfold.api import parallelize
     from meshfold.backends.watch import CollectiveError
+    from meshfold.elastic import train
     from meshfold.ir.dialects.moe import experts as moe_experts
     from meshfold.packing import PackedBatch, doc_mask, pack_sequences
     from meshfold.passes.options import DEFAULT_PIPELINE, Options
@@ -47,6 +48,7 @@ _HOME = {
     "VerificationError": ("meshfold.runtime.crosscheck", "VerificationError"),
     "CallMismatch": ("meshfold.runtime.signature", "CallMismatch"),
     "CollectiveError": ("meshfold.backends.watch", "CollectiveError"),
+    "train": ("meshfold.elastic", "train"),
 }
 
 
@@ -74,4 +76,5 @@ __all__ = [
     "moe_experts",
     "pack_sequences",
     "parallelize",
+    "train",
 ]

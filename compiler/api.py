@@ -304,7 +304,15 @@ def _compile(
     first.report = compiled.report
     compiler = _Recompiler(_skeleton(model), groups, options, rng)
     return ParallelModule(
-        model, mesh, first, compiler, options.cache_size, shapes=compiler.shapes, rng=rng, world=groups.world
+        model,
+        mesh,
+        first,
+        compiler,
+        options.cache_size,
+        shapes=compiler.shapes,
+        rng=rng,
+        world=groups.world,
+        timeout=options.timeout,
     )
 
 

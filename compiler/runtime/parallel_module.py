@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
+from concurrent.futures import Future
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +30,7 @@ from meshfold import ir
 from meshfold.backends.eager import Lowered
 from meshfold.passes.options import DEFAULT_CACHE
 from meshfold.rewrites.moe_lists import as_unstacked, stack_tensors
+from meshfold.runtime.checkpoint import Checkpointer, resume
 from meshfold.runtime.crosscheck import Verifier
 from meshfold.runtime.groups import dtensor_placements
 from meshfold.runtime.programs import Compiler, Program, Programs
@@ -110,6 +113,7 @@ class ParallelModule(nn.Module):
         shapes: nn.Module | None = None,
         rng: torch.Generator | None = None,
         world: dist.ProcessGroup | None = None,
+        timeout: timedelta | None = None,
     ) -> None:
         super().__init__()
         graph = first.graph
@@ -118,6 +122,8 @@ class ParallelModule(nn.Module):
         self._mf_verifier: Verifier | None = None
         self._mf_mesh = mesh
         self._mf_rng = rng
+        self._mf_timeout = timeout
+        self._mf_checkpointer: Checkpointer | None = None
         self._mf_world = world if world is not None else dist.group.WORLD
         # NOTE: ``shapes`` (the model, or a copy without weights) learns each program's output
         # structure: ``output_structure`` runs it on fake tensors.
@@ -296,6 +302,38 @@ class ParallelModule(nn.Module):
             )
         if self._mf_rng is not None:
             self._mf_rng.manual_seed(seed)
+
+    def checkpoint(
+        self,
+        root: str | os.PathLike[str],
+        step: int,
+        optimizer: torch.optim.Optimizer | None = None,
+        state: dict[str, torch.Tensor] | None = None,
+    ) -> Future[Any]:
+        """Write ``root/step-{step:08d}`` asynchronously: this module's shards, ``optimizer``'s state,
+        the random generators and ``state``'s tensors (a data position). Returns once they are copied
+        to host memory; the future resolves when the write is done, and only then is the checkpoint
+        marked complete (``meshfold.runtime.checkpoint``). Collective: every rank, the same step."""
+        if self._mf_checkpointer is None:
+            self._mf_checkpointer = Checkpointer(self._mf_timeout)
+        return self._mf_checkpointer.save(self, root, step, optimizer, state)
+
+    def wait_checkpoint(self) -> None:
+        """Block until the checkpoint in flight (if any) is written; raises what its write raised."""
+        if self._mf_checkpointer is not None:
+            self._mf_checkpointer.wait()
+
+    def resume(
+        self,
+        root: str | os.PathLike[str],
+        optimizer: torch.optim.Optimizer | None = None,
+        state: dict[str, torch.Tensor] | None = None,
+    ) -> int | None:
+        """Load the newest complete checkpoint under ``root`` (written under any plan and world size)
+        into this module, ``optimizer`` and ``state``'s tensors, and restore the random generators;
+        return the step it was taken at, or None when there is none. Collective: every rank."""
+        saved = resume(self, root, optimizer, state)
+        return None if saved is None else saved.step
 
     def programs(self) -> list[tuple[str, int]]:
         """Every program this module holds, as (signature, calls), least recently used first; a

@@ -5,6 +5,7 @@ from __future__ import annotations
 import shutil
 import tempfile
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -260,3 +261,79 @@ class _LossOnly(torch.nn.Module):
     def forward(self, *batch: Any) -> torch.Tensor:
         loss: torch.Tensor = self.model(*batch)[0]
         return loss
+
+
+def async_checkpoint_resumes(where: str) -> dict[str, Any]:
+    """llama-tiny trained 2 AdamW steps under fsdp on dp=2 and checkpointed asynchronously (with a data
+    position), a third step taken while the write is in flight; a folder of step 3 left without its
+    marker (a write cut short); then the module compiled under tp on tp=2 resumes from the newest
+    complete checkpoint and trains steps 2-3: losses equal one uninterrupted single-device run, and
+    the position and the programs' generator come back as they were at step 2."""
+    warnings.filterwarnings("ignore")
+    batches = _llama_steps(4, batch=2)
+    ref, _ = build("llama-tiny")
+    ref_losses = _steps(ref, torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS), batches)
+    net, _ = build("llama-tiny")
+    first = parallelize(net, device_mesh((2,), ("dp",)), batches[0], plan="fsdp")
+    opt = torch.optim.AdamW(first.parameters(), lr=LR, eps=EPS)
+    losses = _steps(first, opt, batches[:2])
+    first.manual_seed(7)
+    rng_at_save = first._mf_rng.get_state().clone()
+    pending = first.checkpoint(where, 2, optimizer=opt, state={"position": torch.tensor([2, 48])})
+    _steps(first, opt, batches[2:3])  # NOTE: weights change while the write is in flight
+    first.manual_seed(8)
+    first.wait_checkpoint()
+    assert pending.done() and pending.exception() is None
+    if dist.get_rank() == 0:
+        shutil.copytree(f"{where}/step-00000002", f"{where}/step-00000003")
+        (Path(where) / "step-00000003" / "COMPLETE.json").unlink()
+    dist.barrier()
+    net, _ = build("llama-tiny")
+    second = parallelize(net, device_mesh((2,), ("tp",)), batches[0], plan="tp")
+    opt = torch.optim.AdamW(second.parameters(), lr=LR, eps=EPS)
+    position = torch.zeros(2, dtype=torch.int64)
+    step = second.resume(where, optimizer=opt, state={"position": position})
+    assert step == 2, step
+    assert position.tolist() == [2, 48]
+    assert torch.equal(second._mf_rng.get_state(), rng_at_save)
+    losses += _steps(second, opt, batches[2:])
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=1e-5)
+    _same_weights(get_model_state_dict(second, options=FULL), ref.state_dict())
+    return {"losses": losses, "files": sorted(p.name for p in (Path(where) / "step-00000002").iterdir())}
+
+
+def train_resumes_under_a_fixed_plan(where: str) -> dict[str, Any]:
+    """``meshfold.train`` with a fixed plan: 4 steps of llama-tiny under fsdp+tp with tp=2 (dp takes the
+    other 2 ranks), a checkpoint every 2; then the same run asked for 6 steps with tp=4 resumes at step
+    4 and trains 2 more. Every loss equals the single-device run's. A tp the world does not divide is
+    refused on every rank before anything is compiled."""
+    from meshfold.elastic import train
+    from meshfold.passes import PassError
+    from meshfold.tools.local_agents import batch_of, reference_losses
+
+    warnings.filterwarnings("ignore")
+    ref = reference_losses("llama-tiny", 6, LR)
+
+    def run(steps: int, tp: int) -> Any:
+        return train(
+            lambda: build("llama-tiny")[0],
+            batch_of,
+            steps,
+            where,
+            every=2,
+            optimizer=lambda p: torch.optim.AdamW(p, lr=LR),
+            plan="fsdp+tp",
+            mesh={"tp": tp},
+        )
+
+    first = run(4, 2)
+    second = run(6, 4)
+    refused = ""
+    try:
+        run(8, 3)
+    except PassError as e:
+        refused = str(e)
+    losses = first.losses + second.losses
+    assert [s for s, _ in losses] == list(range(6)), losses
+    torch.testing.assert_close(torch.tensor([v for _, v in losses]), torch.tensor(ref), rtol=RTOL, atol=1e-5)
+    return {"meshes": [first.mesh, second.mesh], "starts": [first.start, second.start], "refused": refused}

@@ -67,3 +67,20 @@ def test_hf_save_pretrained_round_trip(rank_pools: RankPools) -> None:
     assert results[1:] == [{}, {}, {}]
     assert results[0]["moved"] > 1e-4  # NOTE: training changed the weights, so loading them is observable
     assert results[0]["worst"] <= 1e-5
+
+
+def test_async_checkpoint_resumes_on_another_plan_skipping_a_cut_write(rank_pools: RankPools, tmp_path: Path) -> None:
+    results = rank_pools.get(2).run("tests.dist.cases_state:async_checkpoint_resumes", where=str(tmp_path / "ckpt"))
+    assert len(results) == 2
+    assert results[0]["losses"] == results[1]["losses"]
+    assert {"COMPLETE.json", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(results[0]["files"])
+
+
+def test_train_resumes_under_a_fixed_plan_and_refuses_one_that_no_longer_fits(
+    rank_pools: RankPools, tmp_path: Path
+) -> None:
+    results = rank_pools.get(4).run("tests.dist.cases_state:train_resumes_under_a_fixed_plan", where=str(tmp_path))
+    for r in results:
+        assert r["meshes"] == [(("dp", 2), ("tp", 2)), (("dp", 1), ("tp", 4))]
+        assert r["starts"] == [0, 4]
+        assert "tp=3" in r["refused"] and "4 ranks there are now" in r["refused"], r["refused"]

@@ -1,8 +1,8 @@
 """Capture and ``plan="auto"`` sharding at real model sizes, on fake tensors (nothing allocated).
 
-    python -m meshfold.tools.bench.solve_scale            # every case, each in a fresh process
-    python -m meshfold.tools.bench.solve_scale --case llama-32
-    python -m meshfold.tools.bench.solve_scale --case llama-32 --case llama70b-80 --pairs 3
+    python -m meshfold.tools.bench.compile_time.solve_scale            # every case, each in a fresh process
+    python -m meshfold.tools.bench.compile_time.solve_scale --case llama-32
+    python -m meshfold.tools.bench.compile_time.solve_scale --case llama-32 --case llama70b-80 --pairs 3
 
 Cases: HF Llama at Llama3-8B dimensions with 2, 8 and 32 layers and at Llama3-70B dimensions
 with 80 layers (seq 2048, global batch 16), and DeepSeek-V3-shaped MoE at 8 layers (3 dense,
@@ -191,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
 def _case(name: str) -> dict[str, Any] | None:
     """One case's figures, from a fresh process (None, with its error printed, if it failed)."""
     proc = subprocess.run(
-        [sys.executable, "-m", "meshfold.tools.bench.solve_scale", "--json", "--case", name],
+        [sys.executable, "-m", "meshfold.tools.bench.compile_time.solve_scale", "--json", "--case", name],
         capture_output=True,
         text=True,
         check=False,

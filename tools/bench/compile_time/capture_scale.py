@@ -1,6 +1,6 @@
 """Capture time and peak host memory for HF Llama at Llama3-8B dimensions on fake tensors.
 
-    python -m meshfold.tools.bench.capture_scale --layers 32 --seq 2048
+    python -m meshfold.tools.bench.compile_time.capture_scale --layers 32 --seq 2048
 
 Weights are never allocated: the model is built under a ``FakeTensorMode``. Prints the joint
 graph's op count, capture and print times, and the process's peak RSS against the bytes the

@@ -1,0 +1,1 @@
+"""Benches of compile time at scale: capture of deep models on fake tensors, the sharding solve."""
