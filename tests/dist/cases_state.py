@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from meshfold.api import parallelize
 from meshfold.tools.pool_worker import device_mesh
 from meshfold.tools.zoo import build
-from tests.dist.cases import EPS, LR, PARAM_ATOL, RTOL
+from tests.dist.cases import ATOL, EPS, LR, PARAM_ATOL, RTOL
 from tests.dist.hf_models import SMALL
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -267,12 +267,18 @@ def async_checkpoint_resumes(where: str) -> dict[str, Any]:
     """llama-tiny trained 2 AdamW steps under fsdp on dp=2 and checkpointed asynchronously (with a data
     position), a third step taken while the write is in flight; a folder of step 3 left without its
     marker (a write cut short); then the module compiled under tp on tp=2 resumes from the newest
-    complete checkpoint and trains steps 2-3: losses equal one uninterrupted single-device run, and
-    the position and the programs' generator come back as they were at step 2."""
+    complete checkpoint and trains steps 2-3: its gradients at the loaded weights and the losses equal
+    one uninterrupted single-device run's, and the position and the programs' generator come back as
+    they were at step 2."""
     warnings.filterwarnings("ignore")
     batches = _llama_steps(4, batch=2)
     ref, _ = build("llama-tiny")
-    ref_losses = _steps(ref, torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS), batches)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, eps=EPS)
+    ref_losses = _steps(ref, ref_opt, batches[:2])
+    ref_opt.zero_grad()
+    ref(*batches[2]).backward()
+    ref_grads = {n: p.grad.clone() for n, p in ref.named_parameters()}  # NOTE: at the checkpoint's weights
+    ref_losses += _steps(ref, ref_opt, batches[2:])
     net, _ = build("llama-tiny")
     first = parallelize(net, device_mesh((2,), ("dp",)), batches[0], plan="fsdp")
     opt = torch.optim.AdamW(first.parameters(), lr=LR, eps=EPS)
@@ -296,6 +302,11 @@ def async_checkpoint_resumes(where: str) -> dict[str, Any]:
     assert step == 2, step
     assert position.tolist() == [2, 48]
     assert torch.equal(second._mf_rng.get_state(), rng_at_save)
+    opt.zero_grad()
+    second(*batches[2]).backward()
+    for name, param in second.named_parameters():
+        grad = param.grad.full_tensor() if isinstance(param.grad, DTensor) else param.grad
+        torch.testing.assert_close(grad, ref_grads[name], rtol=RTOL, atol=ATOL, msg=lambda m, k=name: f"{k}: {m}")
     losses += _steps(second, opt, batches[2:])
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses), rtol=RTOL, atol=1e-5)
     _same_weights(get_model_state_dict(second, options=FULL), ref.state_dict())
